@@ -1,0 +1,98 @@
+"""The ``course`` command: lab, check, release, grade, validate."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from . import grading
+
+
+def _lab(args) -> int:
+    root = grading.repo_root()
+    cmd = [sys.executable, "-m", "jupyter", "lab", f"--ServerApp.root_dir={root / grading.RELEASE_DIR}", *args.extra]
+    os.execv(sys.executable, cmd)
+
+
+def _check(args) -> int:
+    results = grading.check(args.chapter, args.notebook)
+    for result in results:
+        print(grading.format_report(result))
+    return 0
+
+
+def _release(args) -> int:
+    names = [grading.resolve_chapter(c) for c in args.chapters] or None
+    for folder in grading.release(names):
+        print(f"released {folder.relative_to(grading.repo_root())}")
+    return 0
+
+
+def _grade(args) -> int:
+    names = [grading.resolve_chapter(c) for c in args.chapter] or None
+    results = grading.grade(Path(args.submissions), Path(args.out), names, cell_timeout=args.timeout)
+    for result in results:
+        print(grading.format_report(result))
+    print(f"\nwrote {args.out}/grades.csv, {args.out}/grades_by_test.csv and feedback in {args.out}/feedback/")
+    return 1 if any(r.error for r in results) else 0
+
+
+def _validate(args) -> int:
+    """Autograde the reference solutions: each must get full marks."""
+    root = grading.repo_root()
+    names = [grading.resolve_chapter(c) for c in args.chapters] or grading.chapters(root)
+    with tempfile.TemporaryDirectory() as tmp:
+        submissions = Path(tmp) / "submitted"
+        for name in names:
+            (submissions / "reference").mkdir(parents=True, exist_ok=True)
+            import shutil
+            shutil.copytree(root / grading.SOURCE_DIR / name, submissions / "reference" / name)
+        results = grading.grade(submissions, Path(tmp) / "work", names, root=root)
+    ok = True
+    for result in results:
+        print(grading.format_report(result))
+        ok &= not result.error and result.score == result.max_score
+    print("all reference solutions get full marks" if ok else "SOME REFERENCE SOLUTIONS DO NOT GET FULL MARKS")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="course", description="From Attention to Decoding: course commands.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("lab", help="start JupyterLab on notebooks/")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="extra arguments for jupyter lab")
+    p.set_defaults(func=_lab)
+
+    p = sub.add_parser("check", help="grade your own notebook of a chapter against the hidden tests")
+    p.add_argument("chapter", help="chapter number or name, e.g. 01")
+    p.add_argument("--notebook", type=Path, help="the notebook to grade (default: notebooks/<chapter>/*.ipynb)")
+    p.set_defaults(func=_check)
+
+    p = sub.add_parser("release", help="regenerate notebooks/ from solutions/ (nbgrader generate_assignment)")
+    p.add_argument("chapters", nargs="*", help="chapters to release (default: all)")
+    p.set_defaults(func=_release)
+
+    p = sub.add_parser("grade", help="autograde a folder of submissions: <dir>/<student>/<chapter>/*.ipynb")
+    p.add_argument("submissions", help="folder of submissions")
+    p.add_argument("--out", default=".grading", help="work folder for the gradebook, feedback and CSVs (default: .grading)")
+    p.add_argument("--chapter", action="append", default=[], help="grade only this chapter (repeatable)")
+    p.add_argument("--timeout", type=int, default=grading.CELL_TIMEOUT, help="seconds a cell may run (default: %(default)s)")
+    p.set_defaults(func=_grade)
+
+    p = sub.add_parser("validate", help="autograde the reference solutions; each must get full marks")
+    p.add_argument("chapters", nargs="*", help="chapters to validate (default: all)")
+    p.set_defaults(func=_validate)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError) as error:
+        print(f"course {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

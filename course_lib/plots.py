@@ -1,0 +1,57 @@
+"""Figures used by the notebooks. Each function draws on an Axes and returns it."""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import torch
+
+
+def _axes(ax, figsize=(6.0, 3.5)):
+    if ax is None:
+        _, ax = plt.subplots(figsize=figsize)
+    return ax
+
+
+def attention_heatmap(weights, x_labels=None, y_labels=None, ax=None, title: str | None = None, xlabel: str = "key (source position)", ylabel: str = "query (output step)"):
+    """Heat map of attention weights (Tq, Tk): rows are queries, columns keys."""
+    weights = torch.as_tensor(weights).detach().float()
+    ax = _axes(ax, figsize=(0.45 * weights.shape[1] + 1.5, 0.4 * weights.shape[0] + 1.0))
+    image = ax.imshow(weights.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    if x_labels is not None:
+        ax.set_xticks(range(len(x_labels)), labels=list(x_labels))
+    if y_labels is not None:
+        ax.set_yticks(range(len(y_labels)), labels=list(y_labels))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+def loss_curves(curves: dict, ax=None, smooth: int = 10, title: str = "training loss"):
+    """Plot named loss curves (lists of floats) on a log axis, smoothed by a running mean of ``smooth`` steps."""
+    ax = _axes(ax)
+    for name, losses in curves.items():
+        values = torch.tensor(losses, dtype=torch.float64)
+        if smooth > 1 and len(values) >= smooth:
+            values = values.unfold(0, smooth, 1).mean(-1)
+        ax.plot(values.numpy(), label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy")
+    ax.set_title(title)
+    ax.legend()
+    return ax
+
+
+def bar_distribution(probs, labels, ax=None, title: str | None = None):
+    """Bar chart of a probability distribution with its labels."""
+    probs = torch.as_tensor(probs).detach().double()
+    ax = _axes(ax, figsize=(5.0, 2.8))
+    ax.bar(range(len(labels)), probs.numpy(), color="tab:blue")
+    ax.set_xticks(range(len(labels)), labels=list(labels))
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("probability")
+    if title:
+        ax.set_title(title)
+    return ax

@@ -1,0 +1,129 @@
+"""Chapter 01's model: a tiny GRU encoder-decoder, with or without additive attention.
+
+Without attention the decoder sees the source only through one fixed vector (the
+encoder's final state): the seq2seq bottleneck. With attention it reads a weighted
+average of all encoder states at every step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AdditiveAttention
+from .data import BOS, DIGIT_VOCAB_SIZE, EOS, PAD, Seq2SeqBatch, reversal_batch
+
+
+class GRUSeq2Seq(nn.Module):
+    """Bidirectional GRU encoder, GRU-cell decoder, optional additive attention."""
+
+    def __init__(self, vocab_size: int = DIGIT_VOCAB_SIZE, emb_dim: int = 32, hidden: int = 64, use_attention: bool = True):
+        super().__init__()
+        self.use_attention = use_attention
+        self.embed = nn.Embedding(vocab_size, emb_dim, padding_idx=PAD)
+        self.encoder = nn.GRU(emb_dim, hidden, batch_first=True, bidirectional=True)
+        self.bridge = nn.Linear(2 * hidden, hidden)
+        self.attention = AdditiveAttention(hidden, 2 * hidden, hidden)
+        self.decoder = nn.GRUCell(emb_dim + 2 * hidden, hidden)
+        self.readout = nn.Linear(hidden + 2 * hidden + emb_dim, vocab_size)
+
+    def encode(self, src, src_lengths):
+        """src (B, S) -> encoder states (B, S, 2H), final summary (B, 2H)."""
+        packed = nn.utils.rnn.pack_padded_sequence(self.embed(src), src_lengths.cpu(), batch_first=True, enforce_sorted=False)
+        states, final = self.encoder(packed)
+        states, _ = nn.utils.rnn.pad_packed_sequence(states, batch_first=True, total_length=src.shape[1])
+        return states, torch.cat([final[0], final[1]], dim=-1)
+
+    def decode_step(self, token, state, enc_states, summary, src_mask):
+        """One decoder step. token (B,), state (B, H) -> logits (B, V), new state, weights (B, S) or None."""
+        emb = self.embed(token)
+        if self.use_attention:
+            context, weights = self.attention(state.unsqueeze(1), enc_states, enc_states, src_mask.unsqueeze(1))
+            context, weights = context.squeeze(1), weights.squeeze(1)
+        else:  # the bottleneck: the same fixed vector at every step
+            context, weights = summary, None
+        state = self.decoder(torch.cat([emb, context], dim=-1), state)
+        return self.readout(torch.cat([state, context, emb], dim=-1)), state, weights
+
+    def forward(self, batch: Seq2SeqBatch):
+        """Teacher-forced logits (B, T, V) for batch.tgt."""
+        enc_states, summary = self.encode(batch.src, batch.src_lengths)
+        state = torch.tanh(self.bridge(summary))
+        inputs = torch.cat([torch.full_like(batch.tgt[:, :1], BOS), batch.tgt[:, :-1]], dim=1)
+        logits = []
+        for t in range(inputs.shape[1]):
+            step_logits, state, _ = self.decode_step(inputs[:, t], state, enc_states, summary, batch.src_mask)
+            logits.append(step_logits)
+        return torch.stack(logits, dim=1)
+
+    @torch.no_grad()
+    def greedy_decode(self, src, src_lengths, max_len: int):
+        """Greedy decoding. Returns tokens (B, max_len) and attention weights (B, max_len, S) (zeros without attention)."""
+        enc_states, summary = self.encode(src, src_lengths)
+        state = torch.tanh(self.bridge(summary))
+        token = torch.full((src.shape[0],), BOS)
+        tokens, weights = [], []
+        for _ in range(max_len):
+            logits, state, w = self.decode_step(token, state, enc_states, summary, src != PAD)
+            token = logits.argmax(-1)
+            tokens.append(token)
+            weights.append(w if w is not None else torch.zeros_like(src, dtype=torch.float))
+        return torch.stack(tokens, 1), torch.stack(weights, 1)
+
+
+def seq2seq_loss(logits, tgt):
+    """Mean cross-entropy over real (non-PAD) target tokens. logits (B, T, V), tgt (B, T)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=PAD)
+
+
+@dataclass
+class TrainResult:
+    model: GRUSeq2Seq
+    losses: list[float] = field(default_factory=list)
+
+
+def train_reversal(model: GRUSeq2Seq, steps: int = 400, batch_size: int = 64, lr: float = 3e-3, max_len: int = 10, seed: int = 1, progress: bool = True) -> TrainResult:
+    """Train on random reversal batches with Adam and gradient clipping; returns per-step losses."""
+    from tqdm.auto import trange
+
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    result = TrainResult(model)
+    model.train()
+    for _ in trange(steps, disable=not progress, desc="training", mininterval=1.0):
+        batch = reversal_batch(batch_size, max_len=max_len, generator=generator)
+        loss = seq2seq_loss(model(batch), batch.tgt)
+        optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        result.losses.append(loss.item())
+    model.eval()
+    return result
+
+
+@torch.no_grad()
+def evaluate_reversal(model: GRUSeq2Seq, batch: Seq2SeqBatch) -> dict:
+    """Exact-match accuracy per example and the alignment accuracy of the attention.
+
+    Alignment accuracy: over all output positions i < L (L = source length), the fraction
+    whose attention argmax is source position L - 1 - i, the digit being copied.
+    Returns {"exact": (B,) bool, "alignment": float or None, "tokens", "weights"}.
+    """
+    tokens, weights = model.greedy_decode(batch.src, batch.src_lengths, max_len=batch.tgt.shape[1])
+    # Exact match: every target token up to and including EOS is right.
+    real = batch.tgt != PAD
+    exact = ((tokens == batch.tgt) | ~real).all(dim=1)
+    alignment = None
+    if model.use_attention:
+        hits, total = 0, 0
+        for row, length in enumerate(batch.src_lengths.tolist()):
+            expected = torch.arange(length - 1, -1, -1)
+            hits += int((weights[row, :length].argmax(-1) == expected).sum())
+            total += length
+        alignment = hits / total
+    return {"exact": exact, "alignment": alignment, "tokens": tokens, "weights": weights}

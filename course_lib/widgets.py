@@ -1,0 +1,39 @@
+"""Interactive explorers (ipywidgets). Each returns a widget to display."""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import torch
+
+from .plots import bar_distribution
+
+
+def softmax_of(scores, temperature: float) -> torch.Tensor:
+    """softmax(scores / temperature); temperature must be > 0."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return torch.softmax(torch.as_tensor(scores, dtype=torch.float64) / temperature, dim=-1)
+
+
+def temperature_explorer(scores, labels, initial: float = 1.0):
+    """A slider for the temperature of softmax(scores / T), with the distribution drawn live.
+
+    The text line above the chart ("T = 1.00 → p(mat) = 0.41 ...") changes with the slider.
+    """
+    import ipywidgets as widgets
+
+    slider = widgets.FloatLogSlider(value=initial, base=10, min=-1, max=1, step=0.05, description="temperature",
+                                    readout_format=".2f", continuous_update=True)
+    output = widgets.Output()
+
+    def redraw(temperature: float) -> None:
+        probs = softmax_of(scores, temperature)
+        with output:
+            output.clear_output(wait=True)
+            summary = ", ".join(f"p({label}) = {p:.3f}" for label, p in zip(labels, probs.tolist()))
+            print(f"T = {temperature:.2f} → {summary}")
+            ax = bar_distribution(probs, labels, title=f"softmax(scores / {temperature:.2f})")
+            plt.show(ax.figure)
+
+    slider.observe(lambda change: redraw(change["new"]), names="value")
+    redraw(initial)
+    return widgets.VBox([slider, output])
