@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -79,7 +80,9 @@ def _config_text(cell_timeout: int) -> str:
 
 def run_nbgrader(args: list[str], cwd: Path, log: Path | None = None) -> subprocess.CompletedProcess:
     """Run ``nbgrader ARGS`` in ``cwd`` with this interpreter; raise with the log tail on failure."""
-    proc = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=cwd, capture_output=True, text=True)
+    # nbgrader runs helper executables (alembic) by name: put this interpreter's bin/ first on PATH
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=cwd, capture_output=True, text=True, env=env)
     if log is not None:
         with log.open("a") as fh:
             fh.write(f"$ nbgrader {' '.join(args)}\n{proc.stdout}{proc.stderr}\n")
@@ -98,8 +101,8 @@ def release(chapter_names: list[str] | None = None, root: Path | None = None) ->
         config = Path(tmp) / "nbgrader_config.py"
         config.write_text(_config_text(CELL_TIMEOUT))
         for name in names:
-            run_nbgrader(["generate_assignment", name, "--force", "--no-db", f"--config={config}",
-                          f"--CourseDirectory.root={root}"], cwd=root)
+            # nbgrader reads nbgrader_config.py from its working directory
+            run_nbgrader(["generate_assignment", name, "--force", "--no-db", f"--CourseDirectory.root={root}"], cwd=Path(tmp))
             out.append(root / RELEASE_DIR / name)
     return out
 

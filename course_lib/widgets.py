@@ -1,6 +1,9 @@
 """Interactive explorers (ipywidgets). Each returns a widget to display."""
 from __future__ import annotations
 
+import base64
+import io
+
 import matplotlib.pyplot as plt
 import torch
 
@@ -14,10 +17,19 @@ def softmax_of(scores, temperature: float) -> torch.Tensor:
     return torch.softmax(torch.as_tensor(scores, dtype=torch.float64) / temperature, dim=-1)
 
 
+def _png(figure) -> str:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", bbox_inches="tight")
+    plt.close(figure)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def temperature_explorer(scores, labels, initial: float = 1.0):
     """A slider for the temperature of softmax(scores / T), with the distribution drawn live.
 
-    The text line above the chart ("T = 1.00 → p(mat) = 0.41 ...") changes with the slider.
+    The text line above the chart ("T = 1.00 → p(mat) = 0.609, ...") changes with the slider.
+    The output widget's state is set directly (not captured from stdout), so the explorer
+    behaves the same in JupyterLab, under nbval and in any headless kernel.
     """
     import ipywidgets as widgets
 
@@ -27,12 +39,14 @@ def temperature_explorer(scores, labels, initial: float = 1.0):
 
     def redraw(temperature: float) -> None:
         probs = softmax_of(scores, temperature)
-        with output:
-            output.clear_output(wait=True)
-            summary = ", ".join(f"p({label}) = {p:.3f}" for label, p in zip(labels, probs.tolist()))
-            print(f"T = {temperature:.2f} → {summary}")
-            ax = bar_distribution(probs, labels, title=f"softmax(scores / {temperature:.2f})")
-            plt.show(ax.figure)
+        summary = ", ".join(f"p({label}) = {p:.3f}" for label, p in zip(labels, probs.tolist()))
+        figure, ax = plt.subplots(figsize=(5.0, 2.8))
+        bar_distribution(probs, labels, ax=ax, title=f"softmax(scores / {temperature:.2f})")
+        output.outputs = (
+            {"output_type": "stream", "name": "stdout", "text": f"T = {temperature:.2f} → {summary}\n"},
+            {"output_type": "display_data", "metadata": {},
+             "data": {"image/png": _png(figure), "text/plain": "<distribution chart>"}},
+        )
 
     slider.observe(lambda change: redraw(change["new"]), names="value")
     redraw(initial)

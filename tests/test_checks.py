@@ -1,0 +1,75 @@
+"""The learner-facing checks: the reference passes; each classic bug gets a specific message."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from course_lib import attention, checks
+
+
+def test_reference_implementations_pass_every_visible_check(capsys):
+    checks.check_masked_softmax(attention.masked_softmax)
+    checks.check_additive_attention(attention.additive_attention)
+    checks.check_scaled_dot_product_attention(attention.scaled_dot_product_attention)
+    assert capsys.readouterr().out.count("all visible checks passed") == 3
+
+
+def softmax_wrong_axis(scores, mask=None):
+    return torch.softmax(scores, dim=0)
+
+
+def softmax_ignoring_mask(scores, mask=None):
+    return torch.softmax(scores, dim=-1)
+
+
+def softmax_inverted_mask(scores, mask=None):
+    return attention.masked_softmax(scores, None if mask is None else ~mask)
+
+
+def sdpa_unscaled(q, k, v, mask=None):
+    weights = attention.masked_softmax(q @ k.transpose(-2, -1), mask)
+    return weights @ v, weights
+
+
+def sdpa_scaled_by_d(q, k, v, mask=None):
+    weights = attention.masked_softmax(q @ k.transpose(-2, -1) / q.shape[-1], mask)
+    return weights @ v, weights
+
+
+def sdpa_output_only(q, k, v, mask=None):
+    return attention.scaled_dot_product_attention(q, k, v, mask)[0]
+
+
+def additive_without_tanh(query, keys, values, W_q, W_k, v, mask=None):
+    energies = ((query @ W_q).unsqueeze(-2) + (keys @ W_k).unsqueeze(-3)) @ v
+    weights = attention.masked_softmax(energies, mask)
+    return weights @ values, weights
+
+
+@pytest.mark.parametrize("check,buggy,message", [
+    (checks.check_masked_softmax, softmax_wrong_axis, r"row 0 of your weights \(no mask\) sums to 1\.\d+, expected 1 \(is the softmax taken over the last axis"),
+    (checks.check_masked_softmax, softmax_ignoring_mask, r"gives weight 0\.\d+ to a masked position \(0, 3\).*ignored or inverted"),
+    (checks.check_masked_softmax, softmax_inverted_mask, r"masked position .*ignored or inverted"),
+    (checks.check_scaled_dot_product_attention, sdpa_unscaled, rf"scores scaled by 1; the expected scale is 1/sqrt\(d_k\) = 1/sqrt\(8\) = {1 / math.sqrt(8):.4f}"),
+    (checks.check_scaled_dot_product_attention, sdpa_scaled_by_d, rf"scores scaled by {1 / 8:.4g}; the expected scale"),
+    (checks.check_scaled_dot_product_attention, sdpa_output_only, r"should return a tuple \(out, weights\), got Tensor"),
+    (checks.check_additive_attention, additive_without_tanh, r"your attention weights differs from the expected values in \d+ of 8 entries; the worst is at index"),
+])
+def test_classic_bugs_get_specific_messages(check, buggy, message):
+    with pytest.raises(checks.CheckFailed, match=message):
+        check(buggy)
+
+
+def test_assert_close_names_the_worst_entry():
+    expected = torch.zeros(2, 3)
+    actual = expected.clone()
+    actual[1, 2] = 0.5
+    with pytest.raises(checks.CheckFailed, match=r"in 1 of 6 entries; the worst is at index \(1, 2\): got 0\.5, expected 0"):
+        checks.assert_close(actual, expected, "x")
+
+
+def test_assert_finite_reports_nan():
+    with pytest.raises(checks.CheckFailed, match=r"contains 1 non-finite value\(s\), the first at index \(0, 1\): nan"):
+        checks.assert_finite(torch.tensor([[0.0, float("nan")]]), "w")

@@ -1,0 +1,50 @@
+"""The `course` command as a learner and an instructor use it."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_grading import POINTS, solved
+
+COURSE = [sys.executable, "-m", "course_lib.cli"]
+
+
+def run(*args, **kwargs):
+    return subprocess.run([*COURSE, *args], capture_output=True, text=True, cwd=ROOT, **kwargs)
+
+
+@pytest.mark.slow
+def test_course_check_grades_a_learner_notebook_and_prints_a_report(tmp_path):
+    import json
+
+    notebook = tmp_path / "attention.ipynb"
+    notebook.write_text(json.dumps(solved()))
+    before = notebook.read_bytes()
+    proc = run("check", "01", "--notebook", str(notebook))
+    assert proc.returncode == 0, proc.stderr
+    total = sum(POINTS.values())
+    assert f"{total:g} / {total:g}" in proc.stdout.splitlines()[-1]
+    for exercise in ("masked_softmax", "additive_attention", "scaled_dot_product_attention"):
+        assert exercise in proc.stdout
+    assert notebook.read_bytes() == before
+
+
+@pytest.mark.parametrize("args,message", [
+    (("check", "42"), "chapter must be one of 00, 01"),
+    (("release", "nope"), "chapter must be one of"),
+    (("grade", "/no/such/folder"), "submissions must be a folder"),
+])
+def test_bad_arguments_get_a_clear_error(args, message):
+    proc = run(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_console_script_is_installed():
+    script = shutil.which("course") or str((ROOT / ".venv" / "bin" / "course"))
+    proc = subprocess.run([script, "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "check" in proc.stdout and "release" in proc.stdout

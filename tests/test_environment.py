@@ -1,0 +1,34 @@
+"""Set-up files agree with each other and with the README."""
+from __future__ import annotations
+
+import re
+import tomllib
+
+import yaml
+
+from tests.conftest import ROOT
+
+
+def pyproject_pins() -> list[str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+
+
+def test_environment_yml_pins_equal_pyproject_pins():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
+    conda_pins = sorted(p for p in pip_section if not p.startswith("-e"))
+    assert conda_pins == sorted(pyproject_pins())
+    assert "-e ." in pip_section
+
+
+def test_every_dependency_is_pinned_exactly_and_torch_is_2_13():
+    pins = pyproject_pins()
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][0-9A-Za-z.]*", p) for p in pins), pins
+    assert "torch==2.13.0" in pins
+
+
+def test_readme_holds_the_two_commands_and_ci_calls_the_test_command():
+    readme = (ROOT / "README.md").read_text()
+    assert "make lab" in readme and "make test" in readme
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test$", ci, re.M)

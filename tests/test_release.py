@@ -1,0 +1,68 @@
+"""notebooks/ is exactly what `course release` makes from solutions/, and leaks nothing."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from course_lib import grading
+from tests.conftest import ROOT, load_notebook, nbgrader_cells, strip_solution_markers
+
+CHAPTERS = grading.chapters(ROOT)
+
+
+def test_there_is_a_release_for_every_chapter_and_no_other():
+    assert sorted(p.name for p in (ROOT / "notebooks").iterdir() if p.is_dir()) == CHAPTERS
+
+
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and ".ipynb_checkpoints" not in p.parts}
+
+
+def test_committed_release_equals_a_fresh_release(tmp_path):
+    shutil.copytree(ROOT / "solutions", tmp_path / "solutions")
+    grading.release(root=tmp_path)
+    fresh, committed = _files(tmp_path / "notebooks"), _files(ROOT / "notebooks")
+    stale = sorted(name for name in fresh.keys() | committed.keys() if fresh.get(name) != committed.get(name))
+    assert not stale, f"notebooks/ is stale, run `course release`: {stale}"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_release_contains_no_hidden_tests_no_solutions_and_no_outputs(chapter):
+    for source_path in (ROOT / "solutions" / chapter).glob("*.ipynb"):
+        source = load_notebook(source_path)
+        released_path = ROOT / "notebooks" / chapter / source_path.name
+        released_text = released_path.read_text()
+        assert "BEGIN HIDDEN TESTS" not in released_text and "BEGIN SOLUTION" not in released_text
+        released = load_notebook(released_path)
+        assert all(not c.get("outputs") for c in released["cells"] if c["cell_type"] == "code")
+        released_cells = nbgrader_cells(released)
+        for grade_id, cell in nbgrader_cells(source).items():
+            text = "".join(cell["source"])
+            if "### BEGIN HIDDEN TESTS" in text:
+                hidden = text.split("### BEGIN HIDDEN TESTS")[1].split("### END HIDDEN TESTS")[0]
+                for line in filter(None, (l.strip() for l in hidden.splitlines())):
+                    assert line not in "".join(released_cells[grade_id]["source"]), f"{grade_id} leaks: {line}"
+            if cell["metadata"]["nbgrader"]["solution"]:
+                body = text.split("### BEGIN SOLUTION")[1].split("### END SOLUTION")[0]
+                for line in filter(None, (l.strip() for l in body.splitlines())):
+                    if not line.startswith("#"):
+                        assert line not in released_text, f"{grade_id} leaks solution line: {line}"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_source_notebooks_have_outputs_and_consistent_nbgrader_metadata(chapter):
+    for path in (ROOT / "solutions" / chapter).glob("*.ipynb"):
+        notebook = load_notebook(path)
+        code = [c for c in notebook["cells"] if c["cell_type"] == "code"]
+        assert all(c.get("execution_count") for c in code), f"{path.name}: re-execute it so stored outputs are current"
+        for grade_id, cell in nbgrader_cells(notebook).items():
+            meta = cell["metadata"]["nbgrader"]
+            exercise = grade_id.split("-", 1)[0]
+            if meta["grade"]:
+                assert meta["locked"] and meta["points"] > 0 and not meta["solution"]
+                assert f"{exercise}-solution" in nbgrader_cells(notebook), f"test {grade_id} has no exercise {exercise}"
+            else:
+                assert meta["solution"] and grade_id == f"{exercise}-solution"
+                assert strip_solution_markers("".join(cell["source"])) != "".join(cell["source"])

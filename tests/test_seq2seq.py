@@ -1,0 +1,68 @@
+"""The toy task and the chapter 01 model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import course_lib
+from course_lib.data import EOS, PAD, digits_to_text, reversal_batch
+from course_lib.seq2seq import GRUSeq2Seq, evaluate_reversal, seq2seq_loss
+
+
+def test_reversal_targets_are_reversed_sources_then_eos(generator):
+    batch = reversal_batch(50, min_len=2, max_len=9, generator=generator)
+    for src, length, tgt in zip(batch.src, batch.src_lengths.tolist(), batch.tgt):
+        text = digits_to_text(src)
+        assert len(text) == length
+        assert digits_to_text(tgt) == text[::-1]
+        assert tgt[length] == EOS and (tgt[length + 1:] == PAD).all() and (src[length:] == PAD).all()
+    assert batch.src_mask.sum(1).tolist() == batch.src_lengths.tolist()
+
+
+@pytest.mark.parametrize("kwargs,match", [({"batch_size": 0}, "batch_size"), ({"batch_size": 4, "min_len": 0}, "min_len"),
+                                          ({"batch_size": 4, "min_len": 5, "max_len": 3}, "max_len")])
+def test_reversal_batch_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        reversal_batch(**kwargs)
+
+
+@pytest.mark.parametrize("use_attention", [True, False])
+def test_model_shapes_and_padding_invariance(use_attention, generator):
+    torch.manual_seed(0)
+    model = GRUSeq2Seq(use_attention=use_attention).eval()
+    batch = reversal_batch(6, generator=generator)
+    logits = model(batch)
+    assert logits.shape == (*batch.tgt.shape, model.readout.out_features)
+    assert torch.isfinite(seq2seq_loss(logits, batch.tgt))
+    # Extra padding on the source must not change anything: the mask hides it from attention.
+    padded = type(batch)(torch.cat([batch.src, torch.full((6, 3), PAD)], 1), batch.src_lengths, batch.tgt)
+    torch.testing.assert_close(model(padded), logits, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_ignores_padding(generator):
+    batch = reversal_batch(4, generator=generator)
+    logits = torch.randn(*batch.tgt.shape, 13, generator=generator)
+    real = batch.tgt != PAD
+    expected = torch.nn.functional.cross_entropy(logits[real], batch.tgt[real])
+    torch.testing.assert_close(seq2seq_loss(logits, batch.tgt), expected)
+
+
+def test_evaluation_of_a_perfect_oracle_model():
+    """exact match and alignment are 1.0 for a model that copies the right digit (built by hand)."""
+    batch = reversal_batch(8, generator=torch.Generator().manual_seed(3))
+
+    class Oracle(GRUSeq2Seq):
+        def greedy_decode(self, src, src_lengths, max_len):
+            weights = torch.zeros(src.shape[0], max_len, src.shape[1])
+            for row, n in enumerate(src_lengths.tolist()):
+                for i in range(n):
+                    weights[row, i, n - 1 - i] = 1.0
+            return batch.tgt.clone(), weights
+
+    result = evaluate_reversal(Oracle(), batch)
+    assert result["exact"].all() and result["alignment"] == 1.0
+
+
+def test_setup_notebook_rejects_zero_threads():
+    with pytest.raises(ValueError, match="threads"):
+        course_lib.setup_notebook(threads=0)
