@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_grading import POINTS, solved
+from tests.test_grading_01 import CH
 
 COURSE = [sys.executable, "-m", "course_lib.cli"]
 
@@ -22,11 +22,11 @@ def test_course_check_grades_a_learner_notebook_and_prints_a_report(tmp_path):
     import json
 
     notebook = tmp_path / "attention.ipynb"
-    notebook.write_text(json.dumps(solved()))
+    notebook.write_text(json.dumps(CH.solved()))
     before = notebook.read_bytes()
     proc = run("check", "01", "--notebook", str(notebook))
     assert proc.returncode == 0, proc.stderr
-    total = sum(POINTS.values())
+    total = sum(CH.points.values())
     assert f"{total:g} / {total:g}" in proc.stdout.splitlines()[-1]
     for exercise in ("masked_softmax", "additive_attention", "scaled_dot_product_attention"):
         assert exercise in proc.stdout

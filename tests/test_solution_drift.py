@@ -1,41 +1,54 @@
-"""One source of truth: each exercise's reference solution is the course_lib function, verbatim.
+"""One source of truth: every function or class a solution cell defines is the course_lib one, verbatim.
 
-The solution cell (without the nbgrader markers) must have the same syntax tree as the
-function in course_lib, comments and formatting aside, so neither can change alone.
+For each top-level ``def``/``class`` in a solution cell (nbgrader markers removed), the
+package must hold exactly one object of that name (in any ``course_lib`` module) whose
+source has the same syntax tree, comments and formatting aside. Neither can change alone.
 """
 from __future__ import annotations
 
 import ast
 import importlib
 import inspect
+import pkgutil
 
 import pytest
 
+import course_lib
 from tests.conftest import ROOT, load_notebook, nbgrader_cells, strip_solution_markers
 
-# exercise grade_id prefix -> the course_lib function it must equal
-SOLUTIONS = {
-    ("01-attention/attention.ipynb", "masked_softmax"): "course_lib.attention.masked_softmax",
-    ("01-attention/attention.ipynb", "additive_attention"): "course_lib.attention.additive_attention",
-    ("01-attention/attention.ipynb", "scaled_dot_product_attention"): "course_lib.attention.scaled_dot_product_attention",
-}
+
+def course_lib_definitions() -> dict[str, list]:
+    """name -> objects defined (not imported) under that name in any course_lib module."""
+    found: dict[str, list] = {}
+    for info in pkgutil.iter_modules(course_lib.__path__):
+        module = importlib.import_module(f"course_lib.{info.name}")
+        for name, obj in vars(module).items():
+            if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == module.__name__:
+                found.setdefault(name, []).append(obj)
+    return found
 
 
-def test_every_solution_cell_is_listed():
-    listed = {(nb, exercise) for nb, exercise in SOLUTIONS}
-    found = set()
-    for path in (ROOT / "solutions").rglob("*.ipynb"):
+def solution_definitions():
+    for path in sorted((ROOT / "solutions").rglob("*.ipynb")):
         for grade_id, cell in nbgrader_cells(load_notebook(path)).items():
             if cell["metadata"]["nbgrader"]["solution"]:
-                found.add((str(path.relative_to(ROOT / "solutions")), grade_id.split("-", 1)[0]))
-    assert found == listed
+                tree = ast.parse(strip_solution_markers("".join(cell["source"])))
+                for node in tree.body:
+                    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                        yield pytest.param(node, id=f"{path.parent.name}:{node.name}")
 
 
-@pytest.mark.parametrize("notebook,exercise", list(SOLUTIONS))
-def test_solution_cell_equals_course_lib(notebook, exercise):
-    module_name, _, name = SOLUTIONS[(notebook, exercise)].rpartition(".")
-    reference = inspect.getsource(getattr(importlib.import_module(module_name), name))
-    cell = nbgrader_cells(load_notebook(ROOT / "solutions" / notebook))[f"{exercise}-solution"]
-    solution = strip_solution_markers("".join(cell["source"]))
-    assert ast.dump(ast.parse(solution)) == ast.dump(ast.parse(reference)), (
-        f"the solution of {exercise} in solutions/{notebook} and {SOLUTIONS[(notebook, exercise)]} have drifted apart")
+DEFINITIONS = list(solution_definitions())
+
+
+def test_there_are_solutions_to_compare():
+    assert len(DEFINITIONS) >= 3
+
+
+@pytest.mark.parametrize("node", DEFINITIONS)
+def test_solution_equals_its_course_lib_twin(node):
+    twins = course_lib_definitions().get(node.name, [])
+    assert len(twins) == 1, f"{node.name}: expected exactly one course_lib definition, found {len(twins)}"
+    reference = ast.parse(inspect.getsource(twins[0])).body[0]
+    assert ast.dump(node) == ast.dump(reference), (
+        f"the solution of {node.name} and {twins[0].__module__}.{node.name} have drifted apart")

@@ -1,0 +1,10 @@
+"""Learner-facing checks: the visible test cells call these for instant, specific feedback.
+
+A failed check raises ``CheckFailed`` (an ``AssertionError``) whose message says what is
+wrong, with numbers. ``core`` holds the generic assertions and the tolerance policy
+(``RTOL``, ``ATOL``); each chapter's checks live in their own module and are re-exported
+here, so notebooks write ``checks.check_masked_softmax(masked_softmax)``.
+"""
+from .core import *  # noqa: F401,F403
+from .core import ATOL, RTOL, CheckFailed  # noqa: F401  (explicit for readers and linters)
+from .ch01 import *  # noqa: F401,F403

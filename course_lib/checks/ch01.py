@@ -1,0 +1,88 @@
+"""Visible checks of chapter 01 (attention), and the float64 oracles they compare against."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .core import assert_close, assert_masked_are_zero, assert_rows_sum_to_one, assert_shape, fail, passed, unpack_pair
+
+__all__ = ["check_masked_softmax", "check_additive_attention", "check_scaled_dot_product_attention", "additive_attention_oracle"]
+
+
+def _softmax64(scores, mask=None):
+    """Float64 oracle for masked softmax: exp / sum over the kept keys only."""
+    scores = scores.double()
+    if mask is None:
+        mask = torch.ones_like(scores, dtype=torch.bool)
+    mask = mask.expand(scores.shape)
+    shifted = scores - scores.masked_fill(~mask, -math.inf).amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
+    exp = shifted.exp() * mask
+    total = exp.sum(-1, keepdim=True)
+    return torch.where(total > 0, exp / total.clamp_min(1e-300), torch.zeros_like(exp))
+
+
+def check_masked_softmax(masked_softmax) -> None:
+    """Visible checks for chapter 01, exercise 1."""
+    gen = torch.Generator().manual_seed(101)
+    scores = torch.randn(3, 5, generator=gen)
+    out = masked_softmax(scores)
+    assert_shape(out, (3, 5), "masked_softmax(scores) with scores of shape (3, 5)")
+    assert_rows_sum_to_one(out, "your weights (no mask)")
+    assert_close(out, torch.softmax(scores, dim=-1), "masked_softmax(scores) with no mask")
+
+    mask = torch.tensor([[True, True, True, False, False]] * 3)
+    out = masked_softmax(scores, mask)
+    assert_masked_are_zero(out, mask)
+    assert_rows_sum_to_one(out, "your weights (with a padding mask)", mask)
+    assert_close(out, _softmax64(scores, mask), "masked_softmax(scores, mask)")
+    passed("masked_softmax")
+
+
+def additive_attention_oracle(query, keys, values, W_q, W_k, v, mask=None):
+    """Float64 oracle written as the paper's double loop over (query i, key j)."""
+    q64, k64, v64 = query.double(), keys.double(), values.double()
+    energies = torch.empty(*query.shape[:-1], keys.shape[-2], dtype=torch.float64)
+    for i in range(query.shape[-2]):
+        for j in range(keys.shape[-2]):
+            hidden = torch.tanh(q64[..., i, :] @ W_q.double() + k64[..., j, :] @ W_k.double())
+            energies[..., i, j] = hidden @ v.double()
+    weights = _softmax64(energies, None if mask is None else mask.expand(energies.shape))
+    return weights @ v64, weights
+
+
+def check_additive_attention(additive_attention) -> None:
+    """Visible checks for chapter 01, exercise 2 (no mask; the hidden tests add masks and batches)."""
+    gen = torch.Generator().manual_seed(102)
+    query, keys, values = torch.randn(2, 3, generator=gen), torch.randn(4, 5, generator=gen), torch.randn(4, 6, generator=gen)
+    W_q, W_k, v = torch.randn(3, 7, generator=gen), torch.randn(5, 7, generator=gen), torch.randn(7, generator=gen)
+    context, weights = unpack_pair(additive_attention(query, keys, values, W_q, W_k, v), "additive_attention", ("context", "weights"))
+    assert_shape(weights, (2, 4), "weights for 2 queries and 4 keys")
+    assert_shape(context, (2, 6), "context for 2 queries and values of size 6")
+    assert_rows_sum_to_one(weights)
+    expected_context, expected_weights = additive_attention_oracle(query, keys, values, W_q, W_k, v)
+    assert_close(weights, expected_weights, "your attention weights")
+    assert_close(context, expected_context, "your context vectors")
+    passed("additive_attention")
+
+
+def check_scaled_dot_product_attention(scaled_dot_product_attention) -> None:
+    """Visible checks for chapter 01, exercise 3, against torch.nn.functional.scaled_dot_product_attention."""
+    gen = torch.Generator().manual_seed(103)
+    q, k, v = torch.randn(4, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, 3, generator=gen)
+    out, weights = unpack_pair(scaled_dot_product_attention(q, k, v), "scaled_dot_product_attention", ("out", "weights"))
+    assert_shape(weights, (4, 6), "weights for 4 queries and 6 keys")
+    assert_shape(out, (4, 3), "out for 4 queries and values of size 3")
+    assert_rows_sum_to_one(weights)
+    expected_weights = torch.softmax(q.double() @ k.double().T / math.sqrt(8), dim=-1)
+    ratio = (weights.double().log() - weights.double().log().mean(-1, keepdim=True)).std() / (
+        expected_weights.log() - expected_weights.log().mean(-1, keepdim=True)
+    ).std()
+    if abs(ratio - 1) > 1e-3:
+        fail(
+            f"your weights are as peaked as scores scaled by {1 / math.sqrt(8) * ratio.item():.4g}; the expected scale is "
+            f"1/sqrt(d_k) = 1/sqrt(8) = {1 / math.sqrt(8):.4g} (d_k is the size of a query/key vector, q.shape[-1])"
+        )
+    assert_close(weights, expected_weights, "your attention weights")
+    assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v), "your output")
+    passed("scaled_dot_product_attention")

@@ -1,0 +1,112 @@
+"""Generic assertions with specific messages, and the course's tolerance policy.
+
+Learner-facing checks: the visible test cells call these for instant, specific feedback.
+
+A failed check raises ``CheckFailed`` (an ``AssertionError``) whose message says what is
+wrong, with numbers: "row 2 of your weights sums to 0.87, expected 1". Expected values
+come from independent oracles (PyTorch built-ins or a float64 formula), never from
+``course_lib``'s own reference solutions.
+
+Tolerance policy, used everywhere in the course: float32 parity is checked with
+``rtol = atol = 1e-5`` unless a check says why it needs more.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["RTOL", "ATOL", "CheckFailed", "fail", "passed", "unpack_pair", "assert_tensor", "assert_shape",
+           "assert_finite", "assert_close", "assert_rows_sum_to_one", "assert_masked_are_zero"]
+
+RTOL = 1e-5
+ATOL = 1e-5
+
+
+class CheckFailed(AssertionError):
+    """A check found a specific, explained problem in the learner's code."""
+
+
+def fail(message: str):
+    raise CheckFailed(message)
+
+
+def _index(flat_index: int, shape) -> tuple:
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index), tuple(shape)))
+
+
+def assert_tensor(value, name: str) -> torch.Tensor:
+    """The value is a torch.Tensor (not a tuple, None or ndarray)."""
+    if not isinstance(value, torch.Tensor):
+        fail(f"{name} should be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def assert_shape(value, expected_shape, name: str) -> None:
+    """The tensor has exactly the expected shape."""
+    assert_tensor(value, name)
+    if tuple(value.shape) != tuple(expected_shape):
+        fail(f"{name} has shape {tuple(value.shape)}, expected {tuple(expected_shape)}")
+
+
+def assert_finite(value, name: str) -> None:
+    """No NaN or infinity anywhere in the tensor."""
+    assert_tensor(value, name)
+    bad = ~torch.isfinite(value)
+    if bad.any():
+        where = _index(int(bad.flatten().nonzero()[0]), value.shape)
+        fail(f"{name} contains {int(bad.sum())} non-finite value(s), the first at index {where}: {value[where].item()}")
+
+
+def assert_close(actual, expected, name: str, rtol: float = RTOL, atol: float = ATOL) -> None:
+    """actual matches expected within the course tolerance; the message names the worst entry."""
+    assert_tensor(actual, name)
+    expected = expected.to(actual.dtype) if actual.is_floating_point() else expected
+    assert_shape(actual, expected.shape, name)
+    assert_finite(actual, name)
+    error = (actual.double() - expected.double()).abs()
+    allowed = atol + rtol * expected.double().abs()
+    if (error > allowed).any():
+        worst = _index(int((error - allowed).flatten().argmax()), actual.shape)
+        fail(
+            f"{name} differs from the expected values in {int((error > allowed).sum())} of {error.numel()} entries; "
+            f"the worst is at index {worst}: got {actual[worst].item():.6g}, expected {expected[worst].item():.6g} "
+            f"(tolerance rtol={rtol:g}, atol={atol:g})"
+        )
+
+
+def assert_rows_sum_to_one(weights, name: str = "your weights", mask=None) -> None:
+    """Each row along the last axis sums to 1 (rows with no unmasked key must sum to 0)."""
+    sums = weights.double().sum(-1)
+    expected = torch.ones_like(sums)
+    if mask is not None:
+        expected = mask.expand(weights.shape).any(-1).double()
+    bad = (sums - expected).abs() > 1e-4
+    if bad.any():
+        row = _index(int(bad.flatten().nonzero()[0]), sums.shape)
+        fail(
+            f"row {row if len(row) > 1 else row[0]} of {name} sums to {sums[row].item():.4g}, expected {expected[row].item():g}"
+            " (is the softmax taken over the last axis, the keys?)"
+        )
+
+
+def assert_masked_are_zero(weights, mask, name: str = "your weights") -> None:
+    """Every position where mask is False gets exactly zero weight."""
+    leaked = weights.masked_fill(mask, 0.0).abs()
+    if (leaked > 0).any():
+        where = _index(int(leaked.flatten().argmax()), weights.shape)
+        fail(
+            f"{name} gives weight {weights[where].item():.4g} to a masked position {where}; masked positions "
+            "(mask == False) must get exactly 0. Is the mask ignored or inverted?"
+        )
+
+
+def unpack_pair(result, function: str, names: tuple[str, str]):
+    """The function returned a 2-tuple, such as (out, weights); return it."""
+    if not isinstance(result, tuple) or len(result) != 2:
+        fail(f"{function} should return a tuple ({names[0]}, {names[1]}), got {type(result).__name__}")
+    return result
+
+
+def passed(what: str) -> None:
+    print(f"✓ {what}: all visible checks passed.")

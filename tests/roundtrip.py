@@ -1,0 +1,83 @@
+"""Helpers for a chapter's grading round trip: build student notebooks, grade them, compare.
+
+A chapter's test file (tests/test_grading_NN.py) describes its students: a notebook each
+(the release filled in with the reference solutions, some with a planted bug) and the set
+of tests that must fail, derived from what each test cell is documented to check.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from course_lib import grading
+from tests.conftest import ROOT, load_notebook, nbgrader_cells, strip_solution_markers
+
+
+@dataclass(frozen=True)
+class Chapter:
+    name: str  # "01-attention"
+    notebook: str  # "attention"
+
+    @property
+    def release(self) -> Path:
+        return ROOT / "notebooks" / self.name / f"{self.notebook}.ipynb"
+
+    @property
+    def source(self) -> Path:
+        return ROOT / "solutions" / self.name / f"{self.notebook}.ipynb"
+
+    @cached_property
+    def points(self) -> dict[str, float]:
+        """grade_id -> points of every graded test cell, read from the source notebook."""
+        return {gid: c["metadata"]["nbgrader"]["points"] for gid, c in nbgrader_cells(load_notebook(self.source)).items()
+                if c["metadata"]["nbgrader"]["grade"]}
+
+    def tests_of(self, exercise: str) -> set[str]:
+        return {gid for gid in self.points if gid.split("-", 1)[0] == exercise}
+
+    def reference_code(self, grade_id: str) -> str:
+        return strip_solution_markers("".join(nbgrader_cells(load_notebook(self.source))[grade_id]["source"]))
+
+    def mutate(self, grade_id: str, old: str, new: str) -> str:
+        """The reference solution of grade_id with one planted bug (old -> new)."""
+        code = self.reference_code(grade_id)
+        assert old in code, f"the planted bug no longer applies to {grade_id}: {old!r} not found"
+        return code.replace(old, new)
+
+    def solved(self, overrides: dict[str, str] | None = None) -> dict:
+        """The release notebook with its solution cells filled in as a student would (reference code unless overridden)."""
+        notebook = load_notebook(self.release)
+        for grade_id, cell in nbgrader_cells(notebook).items():
+            if cell["metadata"]["nbgrader"]["solution"]:
+                cell["source"] = (overrides or {}).get(grade_id) or self.reference_code(grade_id)
+        return notebook
+
+    def untouched(self) -> dict:
+        return load_notebook(self.release)
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def write_submissions(folder: Path, chapter: Chapter, notebooks: dict[str, dict]) -> Path:
+    """folder/<student>/<chapter>/<notebook>.ipynb for each student."""
+    for student, notebook in notebooks.items():
+        target = folder / student / chapter.name
+        target.mkdir(parents=True, exist_ok=True)
+        (target / f"{chapter.notebook}.ipynb").write_text(json.dumps(notebook, indent=1))
+    return folder
+
+
+def assert_loses_exactly(result: grading.NotebookResult, chapter: Chapter, must_fail: set[str]) -> None:
+    """Every test cell was graded; exactly must_fail failed; the score is the total minus their points."""
+    assert not result.error, result.error
+    assert {t.grade_id for t in result.tests} == set(chapter.points), "every test cell is graded, even deleted or edited ones"
+    failed = {t.grade_id for t in result.tests if not t.passed}
+    assert failed == must_fail, f"{result.student}: failed {sorted(failed)}, expected {sorted(must_fail)}"
+    assert result.score == sum(chapter.points.values()) - sum(chapter.points[g] for g in must_fail)
+    for test in result.tests:
+        assert bool(test.message) == (not test.passed), f"{test.grade_id}: a failure must say why, a pass must not"

@@ -1,0 +1,112 @@
+"""Chapter 01's grading round trip through nbgrader, with real submission notebooks.
+
+One `grading.grade` run grades several students of chapter 01 (and the reference of
+chapter 00). Each planted bug must lose exactly the points of the tests that target it;
+the set each bug should fail is derived from what each test is documented to check
+(the comment at the top of every test cell), not from running the tests.
+"""
+from __future__ import annotations
+
+import csv
+import shutil
+
+import pytest
+
+from course_lib import grading
+from tests.conftest import ROOT
+from tests.roundtrip import Chapter, assert_loses_exactly, digest, write_submissions
+
+CH = Chapter("01-attention", "attention")
+SDPA = "scaled_dot_product_attention-solution"
+UNSCALED = CH.mutate(SDPA, " / math.sqrt(d_k)", "")
+NAIVE_MASKED_SOFTMAX = '''def masked_softmax(scores, mask=None):
+    if mask is None:
+        return torch.softmax(scores, dim=-1)
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+'''
+
+
+def tampered() -> dict:
+    """Unscaled attention, plus: its visible test edited to `pass`, a hidden test cell deleted, one cell's metadata stripped."""
+    from tests.conftest import nbgrader_cells
+
+    notebook = CH.solved({SDPA: UNSCALED})
+    cells = nbgrader_cells(notebook)
+    cells["scaled_dot_product_attention-visible"]["source"] = "pass"
+    del cells["scaled_dot_product_attention-mask"]["metadata"]["nbgrader"]
+    notebook["cells"].remove(cells["scaled_dot_product_attention-scale"])
+    return notebook
+
+
+# student -> (notebook, the tests that must fail)
+STUDENTS = {
+    "reference": (CH.solved, set()),
+    "untouched": (CH.untouched, set(CH.points)),
+    "unscaled": (lambda: CH.solved({SDPA: UNSCALED}),
+                 {"scaled_dot_product_attention-visible", "scaled_dot_product_attention-scale"}),
+    "nan_on_fully_masked": (lambda: CH.solved({"masked_softmax-solution": NAIVE_MASKED_SOFTMAX}),
+                            {"masked_softmax-fully_masked", "scaled_dot_product_attention-fully_masked"}),
+    "mask_ignored": (lambda: CH.solved({"additive_attention-solution": CH.mutate(
+        "additive_attention-solution", "masked_softmax(energies, mask)", "masked_softmax(energies)")}),
+        {"additive_attention-mask"}),
+    "infinite_loop": (lambda: CH.solved({SDPA: "while True:\n    pass"}), CH.tests_of("scaled_dot_product_attention")),
+    "tampered": (tampered, {"scaled_dot_product_attention-visible", "scaled_dot_product_attention-scale"}),
+}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    submissions = write_submissions(tmp_path_factory.mktemp("submissions"), CH, {s: make() for s, (make, _) in STUDENTS.items()})
+    shutil.copytree(ROOT / "notebooks" / "00-orientation", submissions / "reference" / "00-orientation")
+    before = digest(submissions)
+    workdir = tmp_path_factory.mktemp("grading")
+    # a short cell timeout keeps the infinite loop cheap; no graded cell needs more than a second
+    results = grading.grade(submissions, workdir, cell_timeout=20)
+    return {(r.student, r.chapter): r for r in results}, workdir, before, digest(submissions)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("student", list(STUDENTS))
+def test_each_submission_loses_exactly_the_points_of_the_tests_its_bug_targets(graded, student):
+    results, *_ = graded
+    assert_loses_exactly(results[(student, CH.name)], CH, STUDENTS[student][1])
+
+
+@pytest.mark.slow
+def test_reference_gets_full_marks_and_untouched_release_zero(graded):
+    results, *_ = graded
+    assert results[("reference", CH.name)].score == results[("reference", CH.name)].max_score == sum(CH.points.values()) > 0
+    assert results[("untouched", CH.name)].score == 0
+    orientation = results[("reference", "00-orientation")]
+    assert not orientation.error and orientation.max_score == 0
+
+
+@pytest.mark.slow
+def test_after_the_infinite_loop_times_out_the_function_is_missing(graded):
+    results, *_ = graded
+    messages = {t.grade_id: t.message for t in results[("infinite_loop", CH.name)].tests}
+    assert all("NameError" in messages[g] for g in CH.tests_of("scaled_dot_product_attention")), messages
+
+
+@pytest.mark.slow
+def test_grading_leaves_submissions_untouched_and_writes_csvs_and_feedback(graded):
+    results, workdir, before, after = graded
+    assert before == after
+    with (workdir / "grades.csv").open() as fh:  # nbgrader's export: one row per student and chapter
+        rows = {(r["student_id"], r["assignment"]): float(r["score"]) for r in csv.DictReader(fh)}
+    assert set(rows) == {(s, c) for s in STUDENTS for c in ("00-orientation", CH.name)}
+    assert rows[("reference", CH.name)] == sum(CH.points.values()) and rows[("untouched", CH.name)] == 0
+    by_test = (workdir / "grades_by_test.csv").read_text().splitlines()
+    assert len(by_test) == 1 + len(STUDENTS) * len(CH.points)
+    for student in STUDENTS:
+        assert (workdir / "feedback" / student / CH.name / f"{CH.notebook}.html").is_file()
+
+
+@pytest.mark.slow
+def test_report_lists_every_exercise_with_points(graded):
+    results, *_ = graded
+    report = grading.format_report(results[("unscaled", CH.name)])
+    total = sum(CH.points.values())
+    assert f"total {' ' * 29}{total - 2:g} / {total:g}" in report
+    assert "✗ scaled_dot_product_attention-scale" in report and "✓ masked_softmax-visible" in report
+    assert "scaled by 1; the expected scale is 1/sqrt(d_k)" in report
