@@ -25,6 +25,13 @@ def _check(args) -> int:
     return 0
 
 
+def _execute(args) -> int:
+    names = [grading.resolve_chapter(c) for c in args.chapters] or None
+    for path in grading.execute_solutions(names):
+        print(f"executed {path.relative_to(grading.repo_root())}")
+    return 0
+
+
 def _release(args) -> int:
     names = [grading.resolve_chapter(c) for c in args.chapters] or None
     for folder in grading.release(names):
@@ -34,11 +41,22 @@ def _release(args) -> int:
 
 def _grade(args) -> int:
     names = [grading.resolve_chapter(c) for c in args.chapter] or None
-    results = grading.grade(Path(args.submissions), Path(args.out), names, cell_timeout=args.timeout)
+    from . import sandbox
+
+    if not sandbox.available():
+        print("warning: bubblewrap (bwrap) is not available: submissions are graded without a sandbox and could "
+              "write to each other's files. Install it with `apt-get install bubblewrap`.", file=sys.stderr)
+    results = grading.grade(Path(args.submissions), Path(args.out), names, cell_timeout=args.timeout, jobs=args.jobs)
     for result in results:
         print(grading.format_report(result))
-    print(f"\nwrote {args.out}/grades.csv, {args.out}/grades_by_test.csv and feedback in {args.out}/feedback/")
-    return 1 if any(r.error for r in results) else 0
+    print(f"\nwrote {args.out}/grades.csv, grades_by_exercise.csv, grades_by_test.csv; "
+          f"nbgrader's gradebook and feedback for each student in {args.out}/runs/<chapter>/<student>/")
+    return 0
+
+
+def _report(args) -> int:
+    print(grading.class_report(Path(args.workdir)))
+    return 0
 
 
 def _validate(args) -> int:
@@ -73,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--notebook", type=Path, help="the notebook to grade (default: notebooks/<chapter>/*.ipynb)")
     p.set_defaults(func=_check)
 
+    p = sub.add_parser("execute", help="re-execute reference notebooks in solutions/ so their stored outputs are current")
+    p.add_argument("chapters", nargs="*", help="chapters to execute (default: all)")
+    p.set_defaults(func=_execute)
+
     p = sub.add_parser("release", help="regenerate notebooks/ from solutions/ (nbgrader generate_assignment)")
     p.add_argument("chapters", nargs="*", help="chapters to release (default: all)")
     p.set_defaults(func=_release)
@@ -82,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=".grading", help="work folder for the gradebook, feedback and CSVs (default: .grading)")
     p.add_argument("--chapter", action="append", default=[], help="grade only this chapter (repeatable)")
     p.add_argument("--timeout", type=int, default=grading.CELL_TIMEOUT, help="seconds a cell may run (default: %(default)s)")
+    p.add_argument("--jobs", type=int, default=1, help="students graded at once (default: %(default)s)")
     p.set_defaults(func=_grade)
+
+    p = sub.add_parser("report", help="class summary of a `course grade` run: mean per exercise, tests failed most")
+    p.add_argument("workdir", nargs="?", default=".grading", help="the --out folder of `course grade` (default: .grading)")
+    p.set_defaults(func=_report)
 
     p = sub.add_parser("validate", help="autograde the reference solutions; each must get full marks")
     p.add_argument("chapters", nargs="*", help="chapters to validate (default: all)")

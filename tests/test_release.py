@@ -56,7 +56,9 @@ def test_source_notebooks_have_outputs_and_consistent_nbgrader_metadata(chapter)
     for path in (ROOT / "solutions" / chapter).glob("*.ipynb"):
         notebook = load_notebook(path)
         code = [c for c in notebook["cells"] if c["cell_type"] == "code"]
-        assert all(c.get("execution_count") for c in code), f"{path.name}: re-execute it so stored outputs are current"
+        assert all(c.get("execution_count") for c in code), f"{path.name}: run `course execute` so stored outputs are current"
+        assert not any("execution" in c.get("metadata", {}) for c in notebook["cells"]), (
+            f"{path.name} stores per-cell timings (they leak into the release): run `course execute`")
         for grade_id, cell in nbgrader_cells(notebook).items():
             meta = cell["metadata"]["nbgrader"]
             exercise = grade_id.split("-", 1)[0]
