@@ -78,3 +78,70 @@ class AdditiveAttention(nn.Module):
     def forward(self, query, keys, values, mask=None):
         """query (..., Tq, Dq), keys (..., Tk, Dk), values (..., Tk, Dv) -> (context, weights)."""
         return additive_attention(query, keys, values, self.W_q, self.W_k, self.v, mask)
+
+
+# --- chapter 02: multi-head attention -------------------------------------------------
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Split the feature axis into heads: (B, T, D) -> (B, H, T, D / H).
+
+    Head h gets the columns h*Dh ... (h+1)*Dh - 1 of every position (Dh = D / H).
+    The result is a view of x (no copy); it is not contiguous when H > 1 and T > 1.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x must have shape (B, T, D), got {tuple(x.shape)}")
+    if n_heads < 1 or x.shape[-1] % n_heads != 0:
+        raise ValueError(f"the last dimension of x ({x.shape[-1]}) must be divisible by n_heads, got n_heads={n_heads}")
+    batch, time, d_model = x.shape
+    # splitting one axis in two never needs a copy, so view works even for a non-contiguous x
+    return x.view(batch, time, n_heads, d_model // n_heads).transpose(1, 2)  # (B, H, T, Dh)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate the heads again: (B, H, T, Dh) -> (B, T, H * Dh), contiguous.
+
+    The inverse of split_heads: position t's features are head 0's Dh values, then head 1's, ...
+    """
+    if x.dim() != 4:
+        raise ValueError(f"x must have shape (B, H, T, Dh), got {tuple(x.shape)}")
+    batch, n_heads, time, d_head = x.shape
+    # transpose back to (B, T, H, Dh) first; .contiguous() copies into that order so view can merge H and Dh
+    return x.transpose(1, 2).contiguous().view(batch, time, n_heads * d_head)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention (Vaswani et al., 2017): H scaled dot-product attentions on subspaces of size Dh = D / H.
+
+    Projections W_q, W_k, W_v, W_o are nn.Linear(d_model, d_model, bias=bias); dropout is applied to
+    the attention weights (in training mode only). Self-attention: query = key = value; cross-attention:
+    key = value come from another sequence.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        if d_model < 1 or n_heads < 1 or d_model % n_heads != 0:
+            raise ValueError(f"d_model must be a positive multiple of n_heads, got d_model={d_model} and n_heads={n_heads}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
+        self.W_q = nn.Linear(d_model, d_model, bias=bias)
+        self.W_k = nn.Linear(d_model, d_model, bias=bias)
+        self.W_v = nn.Linear(d_model, d_model, bias=bias)
+        self.W_o = nn.Linear(d_model, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, query, key, value, mask=None):
+        """query (B, Tq, D), key and value (B, Tk, D); mask bool, broadcastable to (B, H, Tq, Tk), True = attend.
+
+        Returns (out (B, Tq, D), weights (B, H, Tq, Tk)); the weights are those before dropout.
+        """
+        if mask is not None and mask.dtype != torch.bool:
+            raise ValueError(f"mask must be a bool tensor (True = attend), got dtype {mask.dtype}")
+        q = split_heads(self.W_q(query), self.n_heads)  # (B, H, Tq, Dh)
+        k = split_heads(self.W_k(key), self.n_heads)  # (B, H, Tk, Dh)
+        v = split_heads(self.W_v(value), self.n_heads)  # (B, H, Tk, Dh)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)  # (B, H, Tq, Tk): scaled by the head size
+        weights = masked_softmax(scores, mask)
+        heads = self.dropout(weights) @ v  # (B, H, Tq, Dh)
+        return self.W_o(merge_heads(heads)), weights

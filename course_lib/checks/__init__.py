@@ -8,3 +8,4 @@ here, so notebooks write ``checks.check_masked_softmax(masked_softmax)``.
 from .core import *  # noqa: F401,F403
 from .core import ATOL, RTOL, CheckFailed  # noqa: F401  (explicit for readers and linters)
 from .ch01 import *  # noqa: F401,F403
+from .ch02 import *  # noqa: F401,F403

@@ -1,0 +1,177 @@
+"""Visible checks of chapter 02 (multi-head attention and positions), and the oracles they compare against.
+
+Oracles: ``torch.nn.MultiheadAttention`` (with the learner's weights copied in), a float64 formula for the
+sinusoidal table and a float64 complex-number formula for RoPE; never course_lib's reference solutions.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .core import assert_close, assert_rows_sum_to_one, assert_shape, assert_tensor, fail, passed, unpack_pair
+
+__all__ = ["check_heads", "check_multi_head_attention", "check_sinusoidal_encoding", "check_apply_rope",
+           "torch_multihead_attention", "randomize_parameters", "sinusoidal_oracle", "rope_oracle"]
+
+
+def _close(actual, expected, tol: float = 1e-5) -> bool:
+    return isinstance(actual, torch.Tensor) and actual.shape == expected.shape and bool(
+        ((actual.double() - expected.double()).abs() <= tol + tol * expected.double().abs()).all())
+
+
+# --- split and merge heads --------------------------------------------------------------
+
+def _call_merge(merge_heads, x):
+    try:
+        return merge_heads(x)
+    except RuntimeError as error:
+        if "view" in str(error):
+            fail(f"merge_heads raised RuntimeError: {str(error).splitlines()[0]} After transpose(1, 2) the tensor is not "
+                 "contiguous in memory, so .view() cannot merge H and Dh: call .contiguous() first, or use .reshape()")
+        raise
+
+
+def check_heads(split_heads, merge_heads) -> None:
+    """Visible checks for exercise 1: split_heads and merge_heads on a batch of 2, 3 positions, D = 8, H = 4."""
+    gen = torch.Generator().manual_seed(201)
+    x = torch.randn(2, 3, 8, generator=gen)
+    heads = split_heads(x, 4)
+    assert_shape(heads, (2, 4, 3, 2), "split_heads(x, 4) for x of shape (2, 3, 8)")
+    expected = torch.stack(x.split(2, dim=-1), dim=1)  # head h = columns 2h, 2h+1 of every position
+    if _close(heads, x.reshape(2, 4, 3, 2)) and not _close(heads, expected):
+        fail("split_heads(x, 4) looks like x.view(B, H, T, Dh): that mixes positions and heads. View x as "
+             "(B, T, H, Dh) first (head h = columns h*Dh ... (h+1)*Dh-1), then swap the T and H axes")
+    assert_close(heads, expected, "split_heads(x, 4) (head h should hold columns 2h and 2h+1 of every position)")
+
+    y = torch.randn(2, 4, 3, 2, generator=gen)  # a fresh (B, H, T, Dh) tensor, as attention returns it
+    merged = _call_merge(merge_heads, y)
+    assert_shape(merged, (2, 3, 8), "merge_heads(y) for y of shape (2, 4, 3, 2)")
+    expected = torch.cat(y.unbind(dim=1), dim=-1)  # position t: head 0's Dh values, then head 1's, ...
+    if _close(merged, y.reshape(2, 3, 8)) and not _close(merged, expected):
+        fail("merge_heads(y) looks like y.reshape(B, T, H*Dh) without swapping the H and T axes back first: "
+             "that mixes positions and heads")
+    assert_close(merged, expected, "merge_heads(y) (position t should hold head 0's features, then head 1's, ...)")
+    assert_close(_call_merge(merge_heads, split_heads(x, 4)), x, "merge_heads(split_heads(x, 4)), which should give x back,")
+    passed("split_heads and merge_heads")
+
+
+# --- multi-head attention ----------------------------------------------------------------
+
+def randomize_parameters(module: nn.Module, seed: int, scale: float = 0.3) -> nn.Module:
+    """Overwrite every parameter with seeded N(0, scale^2) values (so checks do not depend on the global RNG)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=gen) * scale)
+    return module
+
+
+def torch_multihead_attention(module: nn.Module) -> nn.MultiheadAttention:
+    """A torch.nn.MultiheadAttention (batch_first) holding the weights of a module with W_q, W_k, W_v, W_o and n_heads.
+
+    Beware its mask convention: a boolean attn_mask / key_padding_mask is True where attention is NOT allowed.
+    """
+    d_model, bias = module.W_q.in_features, module.W_q.bias is not None
+    oracle = nn.MultiheadAttention(d_model, module.n_heads, bias=bias, batch_first=True)
+    with torch.no_grad():
+        oracle.in_proj_weight.copy_(torch.cat([module.W_q.weight, module.W_k.weight, module.W_v.weight]))
+        oracle.out_proj.weight.copy_(module.W_o.weight)
+        if bias:
+            oracle.in_proj_bias.copy_(torch.cat([module.W_q.bias, module.W_k.bias, module.W_v.bias]))
+            oracle.out_proj.bias.copy_(module.W_o.bias)
+    return oracle.eval()
+
+
+def check_multi_head_attention(MultiHeadAttention) -> None:
+    """Visible checks for exercise 2: self-attention, no mask, against torch.nn.MultiheadAttention."""
+    d_model, n_heads = 16, 4
+    module = randomize_parameters(MultiHeadAttention(d_model, n_heads), seed=202).eval()
+    x = torch.randn(2, 5, d_model, generator=torch.Generator().manual_seed(203))
+    with torch.no_grad():
+        out, weights = unpack_pair(module(x, x, x), "MultiHeadAttention.forward", ("out", "weights"))
+        expected_out, expected_weights = torch_multihead_attention(module)(x, x, x, average_attn_weights=False)
+    assert_shape(weights, (2, n_heads, 5, 5), "the weights for batch 2, 4 heads, 5 queries and 5 keys")
+    assert_shape(out, (2, 5, d_model), "out for batch 2, 5 queries, d_model 16")
+    assert_rows_sum_to_one(weights, "your per-head weights")
+    # How peaked are the weights compared with the expected ones? Unscaled or wrongly scaled scores show up here.
+    ratio = (weights.double().log() - weights.double().log().mean(-1, keepdim=True)).std() / (
+        expected_weights.double().log() - expected_weights.double().log().mean(-1, keepdim=True)).std()
+    rescaled = torch.softmax(expected_weights.double().log() * ratio, dim=-1)
+    if abs(ratio - 1) > 1e-3 and _close(weights, rescaled, 1e-4):
+        d_head = d_model // n_heads
+        fail(f"your weights are as peaked as scores scaled by {ratio.item() / math.sqrt(d_head):.4g}; the expected scale is "
+             f"1/sqrt(d_head) = 1/sqrt({d_model}/{n_heads}) = {1 / math.sqrt(d_head):.4g}: each head's vectors have "
+             f"d_head = d_model / n_heads features, not d_model")
+    assert_close(weights, expected_weights, "your per-head attention weights (vs torch.nn.MultiheadAttention)")
+    assert_close(out, expected_out, "your output (vs torch.nn.MultiheadAttention with the same weights)")
+    passed("MultiHeadAttention")
+
+
+# --- sinusoidal table --------------------------------------------------------------------
+
+def sinusoidal_oracle(max_len: int, d_model: int) -> torch.Tensor:
+    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d)), entry by entry in float64."""
+    table = torch.empty(max_len, d_model, dtype=torch.float64)
+    for pos in range(max_len):
+        for i in range(d_model // 2):
+            angle = pos / 10000 ** (2 * i / d_model)
+            table[pos, 2 * i], table[pos, 2 * i + 1] = math.sin(angle), math.cos(angle)
+    return table
+
+
+def check_sinusoidal_encoding(sinusoidal_encoding) -> None:
+    """Visible checks for exercise 3: the (6, 8) table."""
+    table = assert_tensor(sinusoidal_encoding(6, 8), "sinusoidal_encoding(6, 8)")
+    assert_shape(table, (6, 8), "sinusoidal_encoding(6, 8)")
+    first_row = table[0].double()
+    if _close(first_row, torch.tensor([1.0, 0.0] * 4)):
+        fail(f"row 0 (position 0) of your table is {first_row.tolist()}: sin and cos are swapped. "
+             "Even columns hold sin (sin 0 = 0), odd columns cos (cos 0 = 1)")
+    if _close(first_row, torch.tensor([0.0] * 4 + [1.0] * 4)):
+        fail(f"row 0 (position 0) of your table is {first_row.tolist()}: all sines first, then all cosines. "
+             "This course uses the paper's interleaved layout: column 2i = sin, column 2i+1 = cos of the same angle")
+    assert_close(table, sinusoidal_oracle(6, 8), "sinusoidal_encoding(6, 8)")
+    passed("sinusoidal_encoding")
+
+
+# --- RoPE ----------------------------------------------------------------------------------
+
+def rope_oracle(x, positions=None, base: float = 10000.0) -> torch.Tensor:
+    """RoPE as complex numbers, in float64: z_i = x[2i] + j x[2i+1] becomes z_i * exp(j * pos * base^(-2i/Dh))."""
+    x64 = x.double()
+    time, d_head = x.shape[-2], x.shape[-1]
+    positions = torch.arange(time) if positions is None else positions
+    theta = torch.tensor([base ** (-2 * i / d_head) for i in range(d_head // 2)], dtype=torch.float64)
+    angle = positions.double()[..., None] * theta
+    z = torch.complex(x64[..., 0::2], x64[..., 1::2]) * torch.polar(torch.ones_like(angle), angle)
+    return torch.stack((z.real, z.imag), dim=-1).flatten(-2)
+
+
+def _rope_rotate_half(x, positions=None, base: float = 10000.0) -> torch.Tensor:
+    """The other convention (Hugging Face's rotate_half): feature i pairs with i + Dh/2. Used only to diagnose."""
+    half = x.shape[-1] // 2
+    order = torch.stack((torch.arange(half), torch.arange(half) + half), dim=-1).flatten()  # [0, h, 1, h+1, ...]
+    rotated = rope_oracle(x[..., order], positions, base)
+    return rotated[..., torch.argsort(order)]
+
+
+def check_apply_rope(apply_rope) -> None:
+    """Visible checks for exercise 4: x of shape (1, 2, 5, 8) at the default positions 0 ... 4."""
+    x = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(204))
+    out = assert_tensor(apply_rope(x), "apply_rope(x)")
+    assert_shape(out, x.shape, "apply_rope(x) for x of shape (1, 2, 5, 8)")
+    norm_change = (out.double().norm(dim=-1) - x.double().norm(dim=-1)).abs().max().item()
+    if norm_change > 1e-4:
+        fail(f"apply_rope changed the length of a vector by up to {norm_change:.4g}; a rotation keeps lengths. "
+             "Rotate each pair (a, b) by angle t: (a cos t - b sin t, a sin t + b cos t)")
+    expected = rope_oracle(x)
+    if _close(out, _rope_rotate_half(x)) and not _close(out, expected):
+        fail("you paired feature i with feature i + Dh/2 (Hugging Face's rotate_half convention); this course "
+             "rotates the interleaved pairs (0, 1), (2, 3), ... as the RoFormer paper does")
+    if _close(out, rope_oracle(x, -torch.arange(5))) and not _close(out, expected):
+        fail("your rotation goes the wrong way: position p turns the pair (a, b) counter-clockwise, to "
+             "(a cos t - b sin t, a sin t + b cos t) with t = p * theta_i")
+    assert_close(out, expected.float(), "apply_rope(x) (vs the complex-number formula)")
+    passed("apply_rope")

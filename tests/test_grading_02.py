@@ -1,0 +1,100 @@
+"""Chapter 02's grading round trip through nbgrader, with real submission notebooks.
+
+One `grading.grade` run grades four students: the reference (full marks), the untouched release
+(zero) and two students with several planted bugs each, one per exercise, chosen so that the tests
+each bug must fail are disjoint. The expected failures follow from what each test cell documents
+(its first comment line); tests/test_hidden_02.py runs the same cells against many more bugs, one
+at a time and without nbgrader.
+"""
+from __future__ import annotations
+
+import pytest
+
+from course_lib import grading
+from tests.roundtrip import Chapter, assert_loses_exactly, digest, write_submissions
+
+CH = Chapter("02-multihead", "multihead")
+MHA, SIN, ROPE, HEADS = ("multi_head_attention-solution", "sinusoidal_encoding-solution", "apply_rope-solution", "heads-solution")
+
+ROPE_ROTATE_HALF = '''def apply_rope(x, positions=None, base=10000.0):
+    half = x.shape[-1] // 2
+    if positions is None:
+        positions = torch.arange(x.shape[-2])
+    angle = positions[..., None].float() * base ** (-torch.arange(half).float() * 2 / x.shape[-1])
+    cos, sin = torch.cat([angle.cos()] * 2, dim=-1), torch.cat([angle.sin()] * 2, dim=-1)
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+'''
+
+
+def planted_a() -> dict:
+    return CH.solved({
+        # scores / sqrt(d_model): the weights are too flat -> visible (vs nn.MultiheadAttention) and scale
+        MHA: CH.mutate(MHA, "math.sqrt(self.d_head)", "math.sqrt(self.d_model)"),
+        # sin in the odd columns, cos in the even ones -> visible and layout (frequencies compares pairs, unordered)
+        SIN: CH.mutate(SIN, "table[:, 0::2] = torch.sin(angle)\n    table[:, 1::2] = torch.cos(angle)",
+                       "table[:, 0::2] = torch.cos(angle)\n    table[:, 1::2] = torch.sin(angle)"),
+        # positions argument ignored -> positions only (every other test uses the default positions)
+        ROPE: CH.mutate(ROPE, "if positions is None:", "if True:"),
+    })
+
+
+def planted_b() -> dict:
+    return CH.solved({
+        # merge_heads in (T, B, H, Dh) order, as seq-first code does: right for B = 1, mixes the batch otherwise ->
+        # heads-visible and heads-batch; and, since the module calls merge_heads, the two module tests with B > 1
+        HEADS: CH.mutate(HEADS, "return x.transpose(1, 2).contiguous().view(batch, time, n_heads * d_head)",
+                         "return x.permute(2, 0, 1, 3).reshape(batch, time, n_heads * d_head)"),
+        # values projected from `key`: invisible in self-attention -> cross only
+        MHA: CH.mutate(MHA, "self.W_v(value)", "self.W_v(key)"),
+        # 10000^(-i/d) instead of 10000^(-2i/d): row 0 is still [0, 1, 0, 1, ...] -> visible and frequencies
+        SIN: CH.mutate(SIN, "torch.arange(0, d_model, 2, dtype=torch.float64)", "torch.arange(0, d_model // 2, dtype=torch.float64)"),
+        # Hugging Face's rotate_half pairing: still a rotation with the right angles -> visible and pairing
+        ROPE: ROPE_ROTATE_HALF,
+    })
+
+
+# student -> (notebook, the tests that must fail)
+STUDENTS = {
+    "reference": (CH.solved, set()),
+    "untouched": (CH.untouched, set(CH.points)),
+    "planted_a": (planted_a, {"multi_head_attention-visible", "multi_head_attention-scale",
+                              "sinusoidal_encoding-visible", "sinusoidal_encoding-layout", "apply_rope-positions"}),
+    "planted_b": (planted_b, {"heads-visible", "heads-batch", "multi_head_attention-visible", "multi_head_attention-batch",
+                              "multi_head_attention-cross", "sinusoidal_encoding-visible", "sinusoidal_encoding-frequencies",
+                              "apply_rope-visible", "apply_rope-pairing"}),
+}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    submissions = write_submissions(tmp_path_factory.mktemp("submissions"), CH, {s: make() for s, (make, _) in STUDENTS.items()})
+    before = digest(submissions)
+    # one run for all students; a whole notebook takes well under the 60 s each cell may use
+    results = grading.grade(submissions, tmp_path_factory.mktemp("grading"), cell_timeout=60)
+    return {(r.student, r.chapter): r for r in results}, before, digest(submissions)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("student", list(STUDENTS))
+def test_each_submission_loses_exactly_the_points_of_the_tests_its_bugs_target(graded, student):
+    results, *_ = graded
+    assert_loses_exactly(results[(student, CH.name)], CH, STUDENTS[student][1])
+
+
+@pytest.mark.slow
+def test_reference_gets_full_marks_untouched_zero_and_submissions_are_not_modified(graded):
+    results, before, after = graded
+    reference = results[("reference", CH.name)]
+    assert reference.score == reference.max_score == sum(CH.points.values()) == 19
+    assert results[("untouched", CH.name)].score == 0
+    assert before == after
+
+
+@pytest.mark.slow
+def test_failures_carry_the_checks_messages(graded):
+    results, *_ = graded
+    messages = {t.grade_id: t.message for t in results[("planted_a", CH.name)].tests}
+    assert "sin and cos are swapped" in messages["sinusoidal_encoding-visible"]
+    assert "expected scale is 1/sqrt(d_head)" in messages["multi_head_attention-visible"]
+    messages = {t.grade_id: t.message for t in results[("planted_b", CH.name)].tests}
+    assert "rotate_half" in messages["apply_rope-visible"]
