@@ -113,12 +113,16 @@ def _config_text(cell_timeout: int, **options) -> str:
 
 
 def run_nbgrader(args: list[str], cwd: Path, log: Path | None = None, check: bool = True,
-                 jupyter_path: Path | None = None) -> subprocess.CompletedProcess:
+                 jupyter_path: Path | None = None, hide: list[Path] = ()) -> subprocess.CompletedProcess:
     """Run ``nbgrader ARGS`` in ``cwd`` with this interpreter; with ``check``, raise with the log tail on failure."""
     # nbgrader runs helper executables (alembic) by name: put this interpreter's bin/ first on PATH
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     if jupyter_path is not None:  # where the sandbox kernel spec is
         env["JUPYTER_PATH"] = os.pathsep.join([str(jupyter_path), os.environ.get("JUPYTER_PATH", "")])
+    if hide:  # what the sandboxed kernel must not see
+        from .sandbox import HIDE_ENV
+
+        env[HIDE_ENV] = os.pathsep.join(str(p) for p in hide)
     proc = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=cwd, capture_output=True, text=True, env=env)
     if log is not None:
         with log.open("a") as fh:
@@ -369,6 +373,7 @@ class _Run:
     folder: Path
     cell_timeout: int
     sandboxed: bool
+    hide: tuple[Path, ...] = ()  # folders the sandbox hides: every student's work and the gradebooks
 
     @property
     def progress_file(self) -> Path:
@@ -384,7 +389,8 @@ class _Run:
 
     def nbgrader(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return run_nbgrader(list(args), cwd=self.folder, log=self.log, check=check,
-                            jupyter_path=self.folder / "jupyter" if self.sandboxed else None)
+                            jupyter_path=self.folder / "jupyter" if self.sandboxed else None,
+                            hide=list(self.hide) if self.sandboxed else [])
 
     def submitted(self) -> list[Path]:
         return sorted((self.folder / "submitted" / self.student / self.chapter).glob("*.ipynb"))
@@ -489,7 +495,7 @@ def _grade_in_folder(template: Path, submission: Path, run: _Run) -> list[Notebo
                                          "solve the exercise with your own code")
         messages = _error_messages(autograded)
         order = _grade_order(source)
-        rechecked = recheck(source, submitted, timeout=max(60, run.cell_timeout), sandboxed=run.sandboxed)
+        rechecked = recheck(source, submitted, timeout=max(60, run.cell_timeout), sandboxed=run.sandboxed, hidden=list(run.hide))
         from nbgrader.api import Gradebook
 
         with Gradebook(run.gradebook_url) as gradebook:
@@ -562,7 +568,8 @@ def grade(submissions: Path, workdir: Path, chapter_names: list[str] | None = No
     wanted = chapter_names or [c for c in chapters(root) if any((submissions / s / c).is_dir() for s in students)]
     workdir.mkdir(parents=True, exist_ok=True)
     templates = {chapter: _prepare_template(root, workdir, chapter) for chapter in wanted}
-    tasks = [(templates[c], submissions / s / c, _Run(c, s, workdir / "runs" / c / s, cell_timeout, sandboxed))
+    hide = (workdir / "runs", workdir / "templates", submissions)
+    tasks = [(templates[c], submissions / s / c, _Run(c, s, workdir / "runs" / c / s, cell_timeout, sandboxed, hide))
              for c in wanted for s in students if (submissions / s / c).is_dir()]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         results = [r for batch in pool.map(lambda task: _grade_one(*task), tasks) for r in batch]

@@ -170,7 +170,7 @@ def _run(source_path: str, submitted_path: str, nonce: str) -> None:
         report(meta["grade_id"], not changed, f"your code replaced {', '.join(changed[:3])}: tests cannot be tricked" if changed else "")
 
 
-def recheck(source: Path, submitted: Path, timeout: float, sandboxed: bool) -> dict[str, tuple[bool, str]]:
+def recheck(source: Path, submitted: Path, timeout: float, sandboxed: bool, hidden: list[Path] = ()) -> dict[str, tuple[bool, str]]:
     """grade_id -> (passed, message) for every test cell, re-run outside the student's kernel.
 
     A test with no verdict (the process died or ran out of time) counts as failed.
@@ -182,7 +182,7 @@ def recheck(source: Path, submitted: Path, timeout: float, sandboxed: bool) -> d
     nonce = secrets.token_hex(16)
     command = [sys.executable, "-m", "course_lib.recheck", str(Path(source).resolve()), str(Path(submitted).resolve())]
     if sandboxed:
-        command = bwrap_command(command, writable=[], readable=[Path(source).resolve(), Path(submitted).resolve()])
+        command = bwrap_command(command, readable=[Path(source).resolve(), Path(submitted).resolve()], hidden=hidden)
     verdicts: dict[str, tuple[bool, str]] = {}
     try:
         proc = subprocess.run(command, input=nonce + "\n", capture_output=True, text=True, timeout=timeout, cwd="/")

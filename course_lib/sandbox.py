@@ -33,8 +33,24 @@ def available() -> bool:
     return probe.returncode == 0
 
 
-def bwrap_command(command: list[str], writable: list[Path], readable: list[Path] = (), hidden: list[Path] = ()) -> list[str]:
-    """``command`` inside bubblewrap: read-only root, private /tmp, the ``hidden`` folders empty, the given folders writable.
+#: set by the grader (trusted) for the kernel launcher: folders to hide, os.pathsep-separated
+HIDE_ENV = "COURSE_SANDBOX_HIDE"
+
+
+def _system_paths() -> list[Path]:
+    """What any Python process here must be able to read: its interpreter and the course itself."""
+    course = Path(__file__).resolve().parents[1]
+    return sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), course})
+
+
+def bwrap_command(command: list[str], writable: list[Path] = (), readable: list[Path] = (), hidden: list[Path] = ()) -> list[str]:
+    """``command`` inside bubblewrap, layered in this order:
+
+    1. the whole filesystem read-only, with a private, empty /tmp;
+    2. the interpreter and the course repository read-only again (they may live under /tmp);
+    3. the ``hidden`` folders replaced by empty ones (e.g. every student's grading folder);
+    4. the ``readable`` paths (single files or folders) read-only;
+    5. the ``writable`` folders writable.
 
     The command runs as PID 1 of its own PID namespace (it cannot see or signal other
     processes); ``--as-pid-1`` keeps ipykernel from mistaking the namespace's init for a
@@ -44,13 +60,19 @@ def bwrap_command(command: list[str], writable: list[Path], readable: list[Path]
             "--die-with-parent", "--unshare-pid", "--as-pid-1", "--unshare-ipc",
             "--setenv", "HOME", "/tmp", "--setenv", "MPLCONFIGDIR", "/tmp/matplotlib",
             "--setenv", "IPYTHONDIR", "/tmp/ipython", "--setenv", "TMPDIR", "/tmp"]
+    for path in _system_paths():
+        args += ["--ro-bind", str(path), str(path)]
     for path in hidden:
         args += ["--tmpfs", str(path)]
-    for path in readable:  # e.g. a connection file under /tmp, hidden by the private /tmp otherwise
+    for path in readable:
         args += ["--ro-bind", str(path), str(path)]
     for path in writable:
         args += ["--bind", str(path), str(path)]
     return [*args, "--", *command]
+
+
+def hidden_from_environment() -> list[Path]:
+    return [Path(p) for p in os.environ.get(HIDE_ENV, "").split(os.pathsep) if p]
 
 
 def write_kernel_spec(jupyter_path: Path) -> Path:
@@ -71,9 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     from jupyter_core.paths import jupyter_runtime_dir
 
     kernel = [sys.executable, "-m", "ipykernel_launcher", *argv]
-    # other kernels' connection files (with their keys) live in the runtime folder: hide them
+    # other kernels' connection files (with their keys) live in the runtime folder: hide them,
+    # and every grading folder the grader names (other students' work, the gradebooks)
     command = bwrap_command(kernel, writable=[Path.cwd()], readable=[connection_file],
-                            hidden=[Path(jupyter_runtime_dir()).resolve()])
+                            hidden=[Path(jupyter_runtime_dir()).resolve(), *hidden_from_environment()])
     os.execvp(command[0], command)
 
 
