@@ -121,8 +121,10 @@ def test_a_vandal_changes_nothing_outside_its_own_folder(graded):
     assert results["vandal"].score == results["vandal"].max_score
     own = workdir / "runs" / CH.name / "vandal" / "autograded" / "vandal" / CH.name
     assert (own / "vandal-was-here.txt").is_file(), "the vandal's code did not run"
-    touched = [str(p) for p in workdir.rglob("*") if p.is_file() and p.read_bytes().endswith(b"#vandalised")]
-    assert touched == [], touched
+    # its own folder (and nbgrader's copy of it in its own feedback) is all it could reach
+    mine = (own, workdir / "runs" / CH.name / "vandal" / "feedback" / "vandal" / CH.name)
+    touched = [p for p in workdir.rglob("*") if p.is_file() and p.read_bytes().endswith(b"#vandalised")]
+    assert [str(p) for p in touched if not any(folder in p.parents for folder in mine)] == []
     assert digest(submissions) == before
 
 
