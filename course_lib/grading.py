@@ -670,10 +670,13 @@ def check(chapter_spec: str, notebook: Path | None = None, workdir: Path | None 
     notebooks = [Path(notebook)] if notebook else sorted((root / RELEASE_DIR / chapter).glob("*.ipynb"))
     if not notebooks or not all(p.is_file() for p in notebooks):
         raise ValueError(f"notebook not found: {notebook or root / RELEASE_DIR / chapter}")
+    expected = sorted(p.name for p in (root / SOURCE_DIR / chapter).glob("*.ipynb"))
     with tempfile.TemporaryDirectory(prefix="course-check-") as tmp:
         submissions = Path(tmp) / "submitted" / "you" / chapter
         submissions.mkdir(parents=True)
         for path in notebooks:
-            shutil.copy2(path, submissions / path.name)
+            # nbgrader matches notebooks by name: a copy saved as "my attempt.ipynb" is graded as the chapter's notebook
+            name = path.name if path.name in expected or len(expected) != 1 else expected[0]
+            shutil.copy2(path, submissions / name)
         # your own notebook on your own machine: no sandbox needed
         return grade(Path(tmp) / "submitted", Path(workdir or Path(tmp) / "work"), [chapter], root=root, sandboxed=False)
