@@ -81,3 +81,11 @@ def assert_loses_exactly(result: grading.NotebookResult, chapter: Chapter, must_
     assert result.score == sum(chapter.points.values()) - sum(chapter.points[g] for g in must_fail)
     for test in result.tests:
         assert bool(test.message) == (not test.passed), f"{test.grade_id}: a failure must say why, a pass must not"
+
+
+def grade_students(tmp_path_factory, chapter: Chapter, students: dict, cell_timeout: int = 60):
+    """Grade ``{student: (make_notebook, must_fail)}`` in one run; return (results by (student, chapter), digests before and after)."""
+    submissions = write_submissions(tmp_path_factory.mktemp("submissions"), chapter, {s: make() for s, (make, _) in students.items()})
+    before = digest(submissions)
+    results = grading.grade(submissions, tmp_path_factory.mktemp("grading"), cell_timeout=cell_timeout)
+    return {(r.student, r.chapter): r for r in results}, before, digest(submissions)

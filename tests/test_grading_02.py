@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from course_lib import grading
-from tests.roundtrip import Chapter, assert_loses_exactly, digest, write_submissions
+from tests.roundtrip import Chapter, assert_loses_exactly, grade_students
 
 CH = Chapter("02-multihead", "multihead")
 MHA, SIN, ROPE, HEADS = ("multi_head_attention-solution", "sinusoidal_encoding-solution", "apply_rope-solution", "heads-solution")
@@ -67,11 +67,7 @@ STUDENTS = {
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    submissions = write_submissions(tmp_path_factory.mktemp("submissions"), CH, {s: make() for s, (make, _) in STUDENTS.items()})
-    before = digest(submissions)
-    # one run for all students; a whole notebook takes well under the 60 s each cell may use
-    results = grading.grade(submissions, tmp_path_factory.mktemp("grading"), cell_timeout=60)
-    return {(r.student, r.chapter): r for r in results}, before, digest(submissions)
+    return grade_students(tmp_path_factory, CH, STUDENTS)  # one nbgrader run for all students
 
 
 @pytest.mark.slow

@@ -16,38 +16,13 @@ from torch import nn
 
 from course_lib import checks
 from course_lib.attention import masked_softmax
-from tests.conftest import ROOT, load_notebook, nbgrader_cells, strip_solution_markers
+from tests.cell_harness import TestCells
+from tests.conftest import ROOT
 
 SOURCE = ROOT / "solutions" / "02-multihead" / "multihead.ipynb"
-CELLS = {gid: "".join(c["source"]) for gid, c in nbgrader_cells(load_notebook(SOURCE)).items()}
-REFERENCE = {gid.split("-")[0]: strip_solution_markers(src) for gid, src in CELLS.items() if gid.endswith("-solution")}
-
-
-def cells_of(exercise: str) -> list[str]:
-    return [gid for gid in CELLS if gid.startswith(f"{exercise}-") and not gid.endswith("-solution")]
-
-
-def mutate(exercise: str, *replacements: tuple[str, str]) -> str:
-    code = REFERENCE[exercise]
-    for old, new in replacements:
-        assert old in code, f"the planted bug no longer applies to {exercise}: {old!r} not found"
-        code = code.replace(old, new)
-    return code
-
-
-def failing_tests(exercise: str, solution: str) -> set[str]:
-    """Run the reference solutions of every exercise, then `solution` for `exercise`, then its test cells."""
-    namespace = {"torch": torch, "math": math, "F": F, "nn": nn, "checks": checks, "masked_softmax": masked_softmax}
-    for code in REFERENCE.values():
-        exec(code, namespace)  # noqa: S102 - the notebook's own reference code
-    exec(solution, namespace)  # noqa: S102
-    failed = set()
-    for grade_id in cells_of(exercise):
-        try:
-            exec(CELLS[grade_id], dict(namespace))  # noqa: S102
-        except Exception:  # noqa: BLE001 - any exception fails a test cell, as in nbgrader
-            failed.add(grade_id)
-    return failed
+HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "F": F, "nn": nn, "checks": checks, "masked_softmax": masked_softmax})
+CELLS, REFERENCE = HARNESS.cells, HARNESS.reference
+cells_of, mutate, failing_tests = HARNESS.cells_of, HARNESS.mutate, HARNESS.failing_tests
 
 
 SINUSOIDAL_PER_COLUMN_EXPONENT = '''

@@ -1,0 +1,198 @@
+"""Visible checks of chapter 03 (the transformer), and the PyTorch oracles they compare against.
+
+Oracles: ``torch.nn.functional.layer_norm``, ``torch.tril`` and ``torch.nn.TransformerEncoderLayer`` /
+``torch.nn.TransformerDecoderLayer`` with the learner's weights copied in; never course_lib's
+reference solutions.
+
+PyTorch's transformer layers take boolean masks with the *opposite* meaning to this course's:
+``True`` = "may NOT attend". ``torch_attention_mask`` converts (and says so in its name).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .core import assert_close, assert_shape, assert_tensor, fail, passed
+
+__all__ = ["check_layer_norm", "check_masks", "check_encoder_layer", "check_decoder_layer",
+           "torch_encoder_layer", "torch_decoder_layer", "torch_attention_mask", "seeded_parameters"]
+
+
+def seeded_parameters(module: nn.Module, seed: int, scale: float = 0.3) -> nn.Module:
+    """Overwrite every parameter with seeded random values: N(0, scale^2), and 1 + N(0, scale^2) for LayerNorm gains.
+
+    Checks then depend neither on the global random state nor on the initialisation (LayerNorm's
+    default gain 1 and bias 0 would hide a forgotten gain or bias).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            noise = torch.randn(parameter.shape, generator=gen) * scale
+            parameter.copy_(1.0 + noise if "norm" in name and name.endswith("weight") else noise)
+    return module
+
+
+def _copy_attention(ours: nn.Module, theirs: nn.MultiheadAttention) -> None:
+    theirs.in_proj_weight.copy_(torch.cat([ours.W_q.weight, ours.W_k.weight, ours.W_v.weight]))
+    theirs.in_proj_bias.copy_(torch.cat([ours.W_q.bias, ours.W_k.bias, ours.W_v.bias]))
+    theirs.out_proj.weight.copy_(ours.W_o.weight)
+    theirs.out_proj.bias.copy_(ours.W_o.bias)
+
+
+def _copy_common(ours: nn.Module, theirs: nn.Module, n_norms: int) -> None:
+    _copy_attention(ours.self_attn, theirs.self_attn)
+    for name in ("linear1", "linear2"):
+        getattr(theirs, name).load_state_dict(getattr(ours.ffn, name).state_dict())
+    for i in range(1, n_norms + 1):
+        getattr(theirs, f"norm{i}").weight.copy_(getattr(ours, f"norm{i}").weight)
+        getattr(theirs, f"norm{i}").bias.copy_(getattr(ours, f"norm{i}").bias)
+
+
+def torch_encoder_layer(layer: nn.Module) -> nn.TransformerEncoderLayer:
+    """A torch.nn.TransformerEncoderLayer (batch_first, ReLU, eps 1e-5, no dropout) holding the weights of our EncoderLayer.
+
+    It runs in training mode: with dropout 0 that changes nothing, and it keeps PyTorch off its
+    fused inference "fast path", so the oracle is the plain textbook computation.
+    """
+    attn = layer.self_attn
+    oracle = nn.TransformerEncoderLayer(attn.d_model, attn.n_heads, layer.ffn.linear1.out_features, dropout=0.0,
+                                        batch_first=True, norm_first=layer.norm_first)
+    with torch.no_grad():
+        _copy_common(layer, oracle, 2)
+    return oracle.train()
+
+
+def torch_decoder_layer(layer: nn.Module) -> nn.TransformerDecoderLayer:
+    """A torch.nn.TransformerDecoderLayer (batch_first, ReLU, eps 1e-5, no dropout) holding the weights of our DecoderLayer."""
+    attn = layer.self_attn
+    oracle = nn.TransformerDecoderLayer(attn.d_model, attn.n_heads, layer.ffn.linear1.out_features, dropout=0.0,
+                                        batch_first=True, norm_first=layer.norm_first)
+    with torch.no_grad():
+        _copy_common(layer, oracle, 3)
+        _copy_attention(layer.cross_attn, oracle.multihead_attn)
+    return oracle.train()
+
+
+def torch_attention_mask(mask: torch.Tensor, n_heads: int, batch: int, n_queries: int, n_keys: int) -> torch.Tensor:
+    """Our mask (bool, broadcastable to (B, H, Tq, Tk), True = attend) as PyTorch's 3-D attn_mask (B*H, Tq, Tk), True = BLOCKED."""
+    return ~mask.expand(batch, n_heads, n_queries, n_keys).reshape(batch * n_heads, n_queries, n_keys)
+
+
+# --- exercise 1: layer norm -------------------------------------------------------------------
+
+def check_layer_norm(layer_norm) -> None:
+    """Visible checks for exercise 1 against torch.nn.functional.layer_norm."""
+    gen = torch.Generator().manual_seed(301)
+    d = 8
+    x = torch.randn(2, 3, d, generator=gen) * 3 + 1
+    ones, zeros = torch.ones(d), torch.zeros(d)
+    out = layer_norm(x, ones, zeros)
+    assert_shape(out, (2, 3, d), "layer_norm(x, ...) for x of shape (2, 3, 8)")
+    means = out.double().mean(-1)
+    if (means.abs() > 1e-4).any():
+        worst = tuple(int(i) for i in torch.unravel_index(means.abs().argmax(), means.shape))
+        fail(f"with weight = 1 and bias = 0, the vector out[{worst[0]}, {worst[1]}] should have mean 0 over its last axis, "
+             f"but it has mean {means[worst].item():.4g}: normalise each vector over the last axis (dim=-1), "
+             "with keepdim=True so that the statistics broadcast back")
+    second_moment = out.double().pow(2).mean(-1)  # the biased variance of the output, since its mean is 0
+    if ((second_moment - (d - 1) / d).abs() < 1e-3).all():
+        fail(f"the outputs have variance {second_moment.mean().item():.4f} = (D - 1) / D = 7/8 instead of 1: you divided "
+             "by D - 1 (the unbiased variance, torch.var's default). LayerNorm uses the biased variance, dividing by D")
+    assert_close(out, F.layer_norm(x, (d,), eps=1e-5), "layer_norm(x, ones, zeros)")
+    weight, bias = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
+    assert_close(layer_norm(x, weight, bias), F.layer_norm(x, (d,), weight, bias, eps=1e-5),
+                 "layer_norm(x, weight, bias) (is the result multiplied by weight and then bias added?)")
+    tiny = torch.randn(4, d, generator=gen) * 1e-3  # variance 1e-6, below eps = 1e-5: eps matters here
+    assert_close(layer_norm(tiny, ones, zeros), F.layer_norm(tiny, (d,), eps=1e-5),
+                 "layer_norm of vectors whose variance (about 1e-6) is smaller than eps = 1e-5 "
+                 "(eps belongs inside the square root: sqrt(var + eps))")
+    passed("layer_norm")
+
+
+# --- exercise 2: masks ----------------------------------------------------------------------------
+
+def _as_bool_mask(value, name: str, shape) -> torch.Tensor:
+    assert_tensor(value, name)
+    if value.dtype != torch.bool:
+        fail(f"{name} should be a bool tensor (True = may attend), got dtype {value.dtype}")
+    assert_shape(value, shape, name)
+    return value
+
+
+def _show(mask: torch.Tensor) -> str:
+    return "\n".join(" ".join(str(int(v)) for v in row) for row in mask.int())
+
+
+def check_masks(make_padding_mask, make_causal_mask, make_target_mask) -> None:
+    """Visible checks for exercise 2: the three masks on a small example."""
+    pad = 0
+    tokens = torch.tensor([[5, 6, 7, 8], [5, 6, pad, pad]])
+    padding = _as_bool_mask(make_padding_mask(tokens, pad), "make_padding_mask(tokens, pad_id) for tokens (2, 4)", (2, 1, 1, 4))
+    expected = tokens != pad
+    if not torch.equal(padding[:, 0, 0], expected):
+        fail(f"make_padding_mask gives {padding[:, 0, 0].int().tolist()} for tokens {tokens.tolist()} with pad_id 0, "
+             f"expected {expected.int().tolist()} (True on the real tokens, False on padding)")
+
+    causal = _as_bool_mask(make_causal_mask(4), "make_causal_mask(4)", (1, 1, 4, 4))
+    expected = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    if not torch.equal(causal[0, 0], expected):
+        hint = ("the diagonal is False: a position must be allowed to attend to itself" if not causal[0, 0].diagonal().all()
+                else "a query may see a key in its future (above the diagonal)" if causal[0, 0].triu(1).any()
+                else "some allowed keys are missing")
+        fail(f"make_causal_mask(4) gives\n{_show(causal[0, 0])}\nexpected (row = query, column = key)\n{_show(expected)}\n{hint}")
+
+    target = make_target_mask(tokens, pad)
+    if isinstance(target, torch.Tensor) and target.dim() == 4 and target.shape[0] == 1:
+        fail(f"make_target_mask(tgt, pad_id) for tgt (2, 4) has shape {tuple(target.shape)}, expected (2, 1, 4, 4): without "
+             "a batch axis it cannot know which keys are padding; combine the padding mask and the causal mask with &")
+    target = _as_bool_mask(target, "make_target_mask(tgt, pad_id) for tgt (2, 4)", (2, 1, 4, 4))
+    expected = (tokens != pad)[:, None, None, :] & torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    if not torch.equal(target, expected):
+        fail(f"make_target_mask for the target {tokens[1].tolist()} (pad_id 0) gives\n{_show(target[1, 0])}\nexpected\n"
+             f"{_show(expected[1, 0])}\nkey j is allowed for query i only if j <= i AND token j is not padding: "
+             "combine the padding mask and the causal mask with &")
+    passed("masks")
+
+
+# --- exercises 3 and 4: encoder and decoder layers ------------------------------------------------
+
+def _parity(ours, expected, name: str, oracle: str) -> None:
+    if isinstance(ours, tuple):
+        fail(f"{name} should return one tensor x (B, T, D), got a tuple of {len(ours)}")
+    assert_close(ours, expected, f"{name} compared with {oracle} holding the same weights")
+
+
+def check_encoder_layer(EncoderLayer) -> None:
+    """Visible checks for exercise 3: post-LN with a padding mask, against torch.nn.TransformerEncoderLayer."""
+    d_model, n_heads, d_ff = 16, 4, 32
+    layer = seeded_parameters(EncoderLayer(d_model, n_heads, d_ff, dropout=0.0, norm_first=False), seed=303).eval()
+    x = torch.randn(2, 5, d_model, generator=torch.Generator().manual_seed(304))
+    real = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    with torch.no_grad():
+        out = layer(x, real[:, None, None, :])
+        # PyTorch: key_padding_mask True = padding = NOT attended, the opposite of our masks
+        expected = torch_encoder_layer(layer)(x, src_key_padding_mask=~real)
+    _parity(out, expected, "your post-LN EncoderLayer (norm_first=False) with a padding mask",
+            "torch.nn.TransformerEncoderLayer(norm_first=False)")
+    passed("EncoderLayer")
+
+
+def check_decoder_layer(DecoderLayer) -> None:
+    """Visible checks for exercise 4: post-LN with target (padding & causal) and memory padding masks."""
+    d_model, n_heads, d_ff = 16, 4, 32
+    layer = seeded_parameters(DecoderLayer(d_model, n_heads, d_ff, dropout=0.0, norm_first=False), seed=305).eval()
+    gen = torch.Generator().manual_seed(306)
+    x, memory = torch.randn(2, 4, d_model, generator=gen), torch.randn(2, 6, d_model, generator=gen)
+    tgt_real = torch.tensor([[True] * 4, [True, True, True, False]])
+    src_real = torch.tensor([[True] * 6, [True, True, True, True, False, False]])
+    causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    tgt_mask = tgt_real[:, None, None, :] & causal  # (2, 1, 4, 4)
+    memory_mask = src_real[:, None, None, :]  # (2, 1, 1, 6)
+    with torch.no_grad():
+        out = layer(x, memory, tgt_mask, memory_mask)
+        expected = torch_decoder_layer(layer)(x, memory, tgt_mask=~causal, tgt_key_padding_mask=~tgt_real,
+                                              memory_key_padding_mask=~src_real)
+    _parity(out, expected, "your post-LN DecoderLayer (norm_first=False) with target and memory masks",
+            "torch.nn.TransformerDecoderLayer(norm_first=False)")
+    passed("DecoderLayer")

@@ -1,0 +1,80 @@
+"""Building blocks of a transformer layer, chapter 03: the position-wise feed-forward network and LayerNorm.
+
+Both act on the last axis only: a tensor of shape ``(..., D)`` (usually ``(B, T, D)``) is
+transformed vector by vector, the same way at every position, and no information moves
+between positions. Mixing positions is attention's job.
+
+``layer_norm`` is the reference solution of chapter 03's first exercise; the notebook's
+solution cell is the same code (``tests/test_solution_drift.py`` checks).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _check_size(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_dropout(dropout: float) -> None:
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward network: Linear(D, F) -> activation -> Dropout -> Linear(F, D).
+
+    x: (..., D) -> (..., D). The same two-layer MLP is applied to every position separately;
+    the original transformer uses F = 4 D and ReLU.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, activation: str = "relu"):
+        super().__init__()
+        _check_size("d_model", d_model)
+        _check_size("d_ff", d_ff)
+        _check_dropout(dropout)
+        if activation not in ("relu", "gelu"):
+            raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
+        self.linear1 = nn.Linear(d_model, d_ff)
+        self.linear2 = nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.activation = F.relu if activation == "relu" else F.gelu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., D) -> (..., D)."""
+        return self.linear2(self.dropout(self.activation(self.linear1(x))))
+
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    """Layer normalisation over the last axis: (x - mean) / sqrt(var + eps) * weight + bias.
+
+    x: (..., D)   weight, bias: (D,)   Returns (..., D).
+    mean and var are taken over the last axis of each vector separately; var is the
+    biased (population) variance, dividing by D, as in torch.nn.LayerNorm; eps goes
+    inside the square root.
+    """
+    mean = x.mean(dim=-1, keepdim=True)  # (..., 1)
+    var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)  # (..., 1), divides by D, not D - 1
+    return (x - mean) / torch.sqrt(var + eps) * weight + bias
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last axis with a learned gain (ones) and bias (zeros), like torch.nn.LayerNorm(d_model)."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5):
+        super().__init__()
+        _check_size("d_model", d_model)
+        if not eps >= 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.bias = nn.Parameter(torch.zeros(d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., D) -> (..., D)."""
+        if x.shape[-1] != self.weight.shape[0]:
+            raise ValueError(f"x must have size {self.weight.shape[0]} in its last axis, got shape {tuple(x.shape)}")
+        return layer_norm(x, self.weight, self.bias, self.eps)

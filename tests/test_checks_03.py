@@ -1,0 +1,105 @@
+"""Chapter 03's learner-facing checks: the reference passes; each classic bug gets a specific message."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import checks, layers, transformer
+from course_lib.transformer import DecoderLayer, EncoderLayer, make_causal_mask, make_padding_mask, make_target_mask
+
+
+def test_reference_implementations_pass_every_visible_check(capsys):
+    checks.check_layer_norm(layers.layer_norm)
+    checks.check_masks(make_padding_mask, make_causal_mask, make_target_mask)
+    checks.check_encoder_layer(EncoderLayer)
+    checks.check_decoder_layer(DecoderLayer)
+    assert capsys.readouterr().out.count("all visible checks passed") == 4
+
+
+def ln_unbiased(x, weight, bias, eps=1e-5):
+    return (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True) + eps) * weight + bias
+
+
+def ln_over_positions(x, weight, bias, eps=1e-5):
+    mean, var = x.mean(-2, keepdim=True), x.var(-2, unbiased=False, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps) * weight + bias
+
+
+def ln_eps_outside(x, weight, bias, eps=1e-5):
+    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    return (x - mean) / (torch.sqrt(var) + eps) * weight + bias
+
+
+def ln_no_affine(x, weight, bias, eps=1e-5):
+    return F.layer_norm(x, x.shape[-1:], eps=eps)
+
+
+def causal_without_diagonal(T, device=None):
+    return torch.ones(T, T, dtype=torch.bool).tril(-1)[None, None]
+
+
+def causal_one_ahead(T, device=None):
+    return torch.ones(T, T, dtype=torch.bool).tril(1)[None, None]
+
+
+def target_without_padding(tgt, pad_id):
+    return make_causal_mask(tgt.shape[1]).expand(tgt.shape[0], 1, tgt.shape[1], tgt.shape[1])
+
+
+def target_is_causal_only(tgt, pad_id):
+    return make_causal_mask(tgt.shape[1])
+
+
+def padding_as_float(tokens, pad_id):
+    return (tokens != pad_id).float()[:, None, None, :]
+
+
+class EncoderWithPyTorchMaskConvention(EncoderLayer):
+    def forward(self, x, mask=None):
+        return super().forward(x, None if mask is None else ~mask)
+
+
+class EncoderReturningWeights(EncoderLayer):
+    def forward(self, x, mask=None):
+        return super().forward(x, mask), None
+
+
+class DecoderIgnoringMemoryMask(DecoderLayer):
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
+        return super().forward(x, memory, tgt_mask, None)
+
+
+MASKS = (make_padding_mask, make_causal_mask, make_target_mask)
+
+
+@pytest.mark.parametrize("check,args,message", [
+    (checks.check_layer_norm, (ln_unbiased,), r"variance 0\.8750 = \(D - 1\) / D = 7/8 instead of 1: you divided by D - 1"),
+    (checks.check_layer_norm, (ln_over_positions,), r"out\[\d, \d\] should have mean 0 over its last axis, but it has mean -?\d\.\d+.*dim=-1"),
+    (checks.check_layer_norm, (ln_eps_outside,), r"variance \(about 1e-6\) is smaller than eps.*sqrt\(var \+ eps\)"),
+    (checks.check_layer_norm, (ln_no_affine,), r"layer_norm\(x, weight, bias\).*differs from the expected values in \d+ of 48"),
+    (checks.check_masks, (make_padding_mask, causal_without_diagonal, make_target_mask), r"the diagonal is False: a position must be allowed to attend to itself"),
+    (checks.check_masks, (make_padding_mask, causal_one_ahead, make_target_mask), r"a query may see a key in its future"),
+    (checks.check_masks, (make_padding_mask, make_causal_mask, target_without_padding), r"combine the padding mask and the causal mask with &"),
+    (checks.check_masks, (make_padding_mask, make_causal_mask, target_is_causal_only), r"has shape \(1, 1, 4, 4\), expected \(2, 1, 4, 4\).*with &"),
+    (checks.check_masks, (padding_as_float, make_causal_mask, make_target_mask), r"should be a bool tensor \(True = may attend\), got dtype torch.float32"),
+    (checks.check_encoder_layer, (EncoderWithPyTorchMaskConvention,), r"post-LN EncoderLayer .*torch.nn.TransformerEncoderLayer\(norm_first=False\) holding the same weights"),
+    (checks.check_encoder_layer, (EncoderReturningWeights,), r"should return one tensor x \(B, T, D\), got a tuple of 2"),
+    (checks.check_decoder_layer, (DecoderIgnoringMemoryMask,), r"post-LN DecoderLayer .* differs from the expected values in \d+ of 128"),
+])
+def test_classic_bugs_get_specific_messages(check, args, message):
+    with pytest.raises(checks.CheckFailed, match=message):
+        check(*args)
+
+
+def test_torch_attention_mask_inverts_and_flattens_heads():
+    real = torch.tensor([[True, True, False]])[:, None, None, :]  # (1, 1, 1, 3)
+    blocked = checks.torch_attention_mask(real, n_heads=2, batch=1, n_queries=4, n_keys=3)
+    assert blocked.shape == (2, 4, 3) and blocked[:, :, 2].all() and not blocked[:, :, :2].any()
+
+
+def test_seeded_parameters_is_deterministic_and_perturbs_norm_gains():
+    a = checks.seeded_parameters(transformer.EncoderLayer(8, 2, 16), seed=1)
+    b = checks.seeded_parameters(transformer.EncoderLayer(8, 2, 16), seed=1)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert (a.norm1.weight - 1).abs().max() < 1.5 and not torch.equal(a.norm1.weight, torch.ones(8))
