@@ -482,11 +482,11 @@ def _grade_in_folder(template: Path, submission: Path, run: _Run) -> list[Notebo
             continue
         _, flooded = _progress(run.progress_file)
         for cell_id in flooded:
-            exercise = _exercise_of_cell(autograded, cell_id)
+            exercise = _exercise_of_cell(autograded, cell_id, course_cells)
             if exercise:
                 charged.setdefault(exercise, "this exercise printed more output than grading allows")
         for cell_id in _interrupted_cells(autograded):
-            exercise = _exercise_of_cell(autograded, cell_id)
+            exercise = _exercise_of_cell(autograded, cell_id, course_cells)
             if exercise:
                 charged.setdefault(exercise, f"a cell of this exercise did not finish within {run.cell_timeout} s and was interrupted")
         submitted = run.folder / "submitted" / run.student / run.chapter / source.name
@@ -525,15 +525,18 @@ def _interrupted_cells(notebook_path: Path) -> list[str]:
                    for o in cell.get("outputs", []))]
 
 
-def _exercise_of_cell(notebook_path: Path, cell_id: str) -> str | None:
-    """The exercise a cell belongs to: its own grade_id, or the last solution cell above it."""
+def _exercise_of_cell(notebook_path: Path, cell_id: str, course_cells: set[str]) -> str | None:
+    """The exercise charged for a cell: its own grade_id; for a cell the student added, the last one above it.
+
+    The course's own cells (explanations, training) belong to no exercise.
+    """
     exercise = None
     for cell in json.loads(notebook_path.read_text())["cells"]:
         meta = _nbgrader_meta(cell)
         if meta.get("grade_id"):
             exercise = exercise_of(meta["grade_id"])
         if cell.get("id") == cell_id:
-            return exercise
+            return exercise_of(meta["grade_id"]) if meta.get("grade_id") else None if cell_id in course_cells else exercise
     return None
 
 
