@@ -1,4 +1,4 @@
-"""The ``course`` command: lab, check, release, grade, validate."""
+"""The ``course`` command: lab, check, execute, release, grade, report, validate, pretrain, bench."""
 from __future__ import annotations
 
 import argparse
@@ -78,6 +78,13 @@ def _validate(args) -> int:
     return 0 if ok else 1
 
 
+def _tool(module: str, argv: list[str]) -> int:
+    """Hand the rest of the command line to course_lib.<module>.main (it has its own --help)."""
+    import importlib
+
+    return importlib.import_module(f"course_lib.{module}").main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="course", description="From Attention to Decoding: course commands.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("chapters", nargs="*", help="chapters to validate (default: all)")
     p.set_defaults(func=_validate)
 
+    p = sub.add_parser("pretrain", help="train the shipped checkpoints in course_lib/assets (deterministic)", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: _tool("pretrain", a.args))
+
+    p = sub.add_parser("bench", help="benchmarks against Hugging Face: `course bench train`", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: _tool("bench", a.args))
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("pretrain", "bench"):  # their options (and --help) are their own
+        return _tool(argv[0], argv[1:])
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -60,3 +60,89 @@ def digits_to_text(tokens) -> str:
         if token >= DIGIT_OFFSET:
             out.append(str(token - DIGIT_OFFSET))
     return "".join(out)
+
+
+# --- chapter 04: the embedded corpus, a character-level tokenizer, language-model batches ---------------------
+
+
+def default_corpus(path=None) -> str:
+    """The course's text corpus: Python's own help topics, or any UTF-8 text file.
+
+    With no ``path``, the text of ``pydoc_data.topics.topics`` (a dict in the standard library, the
+    source of ``help('if')`` and friends), its entries joined by blank lines in sorted key order, so
+    the corpus is the same on every machine with the same Python version. With a ``path``, that
+    file's contents.
+    """
+    if path is not None:
+        from pathlib import Path
+
+        text = Path(path).read_text(encoding="utf-8")
+        if not text:
+            raise ValueError(f"path must name a non-empty text file, got an empty file: {path}")
+        return text
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key].strip("\n") for key in sorted(topics)) + "\n"
+
+
+class CharTokenizer:
+    """Character-level tokenizer: every distinct character of a text is one token, numbered in sorted order.
+
+    ``encode(text) -> list[int]`` and ``decode(ids) -> str`` are inverses on texts made of known
+    characters; an unknown character raises a ValueError naming it.
+    """
+
+    def __init__(self, text: str):
+        if not text:
+            raise ValueError("text must contain at least one character")
+        self.chars = sorted(set(text))
+        self.stoi = {ch: i for i, ch in enumerate(self.chars)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[ch] for ch in text]
+        except KeyError as error:
+            raise ValueError(f"text contains the character {error.args[0]!r}, which is not in the vocabulary") from None
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < len(self.chars)]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {len(self.chars) - 1}], got {bad[0]}")
+        return "".join(self.chars[i] for i in ids)
+
+
+def train_val_split(data: torch.Tensor, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a 1-D token tensor into (train, val): the first 1 - val_fraction of it, then the rest.
+
+    A contiguous split (not a shuffle): validation text is text the model never saw, not a
+    re-ordering of sentences it trained on.
+    """
+    if data.dim() != 1:
+        raise ValueError(f"data must be a 1-D tensor of token ids, got shape {tuple(data.shape)}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    cut = int(len(data) * (1.0 - val_fraction))
+    return data[:cut], data[cut:]
+
+
+def get_batch(data: torch.Tensor, block_size: int, batch_size: int, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random blocks of a 1-D token tensor for next-token prediction.
+
+    Returns (x, y), both (batch_size, block_size) int64: x = data[i : i + T] at random starts i,
+    y = data[i + 1 : i + T + 1], the same block shifted by one, so y[b, t] is the token that follows
+    x[b, t].
+    """
+    if block_size < 1 or batch_size < 1:
+        raise ValueError(f"block_size and batch_size must be >= 1, got {block_size} and {batch_size}")
+    if len(data) < block_size + 1:
+        raise ValueError(f"data must hold at least block_size + 1 = {block_size + 1} tokens, got {len(data)}")
+    starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+    offsets = torch.arange(block_size)
+    x = data[starts[:, None] + offsets]  # (B, T)
+    y = data[starts[:, None] + offsets + 1]  # (B, T): shifted by one
+    return x.long(), y.long()

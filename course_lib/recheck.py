@@ -96,6 +96,7 @@ class Integrity:
 def _watched(namespace: dict) -> list:
     import numpy
     import torch
+    import torch._dynamo  # noqa: F401 - imported lazily by the first optimizer step, it re-binds torch attributes
 
     import course_lib.checks
 

@@ -53,3 +53,22 @@ def test_the_recheck_loads_definitions_and_constants_but_no_patches():
     kept = student_definitions(source)
     assert "EPS = 1e-09" in kept and "def f" in kept
     assert "allclose" not in kept and "make()" not in kept
+
+
+def test_the_recheck_accepts_a_solution_that_takes_an_optimizer_step(tmp_path):
+    """torch imports torch._dynamo lazily at the first optimizer step, which re-binds torch attributes:
+    that must not be mistaken for the student patching torch."""
+    from course_lib.recheck import recheck
+
+    step = ("def one_step(model):\n"
+            "    opt = torch.optim.AdamW(model.parameters(), lr=0.1)\n"
+            "    model(torch.ones(1, 2)).sum().backward()\n"
+            "    opt.step()\n"
+            "    return model\n")
+    test = ("model = torch.nn.Linear(2, 1)\nbefore = model.weight.detach().clone()\n"
+            "assert not torch.allclose(one_step(model).weight, before)\n")
+    cells = [cell("setup", "import torch"), cell("sol", step, grade_id="step-solution", solution=True),
+             cell("test", test, grade_id="step-visible", grade=True)]
+    path = tmp_path / "nb.ipynb"
+    path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    assert recheck(path, path, timeout=120, sandboxed=False) == {"step-visible": (True, "")}

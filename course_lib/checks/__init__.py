@@ -10,3 +10,4 @@ from .core import ATOL, RTOL, CheckFailed  # noqa: F401  (explicit for readers a
 from .ch01 import *  # noqa: F401,F403
 from .ch02 import *  # noqa: F401,F403
 from .ch03 import *  # noqa: F401,F403
+from .ch04 import *  # noqa: F401,F403

@@ -1,0 +1,166 @@
+"""Visible checks of chapter 04 (GPT), and the independent oracles they compare against.
+
+Oracles: a float64 GPT forward written with ``torch.nn.functional`` only (``gpt_forward_oracle``,
+``causal_attention_oracle``: ``F.scaled_dot_product_attention(is_causal=True)``), and a parameter
+count of the same architecture from PyTorch's own modules (``gpt_param_count_oracle``:
+``nn.TransformerEncoderLayer``, ``nn.LayerNorm``); never course_lib's reference solutions.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .core import assert_close, assert_shape, assert_tensor, fail, passed, unpack_pair
+
+__all__ = ["check_causal_self_attention", "check_gpt_forward", "check_gpt_param_count", "causal_attention_oracle",
+           "gpt_forward_oracle", "gpt_param_count_oracle", "randomize_gpt"]
+
+
+def randomize_gpt(module: nn.Module, seed: int, scale: float = 0.2) -> nn.Module:
+    """Overwrite every parameter in place with seeded noise (LayerNorm gains 1 + noise); ties survive (in-place copies).
+
+    The checks then depend neither on the global random state nor on the initialisation (zero biases
+    and unit gains would hide a forgotten bias or gain).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            noise = torch.randn(parameter.shape, generator=gen) * scale
+            parameter.copy_(1.0 + noise if "ln" in name and name.endswith("weight") else noise)
+    return module.eval()
+
+
+def causal_attention_oracle(c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, x, n_head: int):
+    """Float64 causal self-attention from the fused projection's weights: x (B, T, C) -> (B, T, C).
+
+    Uses torch.nn.functional.scaled_dot_product_attention(is_causal=True) on each head.
+    """
+    x = x.double()
+    B, T, C = x.shape
+    qkv = F.linear(x, c_attn_weight.double(), None if c_attn_bias is None else c_attn_bias.double())
+    q, k, v = (t.reshape(B, T, n_head, C // n_head).permute(0, 2, 1, 3) for t in qkv.split(C, dim=-1))
+    heads = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, Dh)
+    merged = heads.permute(0, 2, 1, 3).reshape(B, T, C)
+    return F.linear(merged, c_proj_weight.double(), None if c_proj_bias is None else c_proj_bias.double())
+
+
+def _attention_oracle_of(module, x, n_head):
+    return causal_attention_oracle(module.c_attn.weight.detach(), _bias(module.c_attn), module.c_proj.weight.detach(),
+                                   _bias(module.c_proj), x, n_head)
+
+
+def _bias(linear):
+    return None if linear.bias is None else linear.bias.detach()
+
+
+def gpt_forward_oracle(model: nn.Module, idx):
+    """Float64 logits (B, T, V) of a GPT with GPT-2's parameter names, written with torch.nn.functional only."""
+    s = {name: p.detach().double() for name, p in model.named_parameters(remove_duplicate=False)}
+    get = s.get
+    cfg = model.config
+    B, T = idx.shape
+    x = F.embedding(idx, s["transformer.wte.weight"]) + s["transformer.wpe.weight"][:T]
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}."
+        h = F.layer_norm(x, (cfg.n_embd,), s[p + "ln_1.weight"], get(p + "ln_1.bias"), 1e-5)
+        x = x + causal_attention_oracle(s[p + "attn.c_attn.weight"], get(p + "attn.c_attn.bias"),
+                                        s[p + "attn.c_proj.weight"], get(p + "attn.c_proj.bias"), h, cfg.n_head)
+        h = F.layer_norm(x, (cfg.n_embd,), s[p + "ln_2.weight"], get(p + "ln_2.bias"), 1e-5)
+        h = F.gelu(F.linear(h, s[p + "mlp.c_fc.weight"], get(p + "mlp.c_fc.bias")), approximate="tanh")
+        x = x + F.linear(h, s[p + "mlp.c_proj.weight"], get(p + "mlp.c_proj.bias"))
+    x = F.layer_norm(x, (cfg.n_embd,), s["transformer.ln_f.weight"], get("transformer.ln_f.bias"), 1e-5)
+    return x @ s["lm_head.weight"].T
+
+
+def gpt_param_count_oracle(config, tied: bool = True) -> int:
+    """The parameters of GPT(config), counted on PyTorch's own modules.
+
+    nn.TransformerEncoderLayer(C, H, 4C) holds exactly a GPT block's parameters: a fused (3C, C)
+    input projection, the output projection, the two MLP matrices and two LayerNorms (with or
+    without biases). One layer is built (on the CPU: a meta-device build would wrap torch.manual_seed,
+    which the grader's integrity check reports) and counted, times n_layer; then the final
+    nn.LayerNorm, and the two embedding tables (V, C) and (block_size, C), plus a bias-free (V, C)
+    head when untied.
+    """
+    C = config.n_embd
+    layer = nn.TransformerEncoderLayer(C, config.n_head, 4 * C, bias=config.bias)
+    per_layer = sum(p.numel() for p in layer.parameters())
+    final_norm = sum(p.numel() for p in nn.LayerNorm(C, bias=config.bias).parameters())
+    embeddings = config.vocab_size * C + config.block_size * C
+    head = 0 if tied else config.vocab_size * C
+    return embeddings + config.n_layer * per_layer + final_norm + head
+
+
+def _config(**sizes):
+    from ..gpt import GPTConfig  # the config dataclass only (plain data, no reference solution)
+
+    return GPTConfig(**sizes)
+
+
+def check_causal_self_attention(CausalSelfAttention) -> None:
+    """Visible checks for chapter 04, exercise 1: shapes, no peeking at the future, the float64 oracle."""
+    config = _config(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=8)
+    attn = randomize_gpt(CausalSelfAttention(config), seed=401)
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(402))
+    with torch.no_grad():
+        y = attn(x)
+        assert_tensor(y, "CausalSelfAttention(x)")
+        assert_shape(y, (2, 5, 8), "the output for x of shape (B, T, C) = (2, 5, 8)")
+        changed = x.clone()
+        changed[:, 3:] += 1.0  # change only the tokens at positions 3 and 4
+        leak = (attn(changed)[:, :3] - y[:, :3]).abs().max().item()
+    if leak > 1e-6:
+        fail(f"changing the inputs at positions 3 and 4 changed your outputs at positions 0-2 by up to {leak:.3g}: "
+             "position t must not see positions after t (is the causal mask missing, inverted or shifted up by one?)")
+    expected = _attention_oracle_of(attn, x, 2)
+    first_error = (y[:, 0].double() - expected[:, 0]).abs().max().item()
+    if first_error > 1e-4:
+        fail(f"your output at position 0 is off by {first_error:.3g}: position 0 must attend to itself, with weight 1 "
+             "(does your mask leave out the diagonal?)")
+    assert_close(y, expected.float(), "your causal self-attention (2 heads) compared with a float64 oracle")
+    passed("CausalSelfAttention")
+
+
+def check_gpt_forward(GPT) -> None:
+    """Visible checks for chapter 04, exercise 2: (logits, loss) shapes, the tie, logits and loss against float64 oracles."""
+    config = _config(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    torch.manual_seed(403)
+    model = GPT(config)
+    if not (hasattr(model, "lm_head") and hasattr(model, "transformer")):
+        fail("your GPT should have the attributes transformer (with wte, wpe, h, ln_f) and lm_head; "
+             f"it has {sorted(name for name, _ in model.named_children())}")
+    if model.lm_head.weight is not model.transformer.wte.weight:
+        fail("model.lm_head.weight is not model.transformer.wte.weight: the LM head must share the token embedding's "
+             "Parameter (assign the Parameter itself, after both modules exist)")
+    randomize_gpt(model, seed=404)
+    gen = torch.Generator().manual_seed(405)
+    idx, targets = torch.randint(0, 13, (3, 6), generator=gen), torch.randint(0, 13, (3, 6), generator=gen)
+    with torch.no_grad():
+        logits, loss = unpack_pair(model(idx), "GPT.forward(idx)", ("logits", "loss"))
+        if loss is not None:
+            fail(f"GPT.forward(idx) without targets should return (logits, None), got a loss of {loss!r}")
+        assert_shape(logits, (3, 6, 13), "the logits for idx of shape (B, T) = (3, 6) and a vocabulary of 13")
+        expected = gpt_forward_oracle(model, idx)
+        assert_close(logits, expected.float(), "your logits compared with a float64 oracle")
+        logits, loss = unpack_pair(model(idx, targets), "GPT.forward(idx, targets)", ("logits", "loss"))
+    assert_tensor(loss, "the loss")
+    assert_shape(loss, (), "the loss (a scalar: the mean over every position)")
+    expected_loss = F.cross_entropy(expected.reshape(-1, 13), targets.reshape(-1))
+    assert_close(loss, expected_loss.float(), "your loss compared with the mean cross-entropy of the oracle's logits")
+    passed("GPT forward")
+
+
+def check_gpt_param_count(gpt_param_count) -> None:
+    """Visible checks for chapter 04, exercise 3: the course model's size, tied and untied."""
+    config = _config(vocab_size=103, block_size=128, n_layer=4, n_head=4, n_embd=128)
+    for tied in (True, False):
+        got, expected = gpt_param_count(config, tied=tied), gpt_param_count_oracle(config, tied=tied)
+        if not isinstance(got, int):
+            fail(f"gpt_param_count should return an int, got {type(got).__name__}")
+        if got != expected:
+            fail(f"gpt_param_count({config}, tied={tied}) = {got:,}, but the model has {expected:,} parameters "
+                 f"(a difference of {got - expected:+,}; C = 128 so C^2 = {128 ** 2:,}, V*C = {103 * 128:,}, block_size*C = {128 * 128:,})")
+    passed("gpt_param_count")

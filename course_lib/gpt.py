@@ -1,0 +1,259 @@
+"""GPT, chapter 04: a GPT-2-style decoder-only language model, small enough to train on a CPU.
+
+The architecture is GPT-2's (Radford et al., 2019), and so are the parameter names, so that a
+state dict converts to and from Hugging Face's ``GPT2LMHeadModel`` by transposing a few matrices
+(``course_lib.hf``)::
+
+    transformer.wte            token embedding (V, C)
+    transformer.wpe            learned position embedding (block_size, C)
+    transformer.h[i]           n_layer pre-LN blocks: x + attn(ln_1(x)), then x + mlp(ln_2(x))
+    transformer.ln_f           final LayerNorm
+    lm_head                    (C -> V), its weight *is* transformer.wte.weight (weight tying)
+
+Shapes: B batch, T time (tokens), C = n_embd, H = n_head, Dh = C / H, V = vocab_size.
+
+``CausalSelfAttention``, ``GPT`` and ``gpt_param_count`` are the reference solutions of chapter 04's
+exercises; the notebook's solution cells are the same code (``tests/test_solution_drift.py`` checks).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import masked_softmax
+
+#: Targets equal to this value are padding and are left out of the loss (PyTorch's and Hugging Face's default).
+IGNORE_INDEX = -100
+
+
+@dataclass
+class GPTConfig:
+    """Sizes of a GPT. ``bias`` switches the biases of every Linear and LayerNorm on or off (GPT-2 has them)."""
+
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd must be divisible by n_head, got n_embd={self.n_embd} and n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused projection for queries, keys and values.
+
+    c_attn: Linear(C, 3C) computes [q | k | v] side by side; c_proj: Linear(C, C) mixes the heads.
+    Position t attends to positions 0..t (itself included) and never to the future.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        """x (B, T, C) -> (B, T, C)."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
+        # split the channels into heads: (B, T, C) -> (B, H, T, Dh)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T): True on and below the diagonal
+        weights = masked_softmax(q @ k.transpose(-2, -1) / math.sqrt(C // self.n_head), causal)  # (B, H, T, T)
+        y = self.attn_dropout(weights) @ v  # (B, H, T, Dh)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # merge the heads again
+        return self.resid_dropout(self.c_proj(y))
+
+
+class GPTMLP(nn.Module):
+    """The position-wise MLP of a GPT block: Linear(C, 4C) -> GELU (tanh approximation) -> Linear(4C, C).
+
+    GPT-2 uses the tanh approximation of GELU (Hugging Face calls it "gelu_new").
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        """x (B, T, C) -> (B, T, C)."""
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class GPTBlock(nn.Module):
+    """A pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = GPTMLP(config)
+
+    def forward(self, x):
+        """x (B, T, C) -> (B, T, C)."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style language model. forward(idx (B, T), targets (B, T) or None) -> (logits (B, T, V), loss or None).
+
+    targets[b, t] is the token that *follows* idx[b, t] (the batch is shifted once, by the data
+    pipeline, never again in here); targets equal to -100 (IGNORE_INDEX) are padding and are left
+    out of the mean. The LM head shares its weight with the token embedding (weight tying), and
+    the weights follow GPT-2's initialisation: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 n_layer)).
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),  # token embedding (V, C)
+            wpe=nn.Embedding(config.block_size, config.n_embd),  # learned positions (block_size, C)
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([GPTBlock(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # weight tying: one Parameter, used twice
+        self.apply(self._init_weights)
+        for name, parameter in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # the two projections that write into the residual stream
+                nn.init.normal_(parameter, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        # in place: assigning a new nn.Parameter here would silently untie lm_head from wte
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx, targets=None):
+        """idx (B, T) int64, targets (B, T) int64 or None -> (logits (B, T, V), mean cross-entropy or None)."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length must be <= block_size = {self.config.block_size}, got {T}")
+        positions = torch.arange(T, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
+        loss = None
+        if targets is not None:  # the mean over the real targets only: -100 marks padding
+            loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
+        return logits, loss
+
+
+def gpt_param_count(config: GPTConfig, tied: bool = True) -> int:
+    """The number of parameters of GPT(config), by formula.
+
+    Embeddings V*C + block_size*C; each layer 12 C^2 (attention 4 C^2, MLP 8 C^2) plus 13 C of
+    biases and LayerNorm parameters with bias (2 C without); the final LayerNorm 2 C (C without
+    bias); the LM head adds V*C only if it is not tied to the token embedding.
+    """
+    V, T, L, C = config.vocab_size, config.block_size, config.n_layer, config.n_embd
+    b = 1 if config.bias else 0
+    # per layer: ln_1 and ln_2 (C weight + C bias each), c_attn (3C^2 + 3C), attn c_proj (C^2 + C),
+    # c_fc (4C^2 + 4C), mlp c_proj (4C^2 + C)
+    per_layer = 12 * C * C + 2 * C + b * (2 * C + 3 * C + C + 4 * C + C)
+    embeddings = V * C + T * C
+    final_norm = C + b * C
+    head = 0 if tied else V * C  # the head has no bias
+    return embeddings + L * per_layer + final_norm + head
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Parameters counted by walking the model; a shared (tied) Parameter is counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def gpt_sample(model: GPT, idx, max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, generator=None):
+    """Extend idx (B, T) by max_new_tokens tokens, one at a time, each fed back as input.
+
+    greedy=True takes the most likely token; otherwise it samples from softmax(logits / temperature).
+    The context is cropped to the last block_size tokens. Returns (B, T + max_new_tokens).
+    There is no KV cache here: every step re-runs the whole context (chapter 05 fixes that).
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not greedy and temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (use greedy=True for the argmax), got {temperature}")
+    was_training = model.training
+    model.eval()
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx[:, -model.config.block_size:])
+        last = logits[:, -1, :]  # (B, V): the prediction for the next token
+        if greedy:
+            nxt = last.argmax(dim=-1, keepdim=True)
+        else:
+            nxt = torch.multinomial(torch.softmax(last / temperature, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    model.train(was_training)
+    return idx
+
+
+@torch.no_grad()
+def attention_maps(model: GPT, idx) -> torch.Tensor:
+    """The causal attention weights of every layer and head for idx (B, T): (n_layer, B, H, T, T).
+
+    Recomputed from each block's input (captured by a forward pre-hook on its attention module),
+    exactly as CausalSelfAttention computes them, without dropout.
+    """
+    inputs = []
+    hooks = [block.attn.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+             for block in model.transformer.h]
+    try:
+        model(idx)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    maps = []
+    for block, x in zip(model.transformer.h, inputs):
+        B, T, C = x.shape
+        H = block.attn.n_head
+        q, k, _ = block.attn.c_attn(x).split(C, dim=2)
+        q, k = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k))
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        maps.append(masked_softmax(q @ k.transpose(-2, -1) / math.sqrt(C // H), causal))
+    return torch.stack(maps)
+
+
+def previous_token_score(maps: torch.Tensor) -> torch.Tensor:
+    """How much each head attends to the token just before the query: (L, B, H, T, T) -> (L, H).
+
+    The mean, over the batch and the query positions t >= 1, of the weight on key t - 1.
+    A perfect previous-token head scores 1; a head that attends uniformly over the context scores much less.
+    """
+    previous = maps.diagonal(offset=-1, dim1=-2, dim2=-1)  # (L, B, H, T - 1): weight of query t on key t - 1
+    return previous.mean(dim=(1, 3))
+
+
+@torch.no_grad()
+def estimate_loss(model: GPT, batches) -> float:
+    """Mean loss of the model (in eval mode) over a list of (x, y) batches."""
+    was_training = model.training
+    model.eval()
+    losses = [model(x, y)[1].item() for x, y in batches]
+    model.train(was_training)
+    return sum(losses) / len(losses)

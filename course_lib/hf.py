@@ -1,0 +1,96 @@
+"""Conversion between course_lib.gpt.GPT and Hugging Face's GPT2LMHeadModel, both ways.
+
+Nothing is downloaded: ``to_hf`` builds a ``GPT2Config`` from our config and a randomly
+initialised ``GPT2LMHeadModel``, then copies our weights in. The parameter names are the same
+(``transformer.h.0.attn.c_attn.weight``, ...); the one difference is that GPT-2 stores its
+projections in ``Conv1D`` modules whose weight is (in, out), the transpose of ``nn.Linear``'s
+(out, in). Those four matrices per block are transposed; everything else is copied as is.
+
+Activation: GPT-2 uses the tanh approximation of GELU, which Hugging Face calls ``"gelu_new"``;
+our MLP calls ``F.gelu(x, approximate="tanh")``, the same function (they differ by float rounding
+only, far below the 1e-5 tolerance). ``from_hf`` accepts the tanh-GELU variants and refuses the
+others (exact ``"gelu"`` would silently change every activation by up to about 1e-3).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .gpt import GPT, GPTConfig
+
+#: Conv1D weights of GPT-2, stored (in, out): transposed relative to nn.Linear
+TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+#: Hugging Face activation names that equal our tanh-approximated GELU
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+def _transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub
+    import transformers
+
+    return transformers
+
+
+def hf_config(config: GPTConfig, activation: str = "gelu_new"):
+    """The GPT2Config of a model with our sizes: no dropout, LayerNorm eps 1e-5, tied embeddings."""
+    if activation not in TANH_GELU:
+        raise ValueError(f"activation must be one of {TANH_GELU} (tanh-approximated GELU, as ours), got {activation!r}")
+    if not config.bias:
+        raise ValueError("GPT-2 has biases in every Linear and LayerNorm; only a config with bias=True converts")
+    transformers = _transformers()
+    return transformers.GPT2Config(
+        vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
+        n_head=config.n_head, n_inner=4 * config.n_embd, activation_function=activation, layer_norm_epsilon=1e-5,
+        resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
+        scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+        # no special tokens: a character model has no end-of-text token, so generate() never stops early
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+
+
+def _converted(state: dict) -> dict:
+    """Transpose the Conv1D/Linear weights (the operation is its own inverse)."""
+    return {name: (value.t().contiguous() if name.endswith(TRANSPOSED) else value.clone()) for name, value in state.items()}
+
+
+def to_hf(model: GPT, activation: str = "gelu_new"):
+    """A GPT2LMHeadModel (eval mode) with the weights of our model; its logits equal ours."""
+    transformers = _transformers()
+    hf_model = transformers.GPT2LMHeadModel(hf_config(model.config, activation))
+    ours = _converted(model.state_dict())
+    theirs = hf_model.state_dict()
+    missing = sorted(set(theirs) - set(ours))
+    unexpected = sorted(set(ours) - set(theirs))
+    if missing or unexpected:
+        raise RuntimeError(f"parameter names differ: missing in ours {missing[:3]}, not in GPT-2 {unexpected[:3]}")
+    with torch.no_grad():
+        for name, value in theirs.items():
+            if value.shape != ours[name].shape:
+                raise RuntimeError(f"{name}: GPT-2 expects {tuple(value.shape)}, ours converts to {tuple(ours[name].shape)}")
+            value.copy_(ours[name])
+    if hf_model.lm_head.weight.data_ptr() != hf_model.transformer.wte.weight.data_ptr():
+        raise RuntimeError("the converted model's lm_head is not tied to its token embedding")
+    return hf_model.eval()
+
+
+def from_hf(hf_model) -> GPT:
+    """Our GPT (eval mode) with the weights of a GPT2LMHeadModel whose LM head is tied to its embedding."""
+    c = hf_model.config
+    if c.activation_function not in TANH_GELU:
+        raise ValueError(f"hf_model.config.activation_function must be one of {TANH_GELU}, got {c.activation_function!r}")
+    if abs(c.layer_norm_epsilon - 1e-5) > 1e-12:
+        raise ValueError(f"hf_model.config.layer_norm_epsilon must be 1e-5 (as nn.LayerNorm's), got {c.layer_norm_epsilon}")
+    if c.scale_attn_by_inverse_layer_idx or not c.scale_attn_weights:
+        raise ValueError("hf_model must scale attention scores by 1/sqrt(head size) only, as GPT-2 does")
+    if hf_model.lm_head.weight.data_ptr() != hf_model.transformer.wte.weight.data_ptr():
+        raise ValueError("hf_model's lm_head must be tied to its token embedding (tie_word_embeddings=True)")
+    inner = c.n_inner if c.n_inner is not None else 4 * c.n_embd
+    if inner != 4 * c.n_embd:
+        raise ValueError(f"hf_model.config.n_inner must be 4 * n_embd = {4 * c.n_embd}, got {inner}")
+    config = GPTConfig(vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer, n_head=c.n_head,
+                       n_embd=c.n_embd, dropout=0.0, bias=True)
+    model = GPT(config)
+    state = _converted({k: v for k, v in hf_model.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))})
+    model.load_state_dict(state)
+    return model.eval()

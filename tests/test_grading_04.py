@@ -1,0 +1,94 @@
+"""Chapter 04's grading round trip through nbgrader, with real submission notebooks.
+
+One `grading.grade` run grades four students: the reference (full marks), the untouched release
+(zero) and two students with three planted bugs each, one per exercise, chosen so that the tests
+each bug must fail are disjoint. The expected failures follow from what each test cell documents
+(its first comment line); tests/test_hidden_04.py runs the same cells against many more bugs, one
+at a time and without nbgrader. The GPT of exercise 2 is built from course_lib.gpt.GPTBlock (the
+reference attention), so a bug in exercise 1 cannot cost points in exercise 2.
+"""
+from __future__ import annotations
+
+import pytest
+
+from course_lib import grading
+from tests.roundtrip import Chapter, assert_loses_exactly, digest, write_submissions
+
+CH = Chapter("04-gpt", "gpt")
+ATT, FWD, CNT = "causal_self_attention-solution", "gpt_forward-solution", "gpt_param_count-solution"
+MASKED = "masked_softmax(q @ k.transpose(-2, -1) / math.sqrt(C // self.n_head), causal)"
+LOSS = "F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-100)"
+TIE = "self.lm_head.weight = self.transformer.wte.weight"
+
+
+def planted_a() -> dict:
+    return CH.solved({
+        # the causal mask is built but not applied: the future leaks -> visible, future and heads (one token is unaffected)
+        ATT: CH.mutate(ATT, MASKED, MASKED.replace(", causal)", ")")),
+        # the mean includes the -100 padding positions -> padding only (the other tests have no padding)
+        FWD: CH.mutate(FWD, LOSS, LOSS[:-1] + ', reduction="none").mean()'),
+        # config.bias ignored: biases always counted -> bias only (every other test uses bias=True)
+        CNT: CH.mutate(CNT, "b = 1 if config.bias else 0", "b = 1"),
+    })
+
+
+def planted_b() -> dict:
+    return CH.solved({
+        # tril(-1): the diagonal is left out, token 0 attends to nothing -> visible, self and heads (nothing leaks)
+        ATT: CH.mutate(ATT, ".tril()", ".tril(-1)"),
+        # re-assignment order: the head is re-created after the tie, so it is a separate matrix -> visible and tying
+        FWD: CH.mutate(FWD, TIE, TIE + "\n        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)"),
+        # the tied head counted anyway -> visible, gpt2 and untied (the bias difference is unaffected)
+        CNT: CH.mutate(CNT, "head = 0 if tied else V * C", "head = V * C"),
+    })
+
+
+def failing(exercise: str, *names: str) -> set[str]:
+    return {f"{exercise}-{name}" for name in names}
+
+
+# student -> (notebook, the tests that must fail)
+STUDENTS = {
+    "reference": (CH.solved, set()),
+    "untouched": (CH.untouched, set(CH.points)),
+    "planted_a": (planted_a, failing("causal_self_attention", "visible", "future", "heads") | failing("gpt_forward", "padding")
+                  | failing("gpt_param_count", "bias")),
+    "planted_b": (planted_b, failing("causal_self_attention", "visible", "self", "heads") | failing("gpt_forward", "visible", "tying")
+                  | failing("gpt_param_count", "visible", "gpt2", "untied")),
+}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    submissions = write_submissions(tmp_path_factory.mktemp("submissions"), CH, {s: make() for s, (make, _) in STUDENTS.items()})
+    before = digest(submissions)
+    # one run for all students; the whole notebook takes well under the 60 s each cell may use
+    results = grading.grade(submissions, tmp_path_factory.mktemp("grading"), cell_timeout=60)
+    return {(r.student, r.chapter): r for r in results}, before, digest(submissions)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("student", list(STUDENTS))
+def test_each_submission_loses_exactly_the_points_of_the_tests_its_bugs_target(graded, student):
+    results, *_ = graded
+    assert_loses_exactly(results[(student, CH.name)], CH, STUDENTS[student][1])
+
+
+@pytest.mark.slow
+def test_reference_gets_full_marks_untouched_zero_and_submissions_are_not_modified(graded):
+    results, before, after = graded
+    reference = results[("reference", CH.name)]
+    assert reference.score == reference.max_score == sum(CH.points.values()) == 13
+    assert results[("untouched", CH.name)].score == 0
+    assert before == after
+
+
+@pytest.mark.slow
+def test_failures_carry_the_checks_messages(graded):
+    results, *_ = graded
+    messages = {t.grade_id: t.message for t in results[("planted_a", CH.name)].tests}
+    assert "must not see positions after t" in messages["causal_self_attention-visible"]
+    assert "padding (-100)" in messages["gpt_forward-padding"]
+    messages = {t.grade_id: t.message for t in results[("planted_b", CH.name)].tests}
+    assert "leave out the diagonal" in messages["causal_self_attention-visible"]
+    assert "is not model.transformer.wte.weight" in messages["gpt_forward-visible"]
