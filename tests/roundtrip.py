@@ -89,3 +89,18 @@ def grade_students(tmp_path_factory, chapter: Chapter, students: dict, cell_time
     before = digest(submissions)
     results = grading.grade(submissions, tmp_path_factory.mktemp("grading"), cell_timeout=cell_timeout)
     return {(r.student, r.chapter): r for r in results}, before, digest(submissions)
+
+
+def assert_reference_full_untouched_zero(graded, chapter: Chapter, total: float) -> None:
+    """On a ``grade_students`` result: the reference scores ``total`` (the chapter's points), the untouched
+    release scores 0, and grading left every submission byte for byte as it was."""
+    results, before, after = graded
+    reference = results[("reference", chapter.name)]
+    assert reference.score == reference.max_score == sum(chapter.points.values()) == total
+    assert results[("untouched", chapter.name)].score == 0
+    assert before == after, "grading modified a submission"
+
+
+def messages(graded, chapter: Chapter, student: str) -> dict[str, str]:
+    """grade_id -> the failure message of each test of one student."""
+    return {t.grade_id: t.message for t in graded[0][(student, chapter.name)].tests}

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib import grading
-from tests.roundtrip import Chapter, assert_loses_exactly, grade_students
+from tests import roundtrip
+from tests.roundtrip import Chapter, assert_loses_exactly, assert_reference_full_untouched_zero, grade_students
 
 CH = Chapter("02-multihead", "multihead")
 MHA, SIN, ROPE, HEADS = ("multi_head_attention-solution", "sinusoidal_encoding-solution", "apply_rope-solution", "heads-solution")
@@ -79,18 +79,13 @@ def test_each_submission_loses_exactly_the_points_of_the_tests_its_bugs_target(g
 
 @pytest.mark.slow
 def test_reference_gets_full_marks_untouched_zero_and_submissions_are_not_modified(graded):
-    results, before, after = graded
-    reference = results[("reference", CH.name)]
-    assert reference.score == reference.max_score == sum(CH.points.values()) == 19
-    assert results[("untouched", CH.name)].score == 0
-    assert before == after
+    assert_reference_full_untouched_zero(graded, CH, 19)
 
 
 @pytest.mark.slow
 def test_failures_carry_the_checks_messages(graded):
-    results, *_ = graded
-    messages = {t.grade_id: t.message for t in results[("planted_a", CH.name)].tests}
+    messages = roundtrip.messages(graded, CH, "planted_a")
     assert "sin and cos are swapped" in messages["sinusoidal_encoding-visible"]
     assert "expected scale is 1/sqrt(d_head)" in messages["multi_head_attention-visible"]
-    messages = {t.grade_id: t.message for t in results[("planted_b", CH.name)].tests}
+    messages = roundtrip.messages(graded, CH, "planted_b")
     assert "rotate_half" in messages["apply_rope-visible"]

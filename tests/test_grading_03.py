@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib import grading
-from tests.roundtrip import Chapter, assert_loses_exactly, grade_students
+from tests import roundtrip
+from tests.roundtrip import Chapter, assert_loses_exactly, assert_reference_full_untouched_zero, grade_students
 
 CH = Chapter("03-transformer", "transformer")
 LN, MASKS, ENC, DEC = "layer_norm-solution", "masks-solution", "encoder_layer-solution", "decoder_layer-solution"
@@ -75,20 +75,15 @@ def test_each_submission_loses_exactly_the_points_of_the_tests_its_bugs_target(g
 
 @pytest.mark.slow
 def test_reference_gets_full_marks_untouched_zero_and_submissions_are_not_modified(graded):
-    results, before, after = graded
-    reference = results[("reference", CH.name)]
-    assert reference.score == reference.max_score == sum(CH.points.values()) == 17
-    assert results[("untouched", CH.name)].score == 0
-    assert before == after
+    assert_reference_full_untouched_zero(graded, CH, 17)
 
 
 @pytest.mark.slow
 def test_failures_carry_the_checks_messages(graded):
-    results, *_ = graded
-    messages = {t.grade_id: t.message for t in results[("planted_a", CH.name)].tests}
+    messages = roundtrip.messages(graded, CH, "planted_a")
     assert "you divided by D - 1" in messages["layer_norm-visible"]
     assert "the diagonal is False" in messages["masks-visible"]
     assert "is dropout applied with F.dropout" in messages["decoder_layer-dropout_eval"]
-    messages = {t.grade_id: t.message for t in results[("planted_b", CH.name)].tests}
+    messages = roundtrip.messages(graded, CH, "planted_b")
     assert "combine the padding mask and the causal mask with &" in messages["masks-visible"]
     assert "normalise each vector over the last axis" in messages["layer_norm-visible"]

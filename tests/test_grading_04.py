@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib import grading
-from tests.roundtrip import Chapter, assert_loses_exactly, digest, write_submissions
+from tests import roundtrip
+from tests.roundtrip import Chapter, assert_loses_exactly, assert_reference_full_untouched_zero, grade_students
 
 CH = Chapter("04-gpt", "gpt")
 ATT, FWD, CNT = "causal_self_attention-solution", "gpt_forward-solution", "gpt_param_count-solution"
@@ -60,11 +60,7 @@ STUDENTS = {
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    submissions = write_submissions(tmp_path_factory.mktemp("submissions"), CH, {s: make() for s, (make, _) in STUDENTS.items()})
-    before = digest(submissions)
-    # one run for all students; the whole notebook takes well under the 60 s each cell may use
-    results = grading.grade(submissions, tmp_path_factory.mktemp("grading"), cell_timeout=60)
-    return {(r.student, r.chapter): r for r in results}, before, digest(submissions)
+    return grade_students(tmp_path_factory, CH, STUDENTS)  # one nbgrader run for all students
 
 
 @pytest.mark.slow
@@ -76,19 +72,14 @@ def test_each_submission_loses_exactly_the_points_of_the_tests_its_bugs_target(g
 
 @pytest.mark.slow
 def test_reference_gets_full_marks_untouched_zero_and_submissions_are_not_modified(graded):
-    results, before, after = graded
-    reference = results[("reference", CH.name)]
-    assert reference.score == reference.max_score == sum(CH.points.values()) == 13
-    assert results[("untouched", CH.name)].score == 0
-    assert before == after
+    assert_reference_full_untouched_zero(graded, CH, 13)
 
 
 @pytest.mark.slow
 def test_failures_carry_the_checks_messages(graded):
-    results, *_ = graded
-    messages = {t.grade_id: t.message for t in results[("planted_a", CH.name)].tests}
+    messages = roundtrip.messages(graded, CH, "planted_a")
     assert "must not see positions after t" in messages["causal_self_attention-visible"]
     assert "padding (-100)" in messages["gpt_forward-padding"]
-    messages = {t.grade_id: t.message for t in results[("planted_b", CH.name)].tests}
+    messages = roundtrip.messages(graded, CH, "planted_b")
     assert "leave out the diagonal" in messages["causal_self_attention-visible"]
     assert "is not model.transformer.wte.weight" in messages["gpt_forward-visible"]
