@@ -68,3 +68,17 @@ def test_source_notebooks_have_outputs_and_consistent_nbgrader_metadata(chapter)
             else:
                 assert meta["solution"] and grade_id == f"{exercise}-solution"
                 assert strip_solution_markers("".join(cell["source"])) != "".join(cell["source"])
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_nbval_markers_are_ones_nbval_honours(chapter):
+    """nbval reads a marker only when the comment line is exactly the marker: `# NBVAL_IGNORE_OUTPUT  (why)`
+    is silently ignored, and the cell's output is then compared after all."""
+    from nbval.plugin import comment_markers
+
+    for path in (ROOT / "solutions" / chapter).glob("*.ipynb"):
+        for cell in load_notebook(path)["cells"]:
+            for line in "".join(cell["source"]).splitlines():
+                comment = line.strip().lstrip("#").strip()
+                if line.strip().startswith("#") and comment.startswith("NBVAL"):
+                    assert comment in comment_markers, f"{path.name}: {line.strip()!r} is not a marker nbval reads"
