@@ -1,0 +1,84 @@
+"""Chapter 07's learner-facing checks: the reference passes; each classic bug gets a specific message."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib import checks
+from course_lib.speculative import speculative_accept, speculative_step
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_reference_implementations_pass_every_visible_check(capsys):
+    checks.check_speculative_accept(speculative_accept)
+    checks.check_speculative_step(speculative_step)
+    assert capsys.readouterr().out.count("all visible checks passed") == 2
+
+
+def test_the_oracle_agrees_with_the_reference_on_random_cases():
+    gen = torch.Generator().manual_seed(0)
+    for K in (1, 2, 5):
+        for _ in range(50):
+            p = torch.softmax(torch.randn(K + 1, 6, generator=gen, dtype=torch.float64) * 2, -1)
+            q = torch.softmax(torch.randn(K, 6, generator=gen, dtype=torch.float64) * 2, -1)
+            x, u = torch.multinomial(q, 1, generator=gen)[:, 0], torch.rand(K, generator=gen, dtype=torch.float64)
+            n, r = speculative_accept(p, q, x, u)
+            n_o, r_o = checks.speculative_accept_oracle(p, q, x, u)
+            assert n == n_o and torch.allclose(r, r_o)
+
+
+def unnormalised(p, q, draft_tokens, u):
+    n, r = speculative_accept(p, q, draft_tokens, u)
+    return n, (r if n == len(draft_tokens) else (p[n] - q[n]).clamp(min=0))
+
+
+def swapped(p, q, draft_tokens, u):
+    for i in range(len(draft_tokens)):
+        x = draft_tokens[i]
+        if u[i] >= q[i, x] / p[i, x]:
+            r = (q[i] - p[i]).clamp(min=0)
+            return i, r / r.sum()
+    return len(draft_tokens), p[-1]
+
+
+def no_bonus(p, q, draft_tokens, u):
+    n, r = speculative_accept(p, q, draft_tokens, u)
+    return n, (r if n < len(draft_tokens) else p[n - 1])
+
+
+def step_without_rollback(target, draft, tokens, target_cache, draft_cache, K, **kwargs):
+    crop = type(target_cache).crop
+    type(target_cache).crop = lambda self, n: None
+    try:
+        return speculative_step(target, draft, tokens, target_cache, draft_cache, K, **kwargs)
+    finally:
+        type(target_cache).crop = crop
+
+
+def step_without_bonus(target, draft, tokens, target_cache, draft_cache, K, **kwargs):
+    n = tokens.shape[1]
+    tokens, a = speculative_step(target, draft, tokens, target_cache, draft_cache, K, **kwargs)
+    if a == K and K > 0:
+        tokens = tokens[:, :-1]
+        target_cache.crop(n + a - 1)
+        draft_cache.crop(min(draft_cache.length, n + a - 1))
+    return tokens, a
+
+
+@pytest.mark.parametrize("check,buggy,message", [
+    (checks.check_speculative_accept, unnormalised, r"your next_probs sums to 0\.7, expected 1: .* must be renormalised"),
+    (checks.check_speculative_accept, swapped, r"u = 0\.41 >= 0\.4: the token must be rejected .*are p and q swapped"),
+    (checks.check_speculative_accept, no_bonus, r"next_probs must be the target's distribution after them, p\[K\] .* \(the bonus token\)"),
+    (checks.check_speculative_step, step_without_rollback, r"target cache holds \d+ slots, expected n \+ a = \d+ .*crop"),
+    (checks.check_speculative_step, step_without_bonus, r"all K = \d drafts were accepted, so the step must add K \+ 1 = \d tokens \(the last one is the bonus token"),
+])
+def test_classic_bugs_get_specific_messages(check, buggy, message):
+    with pytest.raises(checks.CheckFailed, match=message):
+        check(buggy)
