@@ -51,3 +51,52 @@ def temperature_explorer(scores, labels, initial: float = 1.0):
     slider.observe(lambda change: redraw(change["new"]), names="value")
     redraw(initial)
     return widgets.VBox([slider, output])
+
+
+def sampler_explorer(logits, labels, shown: int = 16):
+    """Sliders for temperature, top-k, top-p and min-p over one next-token distribution (V,) logits.
+
+    Draws the `shown` most probable tokens: the model's distribution (grey) and the processed,
+    renormalised one that sampling would use (blue), with how many tokens survive and their mass.
+    The processors run in course_lib.decoding's order (temperature, top-k, top-p, min-p). Like
+    temperature_explorer, the output widget's state is set directly, so it renders headless too.
+    """
+    import ipywidgets as widgets
+
+    from .decoding import process_logits
+
+    logits = torch.as_tensor(logits, dtype=torch.float32).reshape(1, -1)
+    base = torch.softmax(logits[0].double(), dim=-1)
+    order = base.argsort(descending=True)[:shown]
+    names = [labels[i] for i in order.tolist()]
+    temperature = widgets.FloatSlider(value=1.0, min=0.05, max=3.0, step=0.05, description="temperature")
+    top_k = widgets.IntSlider(value=0, min=0, max=logits.shape[-1], description="top-k (0 off)")
+    top_p = widgets.FloatSlider(value=1.0, min=0.05, max=1.0, step=0.01, description="top-p")
+    min_p = widgets.FloatSlider(value=0.0, min=0.0, max=0.5, step=0.01, description="min-p")
+    output = widgets.Output()
+
+    def redraw(_=None) -> None:
+        processed = process_logits(logits, logits.new_zeros(1, 0, dtype=torch.long), temperature=temperature.value,
+                                   top_k=top_k.value or None, top_p=top_p.value, min_p=min_p.value or None)
+        probs = torch.softmax(processed[0].double(), dim=-1)
+        kept = int(torch.isfinite(processed).sum())
+        figure, ax = plt.subplots(figsize=(7.0, 2.8))
+        x = torch.arange(len(names)).numpy()
+        ax.bar(x - 0.2, base[order].numpy(), width=0.4, color="0.7", label="model (T = 1)")
+        ax.bar(x + 0.2, probs[order].numpy(), width=0.4, color="tab:blue", label="processed, renormalised")
+        ax.set_xticks(x, [repr(n)[1:-1] for n in names])
+        ax.set_ylabel("probability")
+        ax.legend(fontsize=8)
+        summary = (f"T = {temperature.value:.2f}, top-k = {top_k.value or 'off'}, top-p = {top_p.value:.2f}, "
+                   f"min-p = {min_p.value:.2f} -> {kept} of {logits.shape[-1]} tokens kept, "
+                   f"they held {base[torch.isfinite(processed[0])].sum().item():.3f} of the model's mass")
+        output.outputs = (
+            {"output_type": "stream", "name": "stdout", "text": summary + "\n"},
+            {"output_type": "display_data", "metadata": {},
+             "data": {"image/png": _png(figure), "text/plain": "<distribution chart>"}},
+        )
+
+    for slider in (temperature, top_k, top_p, min_p):
+        slider.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([temperature, top_k, top_p, min_p, output])

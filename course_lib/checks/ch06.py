@@ -1,0 +1,168 @@
+"""Visible checks of chapter 06 (decoding strategies), with independent float64 oracles.
+
+Oracles: softmax / sort / cumsum formulas in float64 written here, and a toy "model" that is a
+lookup table (the next token's logits depend on the last token only), so the expected greedy text is
+known by construction; never course_lib.decoding.
+"""
+from __future__ import annotations
+
+import torch
+
+from .core import assert_close, assert_shape, assert_tensor, fail, passed
+
+__all__ = ["check_apply_temperature", "check_top_k_filter", "check_top_p_filter", "check_apply_repetition_penalty",
+           "check_greedy_search", "check_beam_search_step", "table_model", "greedy_table_oracle"]
+
+NEG_INF = float("-inf")
+
+
+def _kept(result, name: str) -> torch.Tensor:
+    result = assert_tensor(result, name)
+    if torch.isnan(result).any():
+        fail(f"{name} contains NaN at {torch.isnan(result).nonzero()[0].tolist()}")
+    return torch.isfinite(result)
+
+
+def check_apply_temperature(apply_temperature) -> None:
+    """softmax(z / tau) against float64 for tau in (0.5, 1, 2); tau = 0 gives the argmax, tau < 0 raises."""
+    logits = torch.tensor([[2.0, 1.4, 1.1, 1.0, 0.8, 0.2, 0.1], [-1.0, 0.5, 3.0, 0.0, -2.0, 1.0, 0.25]])
+    for tau in (0.5, 1.0, 2.0):
+        out = apply_temperature(logits.clone(), tau)
+        assert_shape(out, (2, 7), f"apply_temperature(logits (2, 7), {tau})")
+        expected = torch.softmax(logits.double() / tau, dim=-1)
+        assert_close(torch.softmax(out.double(), dim=-1), expected, f"softmax of your output for temperature {tau} "
+                     f"(expected p(token 0) = {expected[0, 0].item():.4f})", rtol=1e-5, atol=1e-6)
+    out = apply_temperature(logits.clone(), 0.0)
+    probs = torch.softmax(out.double(), dim=-1)
+    if torch.isnan(probs).any():
+        fail("temperature 0 gave NaN probabilities: 0 is the limit tau -> 0 (all mass on the argmax), not z / 0")
+    assert_close(probs, torch.nn.functional.one_hot(logits.argmax(-1), 7).double(),
+                 "softmax of your output for temperature 0 (one-hot on the argmax)")
+    try:
+        apply_temperature(logits, -1.0)
+    except ValueError:
+        pass
+    else:
+        fail("apply_temperature(logits, -1.0) should raise ValueError (temperature must be >= 0)")
+    passed("apply_temperature")
+
+
+def check_top_k_filter(top_k_filter) -> None:
+    """Keeps the k largest logits unchanged (ties with the k-th kept), -inf elsewhere; k > V keeps all."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0, 3.0, 0.0], [1.0, 1.0, 1.0, 0.0, -2.0, 4.0]])
+    out = assert_tensor(top_k_filter(logits.clone(), 2), "top_k_filter(logits, 2)")
+    assert_shape(out, (2, 6), "top_k_filter(logits (2, 6), 2)")
+    kept = _kept(out, "top_k_filter(logits, 2)")
+    if kept.all() and (out >= 0).all() and torch.allclose(out.double().sum(-1), torch.ones(2, dtype=torch.float64)):
+        fail(f"top_k_filter(logits, 2) returned rows summing to {out.sum(-1).tolist()}: they look like probabilities, "
+             "not probabilities: return the input logits, with -inf for the filtered tokens")
+    expected = torch.tensor([[False, True, False, False, True, False], [True, True, True, False, False, True]])
+    if not torch.equal(kept, expected):
+        fail(f"top_k_filter(logits, 2) keeps {kept.int().tolist()}, expected {expected.int().tolist()} "
+             f"(row 1 has three logits tied at the 2nd largest value 1.0: all three are kept)")
+    assert_close(out[kept], logits[kept], "the kept entries (they must be the original logits, not probabilities)")
+    out = top_k_filter(logits.clone(), 10)
+    assert_close(out, logits, "top_k_filter(logits, 10) with only 6 tokens (everything is kept)")
+    passed("top_k_filter")
+
+
+def check_top_p_filter(top_p_filter) -> None:
+    """The smallest most-probable set with mass >= p, crossing token included, in vocabulary order."""
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
+    logits = probs.log().float()
+    cases = [(0.6, [[False, True, False, True], [False, False, True, True]]),
+             (0.9, [[False, True, True, True], [False, True, True, True]]),
+             (0.01, [[False, True, False, False], [False, False, False, True]])]
+    for p, expected in cases:
+        out = assert_tensor(top_p_filter(logits.clone(), p), f"top_p_filter(logits, {p})")
+        kept = _kept(out, f"top_p_filter(logits, {p})")
+        if kept.tolist() != expected:
+            mass = (probs * kept).sum(-1).tolist()
+            fail(f"top_p_filter(logits, {p}) keeps {kept.int().tolist()} (mass {[round(m, 3) for m in mass]}), "
+                 f"expected {[[int(b) for b in r] for r in expected]}: sort by probability, keep tokens until the "
+                 f"running mass reaches p, the token that crosses p included")
+        assert_close(out[kept], logits[kept], f"the kept logits of top_p_filter(logits, {p})")
+    passed("top_p_filter")
+
+
+def check_apply_repetition_penalty(apply_repetition_penalty) -> None:
+    """Divide positive, multiply negative logits of the tokens seen, once each; others unchanged."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0], [1.0, 1.0, -2.0, 0.0, 4.0]])
+    ids = torch.tensor([[0, 1, 1, 1], [4, 2, 2, 4]])
+    out = apply_repetition_penalty(logits.clone(), ids, 2.0)
+    assert_shape(out, (2, 5), "apply_repetition_penalty(logits (2, 5), ids (2, 4), 2.0)")
+    expected = torch.tensor([[1.0, -2.0, 0.5, -3.0, 1.0], [1.0, 1.0, -4.0, 0.0, 2.0]])
+    for b, v in ((0, 1), (1, 2)):
+        if out[b, v] > logits[b, v]:
+            fail(f"row {b}, token {v}: the negative logit {logits[b, v].item()} became {out[b, v].item():.4f}: "
+                 "dividing a negative logit by the penalty RAISES it; multiply negative logits instead")
+    assert_close(out, expected, "apply_repetition_penalty(logits, ids, 2.0) (token 1 of row 0 occurs 3 times, "
+                 "penalised once: -1.0 -> -2.0)")
+    passed("apply_repetition_penalty")
+
+
+def table_model(table: torch.Tensor):
+    """A toy language model: the logits of the next token are table[last token]. model(idx) -> (logits, None)."""
+    def model(idx):
+        return table[idx], None
+    return model
+
+
+def greedy_table_oracle(table: torch.Tensor, prompt: torch.Tensor, max_new_tokens: int, eos=None, pad=None) -> torch.Tensor:
+    """Greedy text of table_model(table), one row at a time in plain Python."""
+    rows = []
+    for row in prompt.tolist():
+        out, done = list(row), False
+        for _ in range(max_new_tokens):
+            nxt = pad if done else int(table[out[-1]].argmax())
+            out.append(nxt)
+            done = done or (eos is not None and nxt == eos)
+        rows.append(out)
+    return torch.tensor(rows)
+
+
+def check_greedy_search(greedy_search) -> None:
+    """Greedy against a lookup-table model: argmax text, per-row EOS, finished rows padded, early stop."""
+    g = torch.Generator().manual_seed(60)
+    table = torch.randn(8, 8, generator=g)
+    model = table_model(table)
+    prompt = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    out = assert_tensor(greedy_search(model, prompt, 6), "greedy_search(model, prompt (3, 2), 6)")
+    expected = greedy_table_oracle(table, prompt, 6)
+    assert_shape(out, (3, 8), "greedy_search(model, prompt (3, 2), 6) without EOS")
+    if not torch.equal(out, expected):
+        fail(f"greedy_search without EOS gave {out.tolist()}, expected the argmax text {expected.tolist()}")
+    eos = int(expected[0, 3])  # row 0 emits it at its 2nd new token
+    out = greedy_search(model, prompt, 6, eos_token_id=eos, pad_token_id=7)
+    expected = greedy_table_oracle(table, prompt, 6, eos=eos, pad=7)
+    keep = expected.shape[1]
+    done = [(r == eos).nonzero() for r in expected[:, 2:]]
+    if all(len(d) for d in done):
+        keep = 2 + max(int(d[0]) for d in done) + 1
+    expected = expected[:, :keep]
+    if out.shape != expected.shape or not torch.equal(out, expected):
+        fail(f"greedy_search with eos_token_id={eos}, pad_token_id=7 gave {out.tolist()}, expected {expected.tolist()} "
+             "(a row that produced EOS emits padding; the other rows go on)")
+    passed("greedy_search")
+
+
+def check_beam_search_step(beam_search_step) -> None:
+    """Top candidates over all beams x tokens (flattened), beam and token recovered, generated-length penalty."""
+    g = torch.Generator().manual_seed(61)
+    log_probs = torch.randn(2, 3, 5, generator=g).double().log_softmax(-1).float()
+    beam_scores = torch.tensor([[-1.0, -1.5, -4.0], [-0.5, -0.6, -0.7]])
+    result = beam_search_step(log_probs, beam_scores, 6, 7, 4, 2.0)
+    if not isinstance(result, tuple) or len(result) != 4:
+        fail("beam_search_step should return a tuple (scores, beam, token, finished_scores)")
+    scores, beam, token, finished = result
+    total = (beam_scores[:, :, None].double() + log_probs.double()).reshape(2, 15)
+    best = total.sort(dim=-1, descending=True)
+    assert_shape(scores, (2, 6), "scores (B, num_candidates)")
+    assert_close(scores, best.values[:, :6].float(), "scores: the 6 best of beam_scores + log_probs over all 3 x 5 "
+                 "(beam, token) pairs, best first")
+    assert_close(beam.double(), (best.indices[:, :6] // 5).double(), "beam: the beam of each candidate (index // V)")
+    assert_close(token.double(), (best.indices[:, :6] % 5).double(), "token: the token of each candidate (index % V)")
+    assert_close(finished, (best.values[:, :6] / (7 + 1 - 4) ** 2.0).float(),
+                 "finished_scores with cur_len 7, prompt_len 4, length_penalty 2 (divide by (7 + 1 - 4) ** 2 = 16)")
+    passed("beam_search_step")
+

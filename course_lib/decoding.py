@@ -1,0 +1,504 @@
+"""Decoding strategies, chapter 06: logits processors, greedy, sampling, beam search and ``generate``.
+
+A language model gives, at every step, logits (B, V) over the vocabulary for the next token. A
+*decoding strategy* turns them into a choice. This module follows Hugging Face's
+``generation/logits_process.py``: one small function per processor, composed in one documented order
+(``PROCESSOR_ORDER``), and a ``generate`` whose arguments mean what they mean in Hugging Face's
+``model.generate``.
+
+Shapes: B batch, T tokens, V vocabulary, K beams. Logits are float tensors (B, V); token ids int64.
+A filtered token has logit -inf (probability exactly 0 after softmax).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import KVCache, cached_forward
+
+#: the order in which ``process_logits`` (and therefore ``generate``) applies the processors
+PROCESSOR_ORDER = ("repetition_penalty", "frequency_presence_penalty", "temperature", "top_k", "top_p", "min_p")
+
+
+# ----------------------------------------------------------------------------------------------------
+# logits processors: (B, V) -> (B, V)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / temperature) is the sampling distribution: (B, V) -> (B, V).
+
+    temperature > 1 flattens it, < 1 sharpens it. temperature = 0 is the limit tau -> 0+: all the
+    probability on the largest logit(s) (greedy), returned as 0 for the maxima and -inf elsewhere,
+    never a division by zero. temperature < 0 raises ValueError.
+    """
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if temperature == 0:
+        is_max = logits == logits.amax(dim=-1, keepdim=True)
+        return torch.where(is_max, 0.0, float("-inf")).to(logits.dtype)
+    return logits / temperature
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits of each row, set the others to -inf: (B, V) -> (B, V).
+
+    Ties with the k-th largest value are all kept (so a row may keep more than k tokens); k larger
+    than the vocabulary keeps everything. Logits and probabilities have the same order, so filtering
+    either gives the same set; the result is logits (never probabilities).
+    """
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"top_k must be an integer >= 1, got {k!r}")
+    k = min(k, logits.shape[-1])
+    kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # (B, 1)
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filtering: keep the smallest set of most probable tokens whose mass is >= p: (B, V) -> (B, V).
+
+    The token whose probability makes the running mass cross p is kept, and so is the most probable
+    token whatever p. Computed as Hugging Face does: sort ascending, and drop a token when the mass of
+    it and everything less probable is <= 1 - p (the same set, up to float rounding at the boundary).
+    """
+    if not 0 < p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {p}")
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+    tail_mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # mass of this token and every less probable one
+    drop = tail_mass <= 1 - p
+    drop[..., -1] = False  # the most probable token always stays
+    drop = drop.scatter(-1, order, drop)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Keep the tokens whose probability is >= min_p times that of the most probable token: (B, V) -> (B, V)."""
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+    probs = logits.softmax(dim=-1)
+    return logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, input_ids: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty (Keskar et al., 2019) on every token in input_ids: (B, V), (B, T) -> (B, V).
+
+    A token that already occurs (prompt included) becomes less likely: a positive logit is divided by
+    the penalty, a negative one multiplied by it (dividing a negative logit would *raise* it). A token
+    is penalised once, however often it occurs. penalty > 1 discourages repetition, < 1 encourages it.
+    """
+    if not penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1 means no penalty), got {penalty}")
+    score = torch.gather(logits, 1, input_ids)  # (B, T): the logit of every token seen so far
+    score = torch.where(score < 0, score * penalty, score / penalty)
+    return logits.scatter(1, input_ids, score)  # repeated ids write the same value: once per token
+
+
+def apply_frequency_presence_penalty(logits: torch.Tensor, token_ids: torch.Tensor, frequency_penalty: float = 0.0,
+                                     presence_penalty: float = 0.0) -> torch.Tensor:
+    """OpenAI-style additive penalties: logit[j] -= frequency * count[j] + presence * (count[j] > 0).
+
+    logits (B, V); token_ids (B, T): the tokens generated so far (``generate`` passes the generated
+    tokens only, not the prompt, as OpenAI's API does). Both penalties must be in [-2, 2].
+    """
+    for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+        if not -2 <= value <= 2:
+            raise ValueError(f"{name} must be in [-2, 2], got {value}")
+    counts = torch.zeros_like(logits).scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=logits.dtype))
+    return logits - frequency_penalty * counts - presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def process_logits(logits: torch.Tensor, input_ids: torch.Tensor, generated_ids: torch.Tensor | None = None, *,
+                   repetition_penalty: float | None = None, frequency_penalty: float = 0.0,
+                   presence_penalty: float = 0.0, temperature: float = 1.0, top_k: int | None = None,
+                   top_p: float | None = None, min_p: float | None = None) -> torch.Tensor:
+    """Apply the processors in PROCESSOR_ORDER: penalties, temperature, top-k, top-p, min-p. (B, V) -> (B, V).
+
+    input_ids (B, T): everything so far, prompt included (for the repetition penalty);
+    generated_ids (B, T_new): the generated tokens only (for the frequency and presence penalties).
+    Processors left at their neutral value (None, 0, 1) are skipped, as in Hugging Face.
+    """
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, input_ids, repetition_penalty)
+    if (frequency_penalty or presence_penalty) and generated_ids is not None:
+        logits = apply_frequency_presence_penalty(logits, generated_ids, frequency_penalty, presence_penalty)
+    if temperature != 1.0:
+        logits = apply_temperature(logits, temperature)
+    if top_k:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None and top_p < 1.0:
+        logits = top_p_filter(logits, top_p)
+    if min_p is not None:
+        logits = min_p_filter(logits, min_p)
+    return logits
+
+
+# ----------------------------------------------------------------------------------------------------
+# greedy search (the plain loop of the exercise) and the cached decoding loop of generate
+
+
+def greedy_search(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
+                  pad_token_id: int | None = None) -> torch.Tensor:
+    """Greedy decoding, one argmax per step: input_ids (B, T) -> (B, T + n), n <= max_new_tokens.
+
+    ``model(idx)`` returns ``(logits (B, T, V), loss)`` (our GPT). A row that has produced
+    eos_token_id is finished: from then on it emits pad_token_id (default: eos_token_id), while the
+    other rows go on; the loop stops early once every row is finished. No cache: every step runs the
+    model over the whole sequence (``generate`` does the same with a KV cache).
+    """
+    if eos_token_id is not None and pad_token_id is None:
+        pad_token_id = eos_token_id
+    idx = input_ids
+    finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)  # (B,)
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx)
+        next_token = logits[:, -1, :].argmax(dim=-1)  # (B,)
+        if eos_token_id is not None:
+            next_token = torch.where(finished, pad_token_id, next_token)
+            finished = finished | (next_token == eos_token_id)
+        idx = torch.cat([idx, next_token[:, None]], dim=1)
+        if finished.all():
+            break
+    return idx
+
+
+def _as_id_list(eos_token_id) -> list[int]:
+    if eos_token_id is None:
+        return []
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else [int(i) for i in eos_token_id]
+    return ids
+
+
+def _check_length(model, T: int, max_new_tokens: int) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    block_size = model.config.block_size
+    if T + max_new_tokens > block_size:
+        raise ValueError(f"prompt length + max_new_tokens must be <= block_size = {block_size}, "
+                         f"got {T} + {max_new_tokens}")
+
+
+def _ends_with(idx: torch.Tensor, stop_sequences) -> torch.Tensor:
+    """(B,) bool: which rows end with one of the stop sequences (lists of token ids)."""
+    hit = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+    for seq in stop_sequences:
+        L = len(seq)
+        if 0 < L <= idx.shape[1]:
+            hit |= (idx[:, -L:] == torch.tensor(seq, device=idx.device)).all(dim=1)
+    return hit
+
+
+@torch.no_grad()
+def _decode(model, input_ids, max_new_tokens: int, choose: Callable, process: Callable, eos_ids: list[int],
+            pad_token_id, attention_mask, use_cache: bool, stop_sequences, streamer) -> torch.Tensor:
+    """The token-by-token loop shared by greedy and sampling: prefill, then one token per step."""
+    B, T0 = input_ids.shape
+    idx, mask = input_ids, attention_mask
+    unfinished = torch.ones(B, dtype=torch.bool, device=idx.device)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=idx.device)
+    cache = KVCache.for_model(model, B, T0 + max_new_tokens) if use_cache else None
+    new = idx
+    for _ in range(max_new_tokens):
+        if use_cache:
+            logits = cached_forward(model, new, cache, mask)[:, -1, :]
+        else:  # recompute everything: a fresh cache over the whole sequence each step
+            logits = cached_forward(model, idx, KVCache.for_model(model, B, idx.shape[1]), mask)[:, -1, :]
+        scores = process(idx, idx[:, T0:], logits.float())
+        next_token = choose(scores)  # (B,)
+        if pad_token_id is not None:
+            next_token = torch.where(unfinished, next_token, pad_token_id)  # finished rows emit padding
+        idx = torch.cat([idx, next_token[:, None]], dim=1)
+        new = next_token[:, None]
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+        if streamer is not None:
+            streamer(next_token)
+        done = torch.isin(next_token, eos) | _ends_with(idx, stop_sequences)
+        unfinished = unfinished & ~done
+        if not unfinished.any():
+            break
+    return idx
+
+
+def sample(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+           top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
+           frequency_penalty: float = 0.0, presence_penalty: float = 0.0, eos_token_id=None, pad_token_id=None,
+           attention_mask=None, use_cache: bool = True, generator: torch.Generator | None = None,
+           stop_sequences: Sequence[Sequence[int]] = (), streamer: Callable | None = None) -> torch.Tensor:
+    """Ancestral sampling: at each step process the logits (PROCESSOR_ORDER), then draw from their softmax.
+
+    input_ids (B, T) -> (B, T + n). One ``torch.multinomial`` draw of shape (B, 1) per step, from
+    ``generator`` (default: the global generator, which is what Hugging Face uses: seed it with
+    ``torch.manual_seed`` and both draw the same tokens).
+    """
+    return generate(model, input_ids, max_new_tokens, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                    min_p=min_p, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                    presence_penalty=presence_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                    attention_mask=attention_mask, use_cache=use_cache, generator=generator,
+                    stop_sequences=stop_sequences, streamer=streamer)
+
+
+# ----------------------------------------------------------------------------------------------------
+# beam search
+
+
+def beam_search_step(log_probs: torch.Tensor, beam_scores: torch.Tensor, num_candidates: int, cur_len: int,
+                     prompt_len: int, length_penalty: float = 1.0):
+    """One expansion of beam search: the best num_candidates continuations over all K beams x V tokens.
+
+    log_probs (B, K, V): log-probabilities of the next token after each beam; beam_scores (B, K): the
+    summed log-probabilities of the beams. cur_len: the length of the beams now, prompt included;
+    prompt_len: the length of the prompt. Returns, each (B, num_candidates), best first:
+    scores (new summed log-probs), beam (which beam each continues), token (the new token), and
+    finished_scores: the score each candidate would be ranked by if it ended here, HF-style
+    ``scores / generated_len ** length_penalty`` where generated_len = cur_len + 1 - prompt_len counts
+    the generated tokens only, the new one included (never the prompt).
+    """
+    B, K, V = log_probs.shape
+    total = (beam_scores[:, :, None] + log_probs).reshape(B, K * V)  # candidate (beam k, token v) at k * V + v
+    scores, flat = torch.topk(total, num_candidates, dim=-1)
+    beam, token = flat // V, flat % V
+    finished_scores = scores / (cur_len + 1 - prompt_len) ** length_penalty
+    return scores, beam, token, finished_scores
+
+
+def gnmt_length_penalty(generated_len, alpha: float):
+    """The GNMT length penalty (Wu et al., 2016): ((5 + L) / 6) ** alpha; a hypothesis is ranked by score / this."""
+    return ((5 + generated_len) / 6) ** alpha
+
+
+def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t (B, K, ...) indexed along dim 1 by index (B, N) -> (B, N, ...)."""
+    return t[torch.arange(t.shape[0], device=t.device)[:, None], index]
+
+
+@torch.no_grad()
+def beam_search(model, input_ids: torch.Tensor, max_new_tokens: int, num_beams: int, *, length_penalty: float = 1.0,
+                length_penalty_style: str = "hf", early_stopping: bool | str = False, eos_token_id=None,
+                pad_token_id=None, attention_mask=None, use_cache: bool = True, repetition_penalty: float | None = None,
+                num_return_sequences: int = 1, return_scores: bool = False):
+    """Batched beam search in log space, as Hugging Face's ``_beam_search``: (B, T) -> (B * R, T + n).
+
+    Each row keeps K = num_beams running beams. Each step expands them into K x V candidates, keeps the
+    best 2K (``beam_search_step``; the expansion factor 2 guarantees K candidates that did not just end,
+    with one EOS id: max(2, 1 + #EOS ids) in general), continues with the best K that did not end, and
+    stores those of the top K that ended with EOS (or reached max_new_tokens) as finished hypotheses,
+    ranked by their length-penalised score: ``sum log p / L ** length_penalty`` (HF style) or
+    ``sum log p / ((5 + L) / 6) ** length_penalty`` (``length_penalty_style="gnmt"``), L = generated
+    tokens, EOS included, prompt excluded. An EOS ends one hypothesis, never the other beams nor the
+    other rows. ``early_stopping``: True stops a row as soon as it has K finished hypotheses; False
+    stops when the best running beam, scored at its current length, cannot beat the worst finished one;
+    "never" assumes the best running beam could still reach max length (the canonical, exact rule for
+    length_penalty > 0). Returns the best R = num_return_sequences hypotheses per row, padded with
+    pad_token_id (default: the first EOS id) to the longest; with return_scores also their scores (B * R,).
+    """
+    if not isinstance(num_beams, int) or num_beams < 1:
+        raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
+    if early_stopping not in (True, False, "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+    if length_penalty_style not in ("hf", "gnmt"):
+        raise ValueError(f"length_penalty_style must be 'hf' or 'gnmt', got {length_penalty_style!r}")
+    if not 1 <= num_return_sequences <= num_beams:
+        raise ValueError(f"num_return_sequences must be in [1, num_beams = {num_beams}], got {num_return_sequences}")
+    B, T0 = input_ids.shape
+    _check_length(model, T0, max_new_tokens)
+    K, device = num_beams, input_ids.device
+    eos_ids = _as_id_list(eos_token_id)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+    fill = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    num_candidates = max(2, 1 + len(eos_ids)) * K
+    top_k_mask = torch.arange(num_candidates, device=device) < K  # only the top K candidates may finish
+    max_length = T0 + max_new_tokens
+    if max_new_tokens == 0:
+        return (input_ids.repeat_interleave(num_return_sequences, 0), torch.zeros(B * num_return_sequences)) \
+            if return_scores else input_ids.repeat_interleave(num_return_sequences, 0)
+
+    running = torch.full((B, K, max_length), fill, dtype=torch.long, device=device)
+    running[:, :, :T0] = input_ids[:, None, :]
+    sequences = running.clone()  # the finished hypotheses
+    running_scores = torch.zeros(B, K, device=device)
+    running_scores[:, 1:] = -1e9  # all beams start equal: only beam 0 may expand at the first step
+    finished_scores = torch.full((B, K), -1e9, device=device)
+    finished_lens = torch.zeros(B, K, dtype=torch.long, device=device)
+    is_finished = torch.zeros(B, K, dtype=torch.bool, device=device)
+    improvable = torch.ones(B, 1, dtype=torch.bool, device=device)
+
+    mask = None if attention_mask is None else attention_mask.repeat_interleave(K, dim=0)  # (B * K, T0)
+    cache = KVCache.for_model(model, B * K, max_length) if use_cache else None
+    flat_input = input_ids.repeat_interleave(K, dim=0)
+    logits = cached_forward(model, flat_input, cache if use_cache else KVCache.for_model(model, B * K, T0), mask)
+    cur_len = T0
+    while True:
+        log_probs = F.log_softmax(logits[:, -1, :].float(), dim=-1)  # (B * K, V)
+        if repetition_penalty is not None and repetition_penalty != 1.0:
+            log_probs = apply_repetition_penalty(log_probs, running[:, :, :cur_len].reshape(B * K, cur_len),
+                                                 repetition_penalty)
+        scores, beam, token, ended_scores = beam_search_step(log_probs.view(B, K, -1), running_scores, num_candidates,
+                                                             cur_len, T0, length_penalty)
+        if length_penalty_style == "gnmt":
+            ended_scores = scores / gnmt_length_penalty(cur_len + 1 - T0, length_penalty)
+        candidates = _gather(running, beam)  # (B, 2K, max_length)
+        candidates[:, :, cur_len] = token
+        ends = torch.isin(token, eos) | (cur_len + 1 >= max_length)  # (B, 2K)
+
+        # the K best candidates that did not end continue
+        alive_scores = scores + ends.float() * -1e9
+        keep = torch.topk(alive_scores, K, dim=-1).indices
+        running, running_scores, source = _gather(candidates, keep), _gather(alive_scores, keep), _gather(beam, keep)
+
+        # candidates among the top K that ended join the finished hypotheses if they beat the worst one
+        just_finished = ends & top_k_mask[None, :]
+        row_full = is_finished.all(dim=-1, keepdim=True) & (early_stopping is True)
+        ended_scores = ended_scores + row_full.float() * -1e9 + (~improvable).float() * -1e9
+        ended_scores = ended_scores + (~just_finished).float() * -1e9
+        merged = torch.cat([finished_scores, ended_scores], dim=1)
+        best = torch.topk(merged, K, dim=-1).indices
+        sequences = _gather(torch.cat([sequences, candidates], dim=1), best)
+        finished_scores = _gather(merged, best)
+        finished_lens = _gather(torch.cat([finished_lens, torch.full_like(token, cur_len + 1 - T0)], dim=1), best)
+        is_finished = _gather(torch.cat([is_finished, just_finished], dim=1), best)
+        cur_len += 1
+
+        # can a running beam still beat the worst finished hypothesis?
+        if early_stopping == "never" and length_penalty > 0.0:
+            best_len = max_length - T0
+        else:
+            best_len = cur_len - T0
+        denominator = gnmt_length_penalty(best_len, length_penalty) if length_penalty_style == "gnmt" \
+            else best_len ** length_penalty
+        best_running = running_scores[:, :1] / denominator
+        worst_finished = torch.where(is_finished, finished_scores.min(dim=1, keepdim=True).values, -1.0e9)
+        improvable = improvable & (best_running > worst_finished).any(dim=-1, keepdim=True)
+        all_full = bool(is_finished.all()) and early_stopping is True
+        if not improvable.any() or all_full or bool(ends.all()):
+            break
+
+        rows = (source + torch.arange(B, device=device)[:, None] * K).reshape(-1)  # (B * K,) beams to follow
+        last = running[:, :, cur_len - 1].reshape(B * K, 1)
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(B * K, 1)], dim=1)
+        if use_cache:
+            cache.reorder(rows)
+            logits = cached_forward(model, last, cache, mask)
+        else:
+            flat = running[:, :, :cur_len].reshape(B * K, cur_len)
+            logits = cached_forward(model, flat, KVCache.for_model(model, B * K, cur_len), mask)
+
+    R = num_return_sequences
+    out_len = T0 + int(finished_lens[:, :R].max())
+    out = sequences[:, :R, :out_len].reshape(B * R, out_len)
+    return (out, finished_scores[:, :R].reshape(B * R)) if return_scores else out
+
+
+# ----------------------------------------------------------------------------------------------------
+# generate
+
+
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+             repetition_penalty: float | None = None, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+             num_beams: int = 1, length_penalty: float = 1.0, early_stopping: bool | str = False,
+             eos_token_id=None, pad_token_id=None, attention_mask=None, use_cache: bool = True,
+             generator: torch.Generator | None = None, stop_sequences: Sequence[Sequence[int]] = (),
+             streamer: Callable | None = None, length_penalty_style: str = "hf") -> torch.Tensor:
+    """Generate up to max_new_tokens after input_ids (B, T) with a course_lib.gpt.GPT: -> (B, T + n).
+
+    The arguments mean what they mean in Hugging Face's ``generate``: greedy (default), sampling
+    (``do_sample``; processors in PROCESSOR_ORDER, the penalties also apply to greedy), or beam search
+    (``num_beams`` > 1; num_beams = 1 is greedy). eos_token_id: an id or a list of ids; a finished row
+    emits pad_token_id (default: the first EOS id) and generation stops when every row has finished.
+    attention_mask (B, T): 0 marks left padding. Extras: stop_sequences (lists of token ids that finish
+    a row like an EOS), streamer (called with the new tokens (B,) after every step), and
+    length_penalty_style ("hf" or "gnmt", beam search only).
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (B, T), got {tuple(input_ids.shape)}")
+    _check_length(model, input_ids.shape[1], max_new_tokens)
+    if not isinstance(num_beams, int) or num_beams < 1:
+        raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k must be None or an integer >= 0 (0 and None disable it), got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+    if repetition_penalty is not None and not repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+        if not -2 <= value <= 2:
+            raise ValueError(f"{name} must be in [-2, 2], got {value}")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    eos_ids = _as_id_list(eos_token_id)
+    if pad_token_id is None and eos_ids:
+        pad_token_id = eos_ids[0]
+    if stop_sequences and pad_token_id is None:
+        raise ValueError("pad_token_id (or eos_token_id) is required with stop_sequences: finished rows emit padding")
+    if model.training:
+        raise ValueError("the model must be in eval mode (model.eval()): generation runs without dropout")
+
+    if num_beams > 1:
+        if do_sample:
+            raise ValueError("do_sample=True with num_beams > 1 (beam sampling) is not supported: use num_beams=1")
+        if frequency_penalty or presence_penalty or stop_sequences or streamer is not None:
+            raise ValueError("frequency_penalty, presence_penalty, stop_sequences and streamer need num_beams=1 "
+                             f"(got num_beams={num_beams})")
+        return beam_search(model, input_ids, max_new_tokens, num_beams, length_penalty=length_penalty,
+                           length_penalty_style=length_penalty_style, early_stopping=early_stopping,
+                           eos_token_id=eos_ids or None, pad_token_id=pad_token_id, attention_mask=attention_mask,
+                           use_cache=use_cache, repetition_penalty=repetition_penalty)
+
+    def process(idx, generated, logits):
+        if do_sample:
+            return process_logits(logits, idx, generated, repetition_penalty=repetition_penalty,
+                                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                  temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        # greedy: the warpers cannot change the argmax, so only the penalties apply (as in Hugging Face)
+        return process_logits(logits, idx, generated, repetition_penalty=repetition_penalty,
+                              frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+
+    def choose(scores):
+        if do_sample:
+            return torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=generator).squeeze(1)
+        return scores.argmax(dim=-1)
+
+    return _decode(model, input_ids, max_new_tokens, choose, process, eos_ids, pad_token_id, attention_mask,
+                   use_cache, stop_sequences, streamer)
+
+
+# ----------------------------------------------------------------------------------------------------
+# measuring generated text
+
+
+def distinct_n(sequences: Sequence[Sequence[int]], n: int) -> float:
+    """Distinct-n (Li et al., 2016): unique n-grams / all n-grams over the given token sequences (0 if none)."""
+    grams = [tuple(s[i:i + n]) for s in sequences for i in range(len(s) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def repetition_rate(sequences: Sequence[Sequence[int]], n: int = 4) -> float:
+    """The fraction of n-grams that already occurred earlier in the same sequence (loops score near 1)."""
+    repeated = total = 0
+    for s in sequences:
+        seen = set()
+        for i in range(len(s) - n + 1):
+            gram = tuple(s[i:i + n])
+            repeated += gram in seen
+            total += 1
+            seen.add(gram)
+    return repeated / total if total else 0.0
+
+
+@torch.no_grad()
+def mean_log_likelihood(model, idx: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Mean log p_model(token | prefix) of the tokens after the prompt, per row: idx (B, T) -> (B,).
+
+    Measured with the model's own distribution (temperature 1, no filtering), whatever strategy chose the tokens.
+    """
+    logits, _ = model(idx[:, :-1])
+    log_probs = F.log_softmax(logits.float(), dim=-1).gather(2, idx[:, 1:, None]).squeeze(2)  # (B, T - 1)
+    return log_probs[:, prompt_len - 1:].mean(dim=1)

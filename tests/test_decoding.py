@@ -1,0 +1,358 @@
+"""course_lib.decoding against Hugging Face transformers (its LogitsProcessor classes and generate()).
+
+The processors are compared on adversarial logits (ties at the k-th value, -inf entries, top-p boundary
+probabilities); greedy, seeded sampling and beam search on small random GPTs converted with
+course_lib.hf.to_hf (nothing downloaded). Exact token equality is required; processed logits use the
+tolerance policy (assert_parity, 1e-5).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib import decoding as D
+from course_lib.gpt import GPT, GPTConfig
+from course_lib.hf import to_hf
+from tests.conftest import assert_parity
+
+transformers = pytest.importorskip("transformers")
+from transformers.generation import logits_process as LP  # noqa: E402
+
+V = 13
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, block_size=64, n_layer=2, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():  # sharper distributions than the 0.02 initialisation: EOS and repeats happen
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(20)
+    return model, to_hf(model)
+
+
+def prompts(B=3, T=5, seed=1):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def left_padded(pad=9):
+    x = prompts(3, 6)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    return x.masked_fill(mask == 0, pad), mask
+
+
+def adversarial_logits():
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(V, generator=g) * 3 for _ in range(3)]
+    ties = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.5, 0.5, -1.0, -3.0, -3.0, 0.0, 0.0, 2.0, -0.5])  # ties everywhere
+    with_inf = torch.randn(V, generator=g)
+    with_inf[[1, 4, 7]] = float("-inf")
+    boundary = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03125] + [0.03125 / 8] * 8))  # exact dyadic mass
+    return torch.stack(rows + [ties, with_inf, boundary])
+
+
+# ------------------------------------------------------------------ processors vs HF's classes
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 13, 50])
+def test_top_k_matches_hf_with_ties_and_k_larger_than_vocab(k):
+    logits = adversarial_logits()
+    ids = torch.zeros(logits.shape[0], 1, dtype=torch.long)
+    expected = LP.TopKLogitsWarper(top_k=k)(ids, logits.clone())
+    assert torch.equal(D.top_k_filter(logits, k), expected)
+
+
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.75, 0.875, 0.9, 0.95, 0.99, 1.0])
+def test_top_p_matches_hf_including_boundary_masses(p):
+    logits = adversarial_logits()
+    ids = torch.zeros(logits.shape[0], 1, dtype=torch.long)
+    assert torch.equal(D.top_p_filter(logits, p), LP.TopPLogitsWarper(top_p=p)(ids, logits.clone()))
+
+
+def test_top_p_keeps_the_crossing_token_and_at_least_one():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(D.top_p_filter(logits, 0.6))
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.6: the token that crosses (0.3) stays
+    assert torch.isfinite(D.top_p_filter(logits, 1e-9)).sum() == 1
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.2, 0.5, 1.0])
+def test_min_p_matches_hf(min_p):
+    logits = adversarial_logits()
+    ids = torch.zeros(logits.shape[0], 1, dtype=torch.long)
+    assert torch.equal(D.min_p_filter(logits, min_p), LP.MinPLogitsWarper(min_p=min_p)(ids, logits.clone()))
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_temperature_matches_hf(temperature):
+    logits = adversarial_logits()
+    ids = torch.zeros(logits.shape[0], 1, dtype=torch.long)
+    assert_parity(D.apply_temperature(logits, temperature), LP.TemperatureLogitsWarper(temperature)(ids, logits.clone()))
+
+
+def test_temperature_zero_is_greedy_not_a_division_by_zero():
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0], [0.0, -1.0, -5.0, -0.5]])
+    probs = D.apply_temperature(logits, 0.0).softmax(-1)
+    assert torch.equal(probs, torch.tensor([[0.0, 0.5, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
+def test_repetition_penalty_matches_hf_with_repeats_and_negative_logits(penalty):
+    logits = adversarial_logits()[:, :V]
+    logits[:, 0] = -2.0  # a negative logit that occurs in the history
+    ids = torch.tensor([[0, 1, 1, 1, 5], [0, 0, 2, 3, 3], [12, 0, 4, 4, 4], [0, 1, 2, 3, 4], [0, 5, 5, 6, 6],
+                        [0, 9, 10, 11, 12]])
+    expected = LP.RepetitionPenaltyLogitsProcessor(penalty=penalty)(ids, logits.clone())
+    assert_parity(D.apply_repetition_penalty(logits, ids, penalty), expected)
+
+
+def test_frequency_presence_penalty_is_openai_additive():
+    logits = torch.zeros(2, 5)
+    ids = torch.tensor([[1, 1, 1, 3], [0, 4, 4, 4]])
+    out = D.apply_frequency_presence_penalty(logits, ids, 0.5, 0.25)
+    assert_parity(out, torch.tensor([[0.0, -1.75, 0.0, -0.75, 0.0], [-0.75, 0.0, 0.0, 0.0, -1.75]]))
+
+
+def test_processor_order_matches_hf_list():
+    logits = adversarial_logits()
+    ids = torch.tensor([[0, 3, 3]] * logits.shape[0])
+    hf = LP.LogitsProcessorList([LP.RepetitionPenaltyLogitsProcessor(1.5), LP.TemperatureLogitsWarper(0.7),
+                                 LP.TopKLogitsWarper(6), LP.TopPLogitsWarper(0.9), LP.MinPLogitsWarper(0.05)])
+    ours = D.process_logits(logits, ids, repetition_penalty=1.5, temperature=0.7, top_k=6, top_p=0.9, min_p=0.05)
+    expected = hf(ids, logits.clone())
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(expected))
+    assert_parity(ours[torch.isfinite(ours)], expected[torch.isfinite(expected)])
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: D.apply_temperature(torch.zeros(1, 3), -1.0), "temperature must be >= 0"),
+    (lambda: D.top_k_filter(torch.zeros(1, 3), 0), "top_k must be an integer >= 1"),
+    (lambda: D.top_p_filter(torch.zeros(1, 3), 0.0), r"top_p must be in \(0, 1\]"),
+    (lambda: D.top_p_filter(torch.zeros(1, 3), 1.5), r"top_p must be in \(0, 1\]"),
+    (lambda: D.min_p_filter(torch.zeros(1, 3), -0.1), r"min_p must be in \[0, 1\]"),
+    (lambda: D.apply_repetition_penalty(torch.zeros(1, 3), torch.zeros(1, 1, dtype=torch.long), 0.0),
+     "repetition_penalty must be > 0"),
+    (lambda: D.apply_frequency_presence_penalty(torch.zeros(1, 3), torch.zeros(1, 1, dtype=torch.long), 3.0),
+     r"frequency_penalty must be in \[-2, 2\]"),
+])
+def test_bad_processor_arguments_raise_value_error_naming_the_range(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_bad_generate_arguments_raise_value_error(models):
+    model, _ = models
+    x = prompts()
+    for kwargs, message in [(dict(num_beams=0), "num_beams must be an integer >= 1"),
+                            (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+                            (dict(early_stopping="sometimes", num_beams=2), "early_stopping must be"),
+                            (dict(temperature=-0.5), "temperature must be >= 0"),
+                            (dict(do_sample=True, num_beams=2), "beam sampling")]:
+        with pytest.raises(ValueError, match=message):
+            D.generate(model, x, 3, **kwargs)
+    with pytest.raises(ValueError, match="block_size"):
+        D.generate(model, x, 60)
+
+
+# ------------------------------------------------------------------ greedy and sampling vs HF generate
+
+
+def test_greedy_matches_hf_and_the_plain_loop(models):
+    model, hf = models
+    x = prompts()
+    ours = D.generate(model, x, 20)
+    assert torch.equal(ours, hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False))
+    assert torch.equal(D.greedy_search(model, x, 20), ours)
+    assert torch.equal(D.generate(model, x, 20, use_cache=False), ours)
+    assert torch.equal(D.generate(model, x, 20, num_beams=1), ours)  # num_beams=1 is greedy
+
+
+def test_greedy_with_eos_per_row_matches_hf(models):
+    model, hf = models
+    x = prompts()
+    free = D.generate(model, x, 20)
+    eos = int(free[0, 8])  # a token row 0 produces mid-way: it finishes early, the others may not
+    ours = D.generate(model, x, 20, eos_token_id=eos, pad_token_id=11)
+    theirs = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False,
+                         eos_token_id=eos, pad_token_id=11)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(D.greedy_search(model, x, 20, eos_token_id=eos, pad_token_id=11), ours)
+    row0 = ours[0, 5:].tolist()
+    end = row0.index(eos)
+    assert set(row0[end + 1:]) <= {11}  # finished rows emit padding ...
+    assert not torch.equal(ours[1:, 5 + end + 1:], torch.full_like(ours[1:, 5 + end + 1:], 11))  # ... the others go on
+
+
+def test_generation_stops_when_all_rows_finish():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, block_size=64, n_layer=1, n_head=2, n_embd=16)).eval()
+    x = prompts()
+    first = D.generate(model, x, 1)[:, -1]
+    out = D.generate(model, x, 30, eos_token_id=first.tolist())  # every row ends at its first token
+    assert out.shape == (3, 6)
+
+
+def test_left_padded_batch_matches_hf_and_each_row_alone(models):
+    model, hf = models
+    x, mask = left_padded()
+    ours = D.generate(model, x, 10, attention_mask=mask, pad_token_id=9)
+    assert torch.equal(ours, hf.generate(x, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=9))
+    for row in range(3):
+        alone = x[row:row + 1, (mask[row] == 0).sum():]
+        assert torch.equal(D.generate(model, alone, 10)[0, -10:], ours[row, -10:])
+    assert torch.equal(D.generate(model, x, 10, attention_mask=mask, use_cache=False), ours)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(temperature=0.7, top_k=5), dict(top_p=0.8),
+                                    dict(min_p=0.1, temperature=1.5),
+                                    dict(top_p=0.9, top_k=8, repetition_penalty=1.3, eos_token_id=3, pad_token_id=9)])
+def test_seeded_sampling_matches_hf(models, kwargs):
+    model, hf = models
+    x, mask = left_padded()
+    torch.manual_seed(5)
+    ours = D.generate(model, x, 12, do_sample=True, attention_mask=mask, **kwargs)
+    hf_kwargs = {"top_k": 0, "pad_token_id": 9, **kwargs}  # HF's default top_k is 50: switch it off
+    torch.manual_seed(5)
+    assert torch.equal(ours, hf.generate(x, attention_mask=mask, max_new_tokens=12, do_sample=True, **hf_kwargs))
+
+
+def test_sampling_with_a_generator_is_reproducible_and_temperature_zero_is_greedy(models):
+    model, _ = models
+    x = prompts()
+    a = D.sample(model, x, 10, generator=torch.Generator().manual_seed(1))
+    b = D.sample(model, x, 10, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    assert torch.equal(D.sample(model, x, 10, temperature=0.0), D.generate(model, x, 10))
+
+
+def test_stop_sequences_and_streamer(models):
+    model, _ = models
+    x = prompts()
+    free = D.generate(model, x, 20)
+    stop = free[1, 9:11].tolist()  # row 1 produces this pair at positions 9-10 (or earlier)
+    streamed = []
+    out = D.generate(model, x, 20, stop_sequences=[stop], pad_token_id=12, streamer=lambda t: streamed.append(t.clone()))
+    for row in range(3):
+        ends = [t for t in range(6, free.shape[1] + 1) if free[row, t - 2:t].tolist() == stop]
+        end = ends[0] if ends else free.shape[1]
+        assert torch.equal(out[row, :end], free[row, :end])
+        assert set(out[row, end:].tolist()) <= {12}
+    assert torch.equal(torch.stack(streamed, dim=1), out[:, 5:])
+
+
+def test_frequency_penalty_changes_greedy_output_and_counts_generated_tokens_only(models):
+    model, _ = models
+    x = prompts()
+    plain = D.generate(model, x, 20)
+    penalised = D.generate(model, x, 20, frequency_penalty=2.0)
+    assert not torch.equal(plain, penalised)
+    # repeat rate of the generated part drops
+    def repeats(out):
+        return sum(len(r) - len(set(r)) for r in out[:, 5:].tolist())
+    assert repeats(penalised) < repeats(plain)
+
+
+# ------------------------------------------------------------------ beam search vs HF generate
+
+
+def _eos_for_beams(model, x, n):
+    out = D.generate(model, x, n, num_beams=3)
+    return int(out[0, x.shape[1] + 3])
+
+
+@pytest.mark.parametrize("num_beams, length_penalty, early_stopping", [
+    (2, 1.0, False), (2, 0.0, True), (2, 2.0, "never"), (3, -1.0, False), (3, 1.0, True), (3, 0.5, "never"),
+    (5, 1.0, False), (5, 2.0, True), (5, 1.0, "never")])
+def test_beam_search_matches_hf_with_eos(models, num_beams, length_penalty, early_stopping):
+    model, hf = models
+    x = prompts(2, 5)
+    eos = _eos_for_beams(model, x, 10)
+    kwargs = dict(num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping, eos_token_id=eos,
+                  pad_token_id=12)
+    ours = D.generate(model, x, 10, **kwargs)
+    theirs = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False, **kwargs)
+    assert ours.shape == theirs.shape and torch.equal(ours, theirs)
+
+
+def test_beam_search_scores_and_return_sequences_match_hf(models):
+    model, hf = models
+    x = prompts(2, 5)
+    eos = _eos_for_beams(model, x, 10)
+    ours, scores = D.beam_search(model, x, 10, 4, eos_token_id=eos, pad_token_id=12, num_return_sequences=3,
+                                 return_scores=True)
+    theirs = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False, num_beams=4,
+                         eos_token_id=eos, pad_token_id=12, num_return_sequences=3, output_scores=True,
+                         return_dict_in_generate=True)
+    assert torch.equal(ours, theirs.sequences)
+    assert_parity(scores, theirs.sequences_scores)
+    assert (ours == eos).any()  # EOS hypotheses were stored
+
+
+def test_beam_search_left_padded_with_repetition_penalty_matches_hf(models):
+    model, hf = models
+    x, mask = left_padded()
+    for kwargs in [dict(num_beams=3), dict(num_beams=2, repetition_penalty=1.5, eos_token_id=3, pad_token_id=9)]:
+        ours = D.generate(model, x, 8, attention_mask=mask, **kwargs)
+        theirs = hf.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False, **{"pad_token_id": 9, **kwargs})
+        assert torch.equal(ours, theirs)
+        assert torch.equal(D.generate(model, x, 8, attention_mask=mask, use_cache=False, **kwargs), ours)
+
+
+def test_one_rows_eos_does_not_end_other_rows_or_beams(models):
+    model, _ = models
+    x = prompts(2, 5)
+    alone = [D.generate(model, x[i:i + 1], 10, num_beams=3, eos_token_id=_eos_for_beams(model, x[:1], 10),
+                        pad_token_id=12) for i in range(2)]
+    batched = D.generate(model, x, 10, num_beams=3, eos_token_id=_eos_for_beams(model, x[:1], 10), pad_token_id=12)
+    for i in range(2):
+        n = alone[i].shape[1]
+        assert torch.equal(batched[i, :n], alone[i][0])
+        assert set(batched[i, n:].tolist()) <= {12}
+
+
+def test_beam_search_step_expands_over_all_beams_and_normalises_generated_length():
+    g = torch.Generator().manual_seed(0)
+    log_probs = torch.randn(2, 3, 7, generator=g).log_softmax(-1)
+    beam_scores = torch.randn(2, 3, generator=g)
+    scores, beam, token, finished = D.beam_search_step(log_probs, beam_scores, 6, cur_len=9, prompt_len=5,
+                                                       length_penalty=2.0)
+    total = beam_scores[:, :, None] + log_probs
+    brute = total.reshape(2, -1).sort(dim=-1, descending=True).values[:, :6]
+    assert_parity(scores, brute)
+    assert_parity(total[torch.arange(2)[:, None], beam, token], scores)
+    assert_parity(finished, scores / 5 ** 2.0)  # generated length 9 + 1 - 5, the prompt not counted
+
+
+def test_gnmt_length_penalty_changes_the_ranking_as_documented(models):
+    model, _ = models
+    x = prompts(2, 5)
+    eos = _eos_for_beams(model, x, 10)
+    _, hf_scores = D.beam_search(model, x, 10, 3, eos_token_id=eos, length_penalty=1.0, return_scores=True)
+    out, gnmt_scores = D.beam_search(model, x, 10, 3, eos_token_id=eos, length_penalty=1.0, length_penalty_style="gnmt",
+                                     return_scores=True)
+    assert out.shape[0] == 2 and torch.isfinite(gnmt_scores).all()
+    assert abs(D.gnmt_length_penalty(1, 1.0) - 1.0) < 1e-12 and abs(D.gnmt_length_penalty(7, 0.5) - 2 ** 0.5) < 1e-12
+
+
+# ------------------------------------------------------------------ the text metrics of the comparison
+
+
+def test_distinct_n_and_repetition_rate_by_hand():
+    texts = [[1, 2, 1, 2, 1], [3, 3, 3]]
+    # bigrams: (1,2) (2,1) (1,2) (2,1) | (3,3) (3,3): 3 distinct of 6
+    assert D.distinct_n(texts, 2) == 3 / 6
+    # per text: 2 of 4 bigrams seen before in text 0, 1 of 2 in text 1
+    assert D.repetition_rate(texts, 2) == 3 / 6
+    assert D.distinct_n([[1]], 2) == 0.0 and D.repetition_rate([[1]], 4) == 0.0
+
+
+def test_mean_log_likelihood_against_a_per_token_loop(models):
+    model, _ = models
+    idx = prompts(2, 9)
+    with torch.no_grad():
+        expected = torch.stack([torch.stack([model(idx[b:b + 1, :t])[0][0, -1].log_softmax(-1)[idx[b, t]]
+                                             for t in range(4, 9)]).mean() for b in range(2)])
+    assert_parity(D.mean_log_likelihood(model, idx, 4), expected)
