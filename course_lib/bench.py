@@ -1,14 +1,20 @@
-"""``course bench train``: one training step of our GPT against Hugging Face's GPT2LMHeadModel.
+"""``course bench train`` and ``course bench decode``: our GPT against Hugging Face's GPT2LMHeadModel.
 
+``train``: one training step.
 Both models have the same config and the same weights (``course_lib.hf.to_hf``), see the same
 batches and compute the same loss (the mean cross-entropy of every position's logits against the
 next token); each step is forward, loss, backward, gradient clipping and an AdamW update. The two
 are timed alternately in one process (so background load hits both alike), after a warm-up, and
 the median of the repeats is reported. A benchmark, not a test: it prints, it asserts nothing.
+
+``decode``: greedy tokens per second of our cached decoding (``course_lib.kv_cache.generate_cached``),
+our uncached decoding (a full forward pass per token), and Hugging Face's ``generate`` with
+``use_cache`` True and False, on the same weights; see ``bench_decode``.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -17,6 +23,7 @@ import torch.nn.functional as F
 
 from .data import CharTokenizer, default_corpus, get_batch
 from .gpt import GPT, GPTConfig
+from .kv_cache import generate_cached
 
 
 def _step_ours(model, optimizer, x, y):
@@ -75,17 +82,168 @@ def bench_train(batch_size: int = 12, block_size: int = 64, n_layer: int = 4, n_
             "batch_size": batch_size, "threads": threads}
 
 
+#: Model shapes of ``course bench decode`` (random weights, context 1024 so that 16 + 256 tokens fit).
+DECODE_SHAPES = {
+    "tiny": dict(vocab_size=103, block_size=1024, n_layer=4, n_head=4, n_embd=128),  # char-gpt's shape
+    "gpt2-small": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+}
+#: New tokens of the uncached rows: a full forward pass per token costs O(context) per step, so the
+#: uncached rows generate fewer tokens (tokens/s is compared with HF at the same length, never across lengths)
+UNCACHED_TOKENS = {"tiny": 64, "gpt2-small": 16}
+
+
+@torch.inference_mode()
+def greedy_uncached(model, idx, max_new_tokens: int):
+    """Greedy decoding without a cache: every step runs the blocks over the whole sequence so far and
+    the LM head over its last position only. (B, T) -> (B, T + max_new_tokens)."""
+    tr = model.transformer
+    for _ in range(max_new_tokens):
+        x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in tr.h:
+            x = block(x)
+        nxt = model.lm_head(tr.ln_f(x[:, -1])).argmax(-1, keepdim=True)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
+
+
+def _hf_generate(model, idx, max_new_tokens: int, use_cache: bool):
+    with torch.inference_mode():
+        return model.generate(idx, attention_mask=torch.ones_like(idx), do_sample=False, use_cache=use_cache,
+                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+
+
+def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Measured read bandwidth in bytes/s: the best of `repeats` timed sums of a float32 tensor of nbytes bytes
+    (after one warm-up sum), at the current thread count."""
+    buffer = torch.ones(max(1, nbytes // 4))
+    buffer.sum()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads: every parameter once (the tied embedding once, read in full by
+    the LM head), except the position table, of which a step reads one row."""
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "transformer.wpe.weight")
+
+
+def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: int = 256, prompt_len: int = 16,
+                 uncached_tokens: dict | None = None, threads: int = 2, warmup: int = 1, repeats: int = 5,
+                 seed: int = 0) -> dict:
+    """Greedy decoding speed of ours (cached, uncached) and Hugging Face's generate (use_cache True, False).
+
+    For each shape and batch size: random weights (seeded), one converted copy for Hugging Face (identical
+    weights), a random prompt of prompt_len tokens; each implementation generates new_tokens (cached) or
+    uncached_tokens[shape] (uncached) tokens, warmup times untimed, then repeats times, alternating between
+    implementations; the median time gives tokens/s = B * new tokens / seconds. For the GPT-2-small shape at
+    batch 1, the memory-bandwidth bound: the bytes of the weights a step reads / the measured read bandwidth.
+    Returns {"rows": [...], "bound": {...} or None, ...}.
+    """
+    from .hf import to_hf
+
+    unknown = sorted(set(shapes) - set(DECODE_SHAPES))
+    if unknown:
+        raise ValueError(f"shapes must be among {sorted(DECODE_SHAPES)}, got {unknown}")
+    if repeats < 1 or warmup < 0 or new_tokens < 1:
+        raise ValueError(f"need repeats >= 1, warmup >= 0, new_tokens >= 1; got {repeats}, {warmup}, {new_tokens}")
+    uncached_tokens = {**UNCACHED_TOKENS, **(uncached_tokens or {})}
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rows, bound = [], None
+    try:
+        for shape in shapes:
+            torch.manual_seed(seed)
+            config = GPTConfig(**DECODE_SHAPES[shape])
+            ours = GPT(config).eval()
+            theirs = to_hf(ours)
+            n_uncached = min(uncached_tokens[shape], new_tokens)
+            for B in batch_sizes:
+                prompt = torch.randint(0, config.vocab_size, (B, prompt_len), generator=torch.Generator().manual_seed(seed + B))
+                runs = {
+                    "ours, cached": (lambda n: generate_cached(ours, prompt, n), new_tokens),
+                    "ours, uncached": (lambda n: greedy_uncached(ours, prompt, n), n_uncached),
+                    "HF generate, use_cache=True": (lambda n: _hf_generate(theirs, prompt, n, True), new_tokens),
+                    "HF generate, use_cache=False": (lambda n: _hf_generate(theirs, prompt, n, False), n_uncached),
+                }
+                outputs = {}
+                for name, (run, n) in runs.items():  # warm-up: allocator, first-call overheads
+                    for _ in range(warmup):
+                        outputs[name] = run(min(n, 8))
+                times: dict[str, list[float]] = {name: [] for name in runs}
+                for _ in range(repeats):
+                    for name, (run, n) in runs.items():  # alternate, so that background load hits all alike
+                        start = time.perf_counter()
+                        outputs[name] = run(n)
+                        times[name].append(time.perf_counter() - start)
+                same = torch.equal(outputs["ours, cached"], outputs["HF generate, use_cache=True"])
+                for name, (_, n) in runs.items():
+                    seconds = statistics.median(times[name])
+                    rows.append({"shape": shape, "batch_size": B, "impl": name, "new_tokens": n, "seconds": seconds,
+                                 "tokens_per_s": B * n / seconds, "times": times[name], "same_tokens_as_hf": same})
+                for row in rows[-4:]:
+                    hf_name = "HF generate, use_cache=" + ("True" if row["impl"].endswith(" cached") or row["impl"].endswith("True") else "False")
+                    hf_row = next(r for r in rows[-4:] if r["impl"] == hf_name)
+                    row["ratio_to_hf"] = row["tokens_per_s"] / hf_row["tokens_per_s"]
+                if shape == "gpt2-small" and B == 1:
+                    weight_bytes = decode_weight_bytes(ours)
+                    bandwidth = read_bandwidth(weight_bytes)
+                    ours_row = next(r for r in rows[-4:] if r["impl"] == "ours, cached")
+                    bound_tokens_per_s = bandwidth / weight_bytes
+                    bound = {"weight_bytes": weight_bytes, "bandwidth": bandwidth, "tokens_per_s": bound_tokens_per_s,
+                             "fraction": ours_row["tokens_per_s"] / bound_tokens_per_s}
+    finally:
+        torch.set_num_threads(previous_threads)
+    return {"rows": rows, "bound": bound, "threads": threads, "repeats": repeats, "warmup": warmup, "prompt_len": prompt_len}
+
+
+def format_decode(result: dict) -> str:
+    """The table `course bench decode` prints."""
+    lines = [f"greedy decoding from a {result['prompt_len']}-token prompt, random weights, {result['threads']} threads, "
+             f"median of {result['repeats']} runs after {result['warmup']} warm-up run(s); tokens/s = B x new tokens / seconds",
+             f"{'shape':11s} {'B':>2s}  {'implementation':29s} {'new':>4s} {'ms/step':>8s} {'tokens/s':>9s} {'vs HF':>6s}"]
+    for row in result["rows"]:
+        lines.append(f"{row['shape']:11s} {row['batch_size']:>2d}  {row['impl']:29s} {row['new_tokens']:>4d} "
+                     f"{row['seconds'] / row['new_tokens'] * 1e3:>8.2f} {row['tokens_per_s']:>9.1f} {row['ratio_to_hf']:>5.2f}x")
+    agree = {(r["shape"], r["batch_size"]): r["same_tokens_as_hf"] for r in result["rows"]}
+    lines.append("ours cached == HF cached, same tokens: " + ", ".join(f"{s} B={b}: {'yes' if v else 'NO'}" for (s, b), v in agree.items()))
+    lines.append("(vs HF: ours cached / HF use_cache=True, ours uncached / HF use_cache=False; target >= 1.2x)")
+    bound = result.get("bound")
+    if bound:
+        lines.append(f"memory-bandwidth bound, gpt2-small B=1: weights read per step {bound['weight_bytes'] / 1e6:.1f} MB / "
+                     f"measured read bandwidth {bound['bandwidth'] / 1e9:.1f} GB/s (sum of a float32 tensor of that size) = "
+                     f"{bound['tokens_per_s']:.1f} tokens/s; ours cached reaches {bound['fraction']:.0%} of it (target >= 40%)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="course bench", description="benchmarks (they print; they assert nothing)")
-    parser.add_argument("what", choices=["train"], help="train: a training step of our GPT vs Hugging Face's GPT-2")
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats; the median is reported (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=10, help="training steps per repeat (default: %(default)s)")
+    parser.add_argument("what", choices=["train", "decode"],
+                        help="train: a training step of our GPT vs Hugging Face's GPT-2; decode: greedy decoding speed, "
+                             "cached and uncached, vs Hugging Face's generate")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats; the median is reported (default: 7 for train, 5 for decode)")
+    parser.add_argument("--steps", type=int, default=10, help="train: training steps per repeat (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    parser.add_argument("--tokens", type=int, default=256, help="decode: new tokens of the cached rows (default: %(default)s)")
+    parser.add_argument("--shapes", nargs="+", default=list(DECODE_SHAPES), choices=list(DECODE_SHAPES), help="decode: model shapes")
+    parser.add_argument("--quick", action="store_true", help="decode: 32 new tokens (8 uncached), 1 run, no warm-up (a smoke run)")
     args = parser.parse_args(argv)
-    result = bench_train(threads=args.threads, repeats=args.repeats, steps_per_repeat=args.steps)
+    if args.what == "decode":
+        if args.quick:
+            result = bench_decode(shapes=args.shapes, new_tokens=32, uncached_tokens={s: 8 for s in DECODE_SHAPES},
+                                  threads=args.threads, warmup=0, repeats=args.repeats or 1)
+        else:
+            result = bench_decode(shapes=args.shapes, new_tokens=args.tokens, threads=args.threads, repeats=args.repeats or 5)
+        print(format_decode(result))
+        return 0
+    repeats = args.repeats or 7
+    result = bench_train(threads=args.threads, repeats=repeats, steps_per_repeat=args.steps)
     c = result["config"]
     print(f"training step, batch {result['batch_size']} x block {c.block_size}, {c.n_layer} layers, {c.n_embd} dims, "
-          f"{c.n_head} heads, vocab {c.vocab_size}, {result['threads']} threads, median of {args.repeats} x {args.steps} steps")
+          f"{c.n_head} heads, vocab {c.vocab_size}, {result['threads']} threads, median of {repeats} x {args.steps} steps")
     print(f"  ours (course_lib.gpt.GPT):          {result['ours_s'] * 1e3:8.2f} ms/step")
     print(f"  Hugging Face GPT2LMHeadModel ({result['attn_implementation']}): {result['hf_s'] * 1e3:8.2f} ms/step")
     print(f"  ratio ours / HF: {result['ratio']:.2f}x  (target <= 1.0x)")

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: _tool("pretrain", a.args))
 
-    p = sub.add_parser("bench", help="benchmarks against Hugging Face: `course bench train`", add_help=False)
+    p = sub.add_parser("bench", help="benchmarks against Hugging Face: `course bench train`, `course bench decode`", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: _tool("bench", a.args))
 

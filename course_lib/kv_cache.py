@@ -8,6 +8,14 @@ against a cache (prefill: the whole prompt at once; decode: one token at a time)
 Shapes: B batch, T new tokens, P tokens already in the cache, L layers, H query heads, H_kv key/value
 heads (H_kv = H for GPT-2; fewer for grouped-query attention), Dh head size, V vocabulary.
 
+Contents: ``KVCache`` (preallocated, batched, optional sliding-window ring buffer) and ``ConcatKVCache``
+(the naive cache that grows by ``torch.cat``, chapter 05's first version); ``cached_forward`` (a GPT over
+new tokens against a cache) and ``generate_cached`` (greedy prefill + decode); ``cached_attention_step``
+(attention of new queries against cached keys and values, grouped-query aware); ``kv_cache_bytes``
+(the memory formula); ``GQASelfAttention`` (grouped-/multi-query causal self-attention whose cache holds
+H_kv heads). ``cached_attention_step``, ``generate_cached`` and ``kv_cache_bytes`` are the reference
+solutions of chapter 05's exercises (``tests/test_solution_drift.py`` keeps them equal to the notebook's).
+
 Positions. ``cache.length`` counts the *slots* written so far (the same for every row). The
 position of a token in the model (its learned position embedding) equals its slot unless the batch
 is left-padded: then ``attention_mask`` (B, P + T), 1 for real tokens and 0 for padding, gives each
@@ -18,6 +26,8 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from .attention import masked_softmax
 
@@ -126,20 +136,63 @@ class KVCache:
         self.length = length
 
 
-def cached_attention(attn, x, cache: KVCache, layer: int, allowed: torch.Tensor):
-    """One CausalSelfAttention (course_lib.gpt) over new tokens x (B, T, C), against the cache of `layer`.
+class ConcatKVCache:
+    """The first, simplest cache: per layer, keys and values grow by ``torch.cat`` at every step.
 
-    allowed (B, 1, T, T_k) bool says which cached-or-new key each new query may attend to.
-    Returns (B, T, C). The new keys and values are written into the cache.
+    Same interface as ``KVCache`` (``update``, ``advance``, ``key_slots``, ``length``), so
+    ``cached_forward`` runs on it; but every step allocates new (B, H_kv, P + T, Dh) tensors and copies
+    everything cached so far: O(P) copying per step, O(N^2) over a generation. ``KVCache`` fixes that.
     """
-    B, T, C = x.shape
-    H = attn.n_head
-    q, k, v = attn.c_attn(x).split(C, dim=2)
-    q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
-    keys, values = cache.update(layer, k, v)  # (B, H, T_k, Dh)
-    weights = masked_softmax(q @ keys.transpose(-2, -1) / math.sqrt(C // H), allowed)  # (B, H, T, T_k)
-    y = (weights @ values).transpose(1, 2).reshape(B, T, C)
-    return attn.c_proj(y)
+
+    window = None
+    max_len = math.inf
+
+    def __init__(self, n_layer: int, batch_size: int):
+        if n_layer < 1 or batch_size < 1:
+            raise ValueError(f"n_layer and batch_size must be >= 1, got {n_layer} and {batch_size}")
+        self.keys: list = [None] * n_layer
+        self.values: list = [None] * n_layer
+        self.batch_size = batch_size
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Append k, v (B, H_kv, T, Dh); return all keys and values of the layer (B, H_kv, P + T, Dh)."""
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)  # a new tensor: copies all P cached keys
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+    def key_slots(self, T: int) -> torch.Tensor:
+        return torch.arange(self.length + T)
+
+    def advance(self, T: int) -> None:
+        self.length += T
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
+
+def cached_attention_step(q, k, v, past_k, past_v):
+    """Attention of T new queries against the cached keys and values plus the T new ones.
+
+    q (B, H, T, Dh): queries of the new tokens; k, v (B, H_kv, T, Dh): their keys and values;
+    past_k, past_v (B, H_kv, P, Dh): the cache (P may be 0). H_kv divides H: each group of H / H_kv
+    consecutive query heads shares one key/value head (H_kv = H: multi-head; 1: multi-query).
+    New token i sits at slot P + i: it attends to slots 0..P + i (causal inside a chunk too).
+    Returns (y (B, H, T, Dh), keys (B, H_kv, P + T, Dh), values (B, H_kv, P + T, Dh)): the new cache.
+    """
+    P, T, Dh = past_k.shape[2], q.shape[2], q.shape[3]
+    keys = torch.cat([past_k, k], dim=2)  # (B, H_kv, P + T, Dh): oldest first
+    values = torch.cat([past_v, v], dim=2)
+    group = q.shape[1] // keys.shape[1]  # query heads per key/value head
+    k_all = keys.repeat_interleave(group, dim=1)  # (B, H, P + T, Dh): head h reads key/value head h // group
+    v_all = values.repeat_interleave(group, dim=1)
+    allowed = torch.ones(T, P + T, dtype=torch.bool, device=q.device).tril(diagonal=P)  # query i: keys 0..P + i
+    weights = masked_softmax(q @ k_all.transpose(-2, -1) / math.sqrt(Dh), allowed)  # (B, H, T, P + T)
+    return weights @ v_all, keys, values
 
 
 def attention_allowed(query_slots, key_slots, attention_mask=None, window: int | None = None):
@@ -165,28 +218,65 @@ def position_ids(attention_mask, past: int, T: int, batch_size: int, device=None
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:past + T]
 
 
+def cached_attention(attn, x, cache, layer: int, allowed):
+    """One CausalSelfAttention (course_lib.gpt) over new tokens x (B, T, C), against the cache of `layer`.
+
+    allowed (B or 1, 1, T, T_k) bool says which cached-or-new key each new query may attend to; None
+    means every key (one new token, no padding, no window: the common decode step, which then runs
+    ``F.scaled_dot_product_attention`` without a mask). Returns (B, T, C); the new keys and values
+    are written into the cache.
+    """
+    B, T, C = x.shape
+    H = attn.n_head
+    q, k, v = attn.c_attn(x).split(C, dim=2)
+    q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
+    keys, values = cache.update(layer, k, v)  # (B, H, T_k, Dh)
+    if allowed is None:
+        y = F.scaled_dot_product_attention(q, keys, values)  # (B, H, T, Dh)
+    else:
+        y = masked_softmax(q @ keys.transpose(-2, -1) / math.sqrt(C // H), allowed) @ values
+    return attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
 @torch.no_grad()
-def cached_forward(model, idx, cache: KVCache, attention_mask=None):
+def cached_forward(model, idx, cache, attention_mask=None, positions=None):
     """Run a course_lib.gpt.GPT over new tokens idx (B, T) against `cache`; returns logits (B, T, V).
 
     The first call (empty cache) is the prefill: the whole prompt in one pass. Later calls decode, one
     token (or a chunk of tokens) at a time; the causal mask holds inside a chunk too. attention_mask
     (B, P + T), if given, covers every slot so far (cached and new): 1 for real tokens, 0 for padding.
+    positions (B, T) int64, if given, are the new tokens' positions (default: their slots, or with a
+    mask the count of real tokens before each one, see ``position_ids``).
     Inference only: no gradients, and the model must be in eval mode (no dropout). The cache advances by T.
     """
     B, T = idx.shape
     if cache.batch_size != B:
         raise ValueError(f"idx has batch size {B} but the cache holds {cache.batch_size} rows")
     past = cache.length
+    if past + T > cache.max_len:
+        raise ValueError(f"the cache is full: it holds max_len = {cache.max_len} tokens, "
+                         f"{past} are cached and {T} more were given")
     if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
         raise ValueError(f"attention_mask must have shape (B, cached + new) = {(B, past + T)}, got {tuple(attention_mask.shape)}")
-    positions = position_ids(attention_mask, past, T, B, idx.device)
-    if positions.numel() and positions.max().item() >= model.config.block_size:
-        raise ValueError(f"positions must be < block_size = {model.config.block_size}: the context is full "
+    block_size = model.config.block_size
+    if positions is None and attention_mask is None:  # positions = slots: checked without touching a tensor
+        if past + T > block_size:
+            raise ValueError(f"positions must be < block_size = {block_size}: the context is full "
+                             f"(position {past + T - 1} requested)")
+        positions = position_ids(None, past, T, B, idx.device)
+    else:
+        if positions is None:
+            positions = position_ids(attention_mask, past, T, B, idx.device)
+        elif tuple(positions.shape) != (B, T):
+            raise ValueError(f"positions must have shape (B, T) = {(B, T)}, got {tuple(positions.shape)}")
+        if positions.numel() and positions.max().item() >= block_size:
+            raise ValueError(f"positions must be < block_size = {block_size}: the context is full "
                          f"(position {positions.max().item()} requested)")
-    query_slots = torch.arange(past, past + T, device=idx.device)
-    key_slots = cache.key_slots(T)
-    allowed = attention_allowed(query_slots, key_slots, attention_mask, cache.window)
+    if T == 1 and attention_mask is None and cache.window is None:
+        allowed = None  # one new token, no padding: it may attend to every cached key and to itself
+    else:
+        query_slots = torch.arange(past, past + T, device=idx.device)
+        allowed = attention_allowed(query_slots, cache.key_slots(T), attention_mask, cache.window)
     tr = model.transformer
     x = tr.wte(idx) + tr.wpe(positions)  # (B, T, C)
     for layer, block in enumerate(tr.h):
@@ -194,3 +284,77 @@ def cached_forward(model, idx, cache: KVCache, attention_mask=None):
         x = x + block.mlp(block.ln_2(x))
     cache.advance(T)
     return model.lm_head(tr.ln_f(x))
+
+
+@torch.inference_mode()
+def generate_cached(model, idx, max_new_tokens: int, attention_mask=None):
+    """Greedy generation with a KV cache: idx (B, T) -> (B, T + max_new_tokens).
+
+    Prefill: the whole prompt in one pass, whose last logits give the first new token. Decode: each new
+    token is fed once, at the next position, against the cache. A batch of prompts of different lengths
+    is left-padded, with attention_mask (B, T) 1 for real tokens and 0 for padding.
+    """
+    B, T = idx.shape
+    cache = KVCache.for_model(model, B, T + max_new_tokens)
+    mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask.new_ones(B, max_new_tokens)], dim=1)
+    out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, T + max_new_tokens), filled in below
+    positions = position_ids(attention_mask, 0, T, B, idx.device)  # (B, T)
+    logits = cached_forward(model, idx, cache, None if mask is None else mask[:, :T], positions)  # prefill
+    position = positions[:, -1:] + 1  # (B, 1): the position of the first new token
+    for t in range(T, T + max_new_tokens):
+        out[:, t] = logits[:, -1].argmax(dim=-1)  # the greedy choice
+        if t + 1 < T + max_new_tokens:  # feed it, once, at its own position
+            logits = cached_forward(model, out[:, t:t + 1], cache, None if mask is None else mask[:, :t + 1], position)
+            position = position + 1
+    return out
+
+
+def kv_cache_bytes(n_layer: int, n_embd: int, n_head: int, seq_len: int, *, n_kv_head: int | None = None,
+                   batch_size: int = 1, dtype=torch.float16) -> int:
+    """Bytes of a KV cache holding seq_len tokens: 2 * L * B * T * H_kv * Dh * bytes per element.
+
+    2: a key and a value per token, head and layer. Dh = n_embd / n_head (the query heads set the head
+    size); n_kv_head (default n_head) key/value heads are cached.
+    """
+    H_kv = n_head if n_kv_head is None else n_kv_head
+    head_dim = n_embd // n_head
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * n_layer * batch_size * seq_len * H_kv * head_dim * element
+
+
+class GQASelfAttention(nn.Module):
+    """Causal self-attention with grouped-query attention: H query heads, H_kv key/value heads (H_kv divides H).
+
+    n_kv_head = n_head is multi-head attention, 1 is multi-query attention. Each group of H / H_kv
+    consecutive query heads shares one key/value head, so a KV cache holds H_kv heads per token and
+    shrinks by H / H_kv. q_proj: C -> C, kv_proj: C -> 2 * H_kv * Dh, c_proj: C -> C.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, bias: bool = True):
+        super().__init__()
+        if n_embd % n_head != 0:
+            raise ValueError(f"n_embd must be divisible by n_head, got n_embd={n_embd} and n_head={n_head}")
+        if not 1 <= n_kv_head <= n_head or n_head % n_kv_head != 0:
+            raise ValueError(f"n_kv_head must divide n_head = {n_head} (1 <= n_kv_head <= n_head), got {n_kv_head}")
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, n_embd // n_head
+        self.q_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.kv_proj = nn.Linear(n_embd, 2 * n_kv_head * self.head_dim, bias=bias)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+
+    def forward(self, x, cache: KVCache | None = None, layer: int = 0):
+        """x (B, T, C) -> (B, T, C). With a cache, x holds the T new tokens, their keys and values are
+        stored in layer `layer` of the cache and the queries attend to everything cached before them
+        (the caller advances the cache)."""
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
+        k, v = self.kv_proj(x).view(B, T, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H_kv, T, Dh) each
+        if cache is None:
+            past_k = past_v = k[:, :, :0]  # nothing cached
+            y, _, _ = cached_attention_step(q, k, v, past_k, past_v)
+        else:
+            if cache.window is not None:
+                raise ValueError("GQASelfAttention supports a full cache only (window=None)")
+            P = cache.length
+            keys, values = cache.update(layer, k, v)  # (B, H_kv, P + T, Dh)
+            y, _, _ = cached_attention_step(q, k, v, keys[:, :, :P], values[:, :, :P])
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))

@@ -25,3 +25,31 @@ def test_bench_main_prints_both_times_and_the_ratio(capsys, monkeypatch):
     assert main(["train", "--repeats", "1", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "ours (course_lib.gpt.GPT)" in out and "Hugging Face GPT2LMHeadModel" in out and "ratio ours / HF" in out
+
+
+def test_bench_decode_quick_on_the_tiny_shape_returns_and_prints_sane_rows(capsys):
+    from course_lib.bench import bench_decode, format_decode
+
+    threads = torch.get_num_threads()
+    result = bench_decode(shapes=("tiny",), batch_sizes=(1, 2), new_tokens=6, uncached_tokens={"tiny": 3}, warmup=0, repeats=1)
+    assert torch.get_num_threads() == threads
+    rows = result["rows"]
+    assert [(r["batch_size"], r["impl"]) for r in rows] == [(b, impl) for b in (1, 2) for impl in (
+        "ours, cached", "ours, uncached", "HF generate, use_cache=True", "HF generate, use_cache=False")]
+    for row in rows:
+        assert row["seconds"] > 0 and row["tokens_per_s"] == row["batch_size"] * row["new_tokens"] / row["seconds"]
+        assert row["new_tokens"] == (6 if row["impl"].endswith(("cached", "True")) and "uncached" not in row["impl"] else 3)
+        assert row["ratio_to_hf"] > 0 and row["same_tokens_as_hf"] in (True, False)
+    assert result["bound"] is None  # measured for the GPT-2-small shape only
+    table = format_decode(result)
+    assert "ours, cached" in table and "HF generate, use_cache=False" in table and "vs HF" in table
+
+
+def test_bench_main_decode_quick_prints_the_table(capsys, monkeypatch):
+    import course_lib.bench as bench
+
+    original = bench.bench_decode
+    monkeypatch.setattr(bench, "bench_decode", lambda **kw: original(**{**kw, "batch_sizes": (1,), "new_tokens": 4}))
+    assert main(["decode", "--quick", "--shapes", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny" in out and "ours, uncached" in out and "HF generate, use_cache=True" in out and "tokens/s" in out

@@ -11,5 +11,6 @@ from .ch01 import *  # noqa: F401,F403
 from .ch02 import *  # noqa: F401,F403
 from .ch03 import *  # noqa: F401,F403
 from .ch04 import *  # noqa: F401,F403
+from .ch05 import *  # noqa: F401,F403
 from .ch06 import *  # noqa: F401,F403
 from .ch07 import *  # noqa: F401,F403

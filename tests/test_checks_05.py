@@ -1,0 +1,93 @@
+"""Chapter 05's learner-facing checks: the reference passes; each classic bug gets a specific message."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from course_lib import checks
+from course_lib.attention import masked_softmax
+from course_lib.kv_cache import KVCache, cached_attention_step, cached_forward, generate_cached, kv_cache_bytes, position_ids
+
+
+def test_reference_implementations_pass_every_visible_check(capsys):
+    checks.check_cached_attention_step(cached_attention_step)
+    checks.check_generate_cached(generate_cached)
+    checks.check_kv_cache_bytes(kv_cache_bytes)
+    assert capsys.readouterr().out.count("all visible checks passed") == 3
+
+
+def step_without_mask(q, k, v, past_k, past_v):
+    keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+    return torch.softmax(q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ values, keys, values
+
+
+def step_unscaled(q, k, v, past_k, past_v):
+    keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+    P, T = past_k.shape[2], q.shape[2]
+    allowed = torch.ones(T, P + T, dtype=torch.bool).tril(diagonal=P)
+    return masked_softmax(q @ keys.transpose(-2, -1), allowed) @ values, keys, values
+
+
+def step_new_first(q, k, v, past_k, past_v):
+    y, _, _ = cached_attention_step(q, k, v, past_k, past_v)
+    return y, torch.cat([k, past_k], dim=2), torch.cat([v, past_v], dim=2)
+
+
+@torch.inference_mode()
+def generate_twice(model, idx, max_new_tokens, attention_mask=None):
+    cache = KVCache.for_model(model, idx.shape[0], idx.shape[1] + max_new_tokens + 1)
+    cached_forward(model, idx, cache)
+    token, out = idx[:, -1:], idx
+    for _ in range(max_new_tokens):
+        token = cached_forward(model, token, cache)[:, -1:].argmax(-1)  # the last prompt token fed again first
+        out = torch.cat([out, token], dim=1)
+    return out
+
+
+@torch.inference_mode()
+def generate_position_zero(model, idx, max_new_tokens, attention_mask=None):
+    B, T = idx.shape
+    cache = KVCache.for_model(model, B, T + max_new_tokens)
+    logits = cached_forward(model, idx, cache)
+    out = idx
+    for _ in range(max_new_tokens):
+        token = logits[:, -1:].argmax(-1)
+        out = torch.cat([out, token], dim=1)
+        logits = cached_forward(model, token, cache, positions=torch.zeros(B, 1, dtype=torch.long))  # never advanced
+    return out
+
+
+@pytest.mark.parametrize("check,buggy,message", [
+    (checks.check_cached_attention_step, step_without_mask,
+     r"the last new token is right, but tokens 0 and 1 of the chunk are off by up to \d.*causal mask missing"),
+    (checks.check_cached_attention_step, step_unscaled, r"every new token is off .*offset by the P cached tokens"),
+    (checks.check_cached_attention_step, step_new_first, r"the returned keys \(the cached ones first"),
+    (checks.check_cached_attention_step, lambda q, k, v, pk, pv: cached_attention_step(q, k, v, pk, pv)[0],
+     r"should return a tuple \(y, keys, values\)"),
+    (checks.check_generate_cached, generate_twice, r"(first new token is \d+|agree with greedy decoding without a cache for \d+ step)"),
+    (checks.check_generate_cached, generate_position_zero, r"agree with greedy decoding without a cache for \d+ step\(s\), then differ.*positions advance"),
+    (checks.check_generate_cached, lambda model, idx, n, attention_mask=None: generate_cached(model, idx, n)[:, 1:],
+     r"has shape \(1, 17\), expected \(1, 18\)"),
+    (checks.check_kv_cache_bytes, lambda L, C, H, T, n_kv_head=None, batch_size=1, dtype=torch.float16:
+        kv_cache_bytes(L, C, H, T, n_kv_head=n_kv_head, batch_size=batch_size, dtype=dtype) // 2,
+     r"you computed 262,144 bytes, the cache holds 524,288 \(ratio 0.5;"),
+    (checks.check_kv_cache_bytes, lambda L, C, H, T, n_kv_head=None, batch_size=1, dtype=torch.float16:
+        kv_cache_bytes(L, C, H, T, batch_size=batch_size, dtype=dtype),
+     r"a GQA model .*you computed 16,777,216 bytes, the cache holds 4,194,304 \(ratio 4;"),
+    (checks.check_kv_cache_bytes, lambda *a, **k: float(kv_cache_bytes(*a, **k)), r"should return an int \(bytes\), got float"),
+])
+def test_classic_bugs_get_specific_messages(check, buggy, message):
+    with pytest.raises(checks.CheckFailed, match=message):
+        check(buggy)
+
+
+def test_the_oracles_are_independent_of_the_reference():
+    assert checks.kv_cache_bytes_oracle(36, 1280, 20, 1024) == 188_743_680
+    model = checks.kv_test_model(seed=0)
+    idx = torch.randint(0, 17, (2, 4), generator=torch.Generator().manual_seed(0))
+    out = checks.greedy_oracle(model, idx, 3)
+    with torch.no_grad():
+        assert torch.equal(out[:, 4], model(idx)[0][:, -1].argmax(-1))
+    assert position_ids(None, 3, 2, 1).tolist() == [[3, 4]]

@@ -1,0 +1,89 @@
+"""Chapter 05's grading round trip through nbgrader, with real submission notebooks.
+
+One `grading.grade` run grades four students: the reference (full marks), the untouched release (zero)
+and two students with three planted bugs each, one per exercise. The expected failures follow from
+what each test cell documents (its first comment line); tests/test_hidden_05.py runs the same cells
+against more bugs, one at a time and without nbgrader. The exercises are independent: the loop of
+exercise 2 runs on course_lib's cached_forward, the formula of exercise 3 on nothing else.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.roundtrip import Chapter, assert_loses_exactly, grade_students
+from tests.test_hidden_05 import DOUBLE_FEED
+
+CH = Chapter("05-kv-cache", "kv_cache")
+STEP, GEN, SIZE = "cached_attention_step-solution", "generate_cached-solution", "kv_cache_bytes-solution"
+MASK = "torch.ones(T, P + T, dtype=torch.bool, device=q.device).tril(diagonal=P)"
+FORMULA = "return 2 * n_layer * batch_size * seq_len * H_kv * head_dim * element"
+
+
+def planted_a() -> dict:
+    return CH.solved({
+        # the causal mask dropped: right for one new token, wrong for chunks -> visible, chunk and prefill
+        STEP: CH.mutate(STEP, MASK, "torch.ones(T, P + T, dtype=torch.bool)"),
+        # the position is never advanced after the first decode step -> visible and positions
+        GEN: CH.mutate(GEN, "            position = position + 1\n", ""),
+        # H instead of H_kv -> visible (its GQA case) and gqa
+        SIZE: CH.mutate(SIZE, "H_kv = n_head if n_kv_head is None else n_kv_head", "H_kv = n_head"),
+    })
+
+
+def planted_b() -> dict:
+    return CH.solved({
+        # the mask not offset by the cached length: a decode step sees only slot 0 -> visible, decode, chunk and gqa
+        STEP: CH.mutate(STEP, ".tril(diagonal=P)", ".tril()"),
+        # the last prompt token fed a second time after the prefill -> visible, first and positions
+        GEN: DOUBLE_FEED,
+        # keys only, or values only: the factor 2 forgotten -> visible and gpt2large (the other hidden tests are ratios)
+        SIZE: CH.mutate(SIZE, FORMULA, FORMULA.replace("2 * ", "")),
+    })
+
+
+def failing(exercise: str, *names: str) -> set[str]:
+    return {f"{exercise}-{name}" for name in names}
+
+
+# student -> (notebook, the tests that must fail)
+STUDENTS = {
+    "reference": (CH.solved, set()),
+    "untouched": (CH.untouched, set(CH.points)),
+    "planted_a": (planted_a, failing("cached_attention_step", "visible", "chunk", "prefill") | failing("generate_cached", "visible", "positions")
+                  | failing("kv_cache_bytes", "visible", "gqa")),
+    "planted_b": (planted_b, failing("cached_attention_step", "visible", "decode", "chunk", "gqa")
+                  | failing("generate_cached", "visible", "first", "positions") | failing("kv_cache_bytes", "visible", "gpt2large")),
+}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    # one run for all students; the whole notebook takes well under the 60 s each cell may use
+    return grade_students(tmp_path_factory, CH, STUDENTS, cell_timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("student", list(STUDENTS))
+def test_each_submission_loses_exactly_the_points_of_the_tests_its_bugs_target(graded, student):
+    results, *_ = graded
+    assert_loses_exactly(results[(student, CH.name)], CH, STUDENTS[student][1])
+
+
+@pytest.mark.slow
+def test_reference_gets_full_marks_untouched_zero_and_submissions_are_not_modified(graded):
+    results, before, after = graded
+    reference = results[("reference", CH.name)]
+    assert reference.score == reference.max_score == sum(CH.points.values()) == 15
+    assert results[("untouched", CH.name)].score == 0
+    assert before == after
+
+
+@pytest.mark.slow
+def test_failures_carry_the_checks_messages(graded):
+    results, *_ = graded
+    messages = {t.grade_id: t.message for t in results[("planted_a", CH.name)].tests}
+    assert "Is the causal mask missing?" in messages["cached_attention_step-visible"]
+    assert "(do the positions advance with the cache)?" in messages["generate_cached-visible"]
+    messages = {t.grade_id: t.message for t in results[("planted_b", CH.name)].tests}
+    assert "offset by the P cached tokens" in messages["cached_attention_step-visible"]
+    assert "(ratio 0.5;" in messages["kv_cache_bytes-visible"]
