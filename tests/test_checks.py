@@ -73,3 +73,21 @@ def test_assert_close_names_the_worst_entry():
 def test_assert_finite_reports_nan():
     with pytest.raises(checks.CheckFailed, match=r"contains 1 non-finite value\(s\), the first at index \(0, 1\): nan"):
         checks.assert_finite(torch.tensor([[0.0, float("nan")]]), "w")
+
+
+def test_no_two_chapters_export_the_same_check():
+    """course_lib.checks re-exports every chapter with `import *`: a name two chapters export would
+    silently shadow the earlier one, and a notebook would run the other chapter's check."""
+    import importlib
+    import pkgutil
+
+    import course_lib.checks
+
+    owners: dict[str, str] = {}
+    for info in pkgutil.iter_modules(course_lib.checks.__path__):
+        if info.name.startswith("ch"):
+            module = importlib.import_module(f"course_lib.checks.{info.name}")
+            for name in module.__all__:
+                assert name not in owners, f"{name} is exported by both {owners[name]} and {info.name}"
+                owners[name] = info.name
+    assert len({o for o in owners.values()}) >= 7

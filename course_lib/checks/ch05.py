@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from .ch04 import randomize_gpt
-from .core import assert_close, assert_shape, assert_tensor, fail, passed
+from .core import assert_close, assert_shape, assert_tensor, fail, greedy_oracle, passed
 
 __all__ = ["check_cached_attention_step", "check_generate_cached", "check_kv_cache_bytes", "attention_rows_oracle",
-           "greedy_oracle", "kv_cache_bytes_oracle", "kv_test_model"]
+           "kv_cache_bytes_oracle", "kv_test_model"]
 
 
 def attention_rows_oracle(q, k, v, past_k, past_v):
@@ -40,12 +40,6 @@ def kv_test_model(seed: int, vocab_size: int = 17, block_size: int = 64, n_layer
 
 
 @torch.no_grad()
-def greedy_oracle(model, idx, max_new_tokens: int):
-    """Greedy decoding without any cache: every step runs the model over the whole sequence so far. (B, T + N)."""
-    for _ in range(max_new_tokens):
-        logits, _ = model(idx)
-        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return idx
 
 
 def kv_cache_bytes_oracle(n_layer: int, n_embd: int, n_head: int, seq_len: int, n_kv_head: int | None = None,

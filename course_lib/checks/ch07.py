@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .core import assert_close, fail, passed
+from .core import assert_close, fail, greedy_oracle, passed
 
 __all__ = ["check_speculative_accept", "check_speculative_step", "speculative_accept_oracle", "tiny_gpt_pair",
-           "greedy_oracle", "cache_matches_tokens"]
+           "cache_matches_tokens"]
 
 
 def speculative_accept_oracle(p, q, draft_tokens, u):
@@ -106,12 +106,6 @@ def tiny_gpt_pair(seed: int, vocab_size: int = 6, block_size: int = 48):
     return tuple(models)
 
 
-@torch.no_grad()
-def greedy_oracle(model, idx, n: int):
-    """idx (1, T) extended by n argmax tokens, a full forward pass (no cache) each."""
-    for _ in range(n):
-        idx = torch.cat([idx, model(idx)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
-    return idx
 
 
 @torch.no_grad()

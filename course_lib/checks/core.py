@@ -17,7 +17,7 @@ import math
 import torch
 
 __all__ = ["RTOL", "ATOL", "CheckFailed", "fail", "passed", "unpack_pair", "assert_tensor", "assert_shape",
-           "assert_finite", "assert_close", "assert_rows_sum_to_one", "assert_masked_are_zero"]
+           "assert_finite", "assert_close", "assert_rows_sum_to_one", "assert_masked_are_zero", "greedy_oracle"]
 
 RTOL = 1e-5
 ATOL = 1e-5
@@ -110,3 +110,13 @@ def unpack_pair(result, function: str, names: tuple[str, str]):
 
 def passed(what: str) -> None:
     print(f"✓ {what}: all visible checks passed.")
+
+
+@torch.no_grad()
+def greedy_oracle(model, idx, max_new_tokens: int):
+    """Greedy decoding as plainly as it gets, the oracle of chapters 05 and 07: no cache, every step runs the
+    model (forward(idx) -> (logits, loss)) over the whole sequence so far. idx (B, T) -> (B, T + max_new_tokens)."""
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx)
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx
