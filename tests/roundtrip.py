@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import pytest
+
 from course_lib import grading
 from tests.conftest import ROOT, load_notebook, nbgrader_cells, strip_solution_markers
 
@@ -104,3 +106,29 @@ def assert_reference_full_untouched_zero(graded, chapter: Chapter, total: float)
 def messages(graded, chapter: Chapter, student: str) -> dict[str, str]:
     """grade_id -> the failure message of each test of one student."""
     return {t.grade_id: t.message for t in graded[0][(student, chapter.name)].tests}
+
+
+def round_trip(chapter: Chapter, students: dict, total: float, cell_timeout: int = 60):
+    """The standard round trip of a chapter, for a test module to bind at top level:
+
+        graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions = \\
+            round_trip(CH, STUDENTS, total=13)
+
+    ``graded`` grades ``{student: (make_notebook, must_fail)}`` in one nbgrader run (a module fixture);
+    the first test checks each student loses exactly the points of ``must_fail``, the second that the
+    reference scores ``total``, the untouched release 0, and that no submission was modified.
+    """
+    @pytest.fixture(scope="module")
+    def graded(tmp_path_factory):
+        return grade_students(tmp_path_factory, chapter, students, cell_timeout)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("student", list(students))
+    def test_each_student_loses_exactly_its_bugs_points(graded, student):
+        assert_loses_exactly(graded[0][(student, chapter.name)], chapter, students[student][1])
+
+    @pytest.mark.slow
+    def test_reference_untouched_and_submissions(graded):
+        assert_reference_full_untouched_zero(graded, chapter, total)
+
+    return graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests import roundtrip
-from tests.roundtrip import Chapter, assert_loses_exactly, assert_reference_full_untouched_zero, grade_students
+from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("03-transformer", "transformer")
 LN, MASKS, ENC, DEC = "layer_norm-solution", "masks-solution", "encoder_layer-solution", "decoder_layer-solution"
@@ -61,21 +61,8 @@ STUDENTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    return grade_students(tmp_path_factory, CH, STUDENTS)  # one nbgrader run for all students
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("student", list(STUDENTS))
-def test_each_submission_loses_exactly_the_points_of_the_tests_its_bugs_target(graded, student):
-    results, *_ = graded
-    assert_loses_exactly(results[(student, CH.name)], CH, STUDENTS[student][1])
-
-
-@pytest.mark.slow
-def test_reference_gets_full_marks_untouched_zero_and_submissions_are_not_modified(graded):
-    assert_reference_full_untouched_zero(graded, CH, 17)
+graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions = round_trip(
+    CH, STUDENTS, total=17)  # one nbgrader run grades every student
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.roundtrip import Chapter, assert_loses_exactly, grade_students
+from tests import roundtrip
+from tests.roundtrip import Chapter, round_trip
 from tests.test_hidden_05 import DOUBLE_FEED
 
 CH = Chapter("05-kv-cache", "kv_cache")
@@ -56,34 +57,15 @@ STUDENTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    # one run for all students; the whole notebook takes well under the 60 s each cell may use
-    return grade_students(tmp_path_factory, CH, STUDENTS, cell_timeout=60)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("student", list(STUDENTS))
-def test_each_submission_loses_exactly_the_points_of_the_tests_its_bugs_target(graded, student):
-    results, *_ = graded
-    assert_loses_exactly(results[(student, CH.name)], CH, STUDENTS[student][1])
-
-
-@pytest.mark.slow
-def test_reference_gets_full_marks_untouched_zero_and_submissions_are_not_modified(graded):
-    results, before, after = graded
-    reference = results[("reference", CH.name)]
-    assert reference.score == reference.max_score == sum(CH.points.values()) == 15
-    assert results[("untouched", CH.name)].score == 0
-    assert before == after
+graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions = round_trip(
+    CH, STUDENTS, total=15)  # one nbgrader run grades every student
 
 
 @pytest.mark.slow
 def test_failures_carry_the_checks_messages(graded):
-    results, *_ = graded
-    messages = {t.grade_id: t.message for t in results[("planted_a", CH.name)].tests}
+    messages = roundtrip.messages(graded, CH, "planted_a")
     assert "Is the causal mask missing?" in messages["cached_attention_step-visible"]
     assert "(do the positions advance with the cache)?" in messages["generate_cached-visible"]
-    messages = {t.grade_id: t.message for t in results[("planted_b", CH.name)].tests}
+    messages = roundtrip.messages(graded, CH, "planted_b")
     assert "offset by the P cached tokens" in messages["cached_attention_step-visible"]
     assert "(ratio 0.5;" in messages["kv_cache_bytes-visible"]

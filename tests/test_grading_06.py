@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.roundtrip import Chapter, assert_loses_exactly, assert_reference_full_untouched_zero, grade_students, messages
+from tests import roundtrip
+from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("06-decoding", "decoding")
 TEMP, TOPK, TOPP = "temperature-solution", "top_k-solution", "top_p-solution"
@@ -59,29 +60,15 @@ STUDENTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    # one run for all students; the whole notebook takes well under the 60 s each cell may use
-    return grade_students(tmp_path_factory, CH, STUDENTS, cell_timeout=60)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("student", list(STUDENTS))
-def test_each_submission_loses_exactly_the_points_of_the_tests_its_bugs_target(graded, student):
-    results, *_ = graded
-    assert_loses_exactly(results[(student, CH.name)], CH, STUDENTS[student][1])
-
-
-@pytest.mark.slow
-def test_reference_gets_full_marks_untouched_zero_and_submissions_are_not_modified(graded):
-    assert_reference_full_untouched_zero(graded, CH, 25)
+graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions = round_trip(
+    CH, STUDENTS, total=25)  # one nbgrader run grades every student
 
 
 @pytest.mark.slow
 def test_failures_carry_the_checks_messages(graded):
-    a = messages(graded, CH, "planted_a")
+    a = roundtrip.messages(graded, CH, "planted_a")
     assert "temperature 0 gave NaN" in a["temperature-visible"]
     assert "the other rows go on" in a["greedy-visible"]
-    b = messages(graded, CH, "planted_b")
+    b = roundtrip.messages(graded, CH, "planted_b")
     assert "RAISES it" in b["repetition_penalty-visible"]
     assert "(7 + 1 - 4) ** 2 = 16" in b["beam_step-visible"]
