@@ -6,14 +6,9 @@ import torch
 
 from course_lib import checks
 from course_lib.speculative import speculative_accept, speculative_step
+from tests.test_speculative import bonus_missing_step
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks
 
 
 def test_reference_implementations_pass_every_visible_check(capsys):
@@ -62,22 +57,12 @@ def step_without_rollback(target, draft, tokens, target_cache, draft_cache, K, *
         type(target_cache).crop = crop
 
 
-def step_without_bonus(target, draft, tokens, target_cache, draft_cache, K, **kwargs):
-    n = tokens.shape[1]
-    tokens, a = speculative_step(target, draft, tokens, target_cache, draft_cache, K, **kwargs)
-    if a == K and K > 0:
-        tokens = tokens[:, :-1]
-        target_cache.crop(n + a - 1)
-        draft_cache.crop(min(draft_cache.length, n + a - 1))
-    return tokens, a
-
-
 @pytest.mark.parametrize("check,buggy,message", [
     (checks.check_speculative_accept, unnormalised, r"your next_probs sums to 0\.7, expected 1: .* must be renormalised"),
     (checks.check_speculative_accept, swapped, r"u = 0\.41 >= 0\.4: the token must be rejected .*are p and q swapped"),
     (checks.check_speculative_accept, no_bonus, r"next_probs must be the target's distribution after them, p\[K\] .* \(the bonus token\)"),
     (checks.check_speculative_step, step_without_rollback, r"target cache holds \d+ slots, expected n \+ a = \d+ .*crop"),
-    (checks.check_speculative_step, step_without_bonus, r"all K = \d drafts were accepted, so the step must add K \+ 1 = \d tokens \(the last one is the bonus token"),
+    (checks.check_speculative_step, bonus_missing_step, r"all K = \d drafts were accepted, so the step must add K \+ 1 = \d tokens \(the last one is the bonus token"),
 ])
 def test_classic_bugs_get_specific_messages(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):

@@ -21,6 +21,8 @@ from course_lib.speculative import draw_token, probs_from_logits
 from tests.cell_harness import TestCells
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks
+
 SOURCE = ROOT / "solutions" / "07-speculative" / "speculative.ipynb"
 HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "F": F, "checks": checks, "GPT": GPT, "GPTConfig": GPTConfig,
                              "gpt_sample": gpt_sample, "KVCache": KVCache, "cached_forward": cached_forward,
@@ -99,12 +101,3 @@ def test_a_bug_in_exercise_1_costs_nothing_in_exercise_2():
         assert failing_tests(STEP, REFERENCE[STEP]) == set()
     finally:
         HARNESS.reference = REFERENCE
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The notebook runs on one thread; several threads on a busy 2-core machine make these tiny models crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

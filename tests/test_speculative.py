@@ -19,6 +19,8 @@ from course_lib.kv_cache import KVCache, cached_forward
 from course_lib.speculative import (SpeculativeOutput, draw_token, expected_tokens_per_round, plain_cached_generate,
                                     probs_from_logits, speculative_accept, speculative_generate, speculative_step)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks
+
 ALPHA = 0.001
 
 
@@ -358,12 +360,3 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
 def test_output_type():
     out = speculative_generate(tiny_gpt(1), tiny_gpt(2), torch.tensor([[0]]), 4)
     assert isinstance(out, SpeculativeOutput) and out.num_draft_tokens == 4
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One thread, as in the notebooks: several threads on a busy 2-core machine make these tiny models crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
