@@ -12,18 +12,10 @@ import pytest
 
 from tests import roundtrip
 from tests.roundtrip import Chapter, round_trip
+from tests.test_hidden_02 import ROPE_ROTATE_HALF  # Hugging Face's pairing: a correct RoPE, not this course's
 
 CH = Chapter("02-multihead", "multihead")
 MHA, SIN, ROPE, HEADS = ("multi_head_attention-solution", "sinusoidal_encoding-solution", "apply_rope-solution", "heads-solution")
-
-ROPE_ROTATE_HALF = '''def apply_rope(x, positions=None, base=10000.0):
-    half = x.shape[-1] // 2
-    if positions is None:
-        positions = torch.arange(x.shape[-2])
-    angle = positions[..., None].float() * base ** (-torch.arange(half).float() * 2 / x.shape[-1])
-    cos, sin = torch.cat([angle.cos()] * 2, dim=-1), torch.cat([angle.sin()] * 2, dim=-1)
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-'''
 
 
 def planted_a() -> dict:
