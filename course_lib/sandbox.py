@@ -43,31 +43,56 @@ def _system_paths() -> list[Path]:
     return sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), course})
 
 
+def _runtime_dir() -> Path:
+    """Jupyter's runtime folder: the connection files (with their keys) of every kernel started on this machine."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    return Path(jupyter_runtime_dir()).resolve()
+
+
+def cover_for(path: Path) -> Path | None:
+    """The folder to cover with an empty tmpfs so that ``path`` is hidden, now and whatever appears there later.
+
+    bubblewrap mounts only on a folder that exists: inside the sandbox the root is read-only, so it
+    cannot create one (on a machine where Jupyter never ran, its runtime folder does not exist yet).
+    A missing folder is created here, outside the sandbox, owner-only as Jupyter itself creates it;
+    where that is not allowed, its nearest existing ancestor folder is covered instead (None if that
+    is the root itself: nothing can appear where nobody may write).
+    """
+    path = Path(path)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return path
+    except OSError:
+        ancestor = next((p for p in path.parents if p.is_dir()), Path("/"))
+        return None if ancestor == Path("/") else ancestor
+
+
 def bwrap_command(command: list[str], writable: list[Path] = (), readable: list[Path] = (), hidden: list[Path] = ()) -> list[str]:
-    """``command`` inside bubblewrap, layered in this order:
+    """``command`` inside bubblewrap:
 
-    1. the whole filesystem read-only, with a private, empty /tmp;
-    2. the interpreter and the course repository read-only again (they may live under /tmp);
-    3. the ``hidden`` folders replaced by empty ones (e.g. every student's grading folder);
-    4. the ``readable`` paths (single files or folders) read-only;
-    5. the ``writable`` folders writable.
+    * the whole filesystem read-only, with a private, empty /tmp;
+    * the interpreter and the course repository read-only (they may live under /tmp or a hidden folder);
+    * the ``hidden`` folders, and Jupyter's runtime folder, replaced by empty ones (every student's
+      grading folder, other kernels' connection files);
+    * the ``readable`` paths (single files or folders) read-only;
+    * the ``writable`` folders writable.
 
-    The command runs as PID 1 of its own PID namespace (it cannot see or signal other
-    processes); ``--as-pid-1`` keeps ipykernel from mistaking the namespace's init for a
-    dead parent.
+    Deeper paths are mounted on top of shallower ones, whatever their kind, so a writable folder
+    inside a hidden one, or a hidden one inside the course, come out as listed. The command runs
+    as PID 1 of its own PID namespace (it cannot see or signal other processes); ``--as-pid-1``
+    keeps ipykernel from mistaking the namespace's init for a dead parent.
     """
     args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
             "--die-with-parent", "--unshare-pid", "--as-pid-1", "--unshare-ipc",
             "--setenv", "HOME", "/tmp", "--setenv", "MPLCONFIGDIR", "/tmp/matplotlib",
             "--setenv", "IPYTHONDIR", "/tmp/ipython", "--setenv", "TMPDIR", "/tmp"]
-    for path in _system_paths():
-        args += ["--ro-bind", str(path), str(path)]
-    for path in hidden:
-        args += ["--tmpfs", str(path)]
-    for path in readable:
-        args += ["--ro-bind", str(path), str(path)]
-    for path in writable:
-        args += ["--bind", str(path), str(path)]
+    covers = {cover_for(p) for p in [_runtime_dir(), *hidden]} - {None}
+    mounts = ([("--ro-bind", p) for p in _system_paths()] + [("--tmpfs", p) for p in covers]
+              + [("--ro-bind", Path(p)) for p in readable] + [("--bind", Path(p)) for p in writable])
+    # sorted by depth (stable: at equal depth, the order above), so that a mount is never buried by its parent's
+    for option, path in sorted(mounts, key=lambda mount: len(mount[1].parts)):
+        args += [option, str(path)] if option == "--tmpfs" else [option, str(path), str(path)]
     return [*args, "--", *command]
 
 
@@ -90,13 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     """Kernel launcher: exec ipykernel inside the sandbox, writable only in the current folder."""
     argv = list(sys.argv[1:] if argv is None else argv)
     connection_file = Path(argv[argv.index("-f") + 1]).resolve()
-    from jupyter_core.paths import jupyter_runtime_dir
-
     kernel = [sys.executable, "-m", "ipykernel_launcher", *argv]
-    # other kernels' connection files (with their keys) live in the runtime folder: hide them,
-    # and every grading folder the grader names (other students' work, the gradebooks)
-    command = bwrap_command(kernel, writable=[Path.cwd()], readable=[connection_file],
-                            hidden=[Path(jupyter_runtime_dir()).resolve(), *hidden_from_environment()])
+    # every grading folder the grader names is hidden (other students' work, the gradebooks)
+    command = bwrap_command(kernel, writable=[Path.cwd()], readable=[connection_file], hidden=hidden_from_environment())
     os.execvp(command[0], command)
 
 
