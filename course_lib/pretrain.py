@@ -1,13 +1,22 @@
-"""``course pretrain``: train the course's shipped character-level checkpoints, deterministically.
+"""``course pretrain``: train the course's shipped checkpoints, deterministically, from one registry of recipes.
 
-Both models read the default corpus (``course_lib.data.default_corpus()``, Python's help topics)
-through a ``CharTokenizer``, split 90 / 10 into train and validation text, and are trained by
-``course_lib.train.train_gpt`` with fixed seeds, a fixed number of steps and 2 threads. Each run
-writes ``course_lib/assets/<name>.pt`` (float32 state dict, config and vocabulary) and
-``course_lib/assets/<name>.json`` (what was trained and the losses it reached on the fixed
-evaluation batches that ``tests/test_assets.py`` recomputes).
+A ``Recipe`` says everything that decides the weights: the model class and its constructor arguments,
+the seed of its initial weights, the training function and its arguments, and the thread count.
+``pretrain(name)`` follows ``RECIPES[name]`` and writes ``course_lib/assets/<name>.pt`` (the float32
+state dict and the constructor arguments) and ``course_lib/assets/<name>.json`` (the recipe again,
+the per-step losses and the figures the model reached, which ``tests/test_assets.py`` recomputes).
 
-    course pretrain                      # both models, about 7 minutes on 2 otherwise idle cores
+    char-gpt, char-gpt-draft   character GPTs of the default corpus (chapters 04-07), 2 threads
+    gru-reversal-baseline      chapter 01's GRU encoder-decoder without attention, 1 thread
+    gru-reversal-attention     the same with additive attention, 1 thread
+    transformer-reversal       chapter 03's 2 + 2-layer post-LN encoder-decoder transformer, 1 thread
+
+The notebooks load these checkpoints instead of training: the same recipe on another CPU takes a
+slightly different path (its kernels round differently), so a notebook that trained would print other
+figures there. Same recipe, same CPU kind and same torch version give byte-identical files.
+
+    course pretrain                                  # all of them, about 6 minutes on 2 otherwise idle cores
+    course pretrain --only gru-reversal-attention    # one of them (repeatable)
     course pretrain --only char-gpt-draft --steps 50 --out /tmp/check   # a quick reproducibility check
 """
 from __future__ import annotations
@@ -15,30 +24,48 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 
-from .data import CharTokenizer, default_corpus, train_val_split
-from .gpt import GPT, GPTConfig, count_parameters, estimate_loss
+from . import assets
+from .data import DIGIT_VOCAB_SIZE, CharTokenizer, Seq2SeqBatch, default_corpus, digits_to_text, reversal_batch, train_val_split
+from .gpt import count_parameters, estimate_loss
+from .seq2seq import evaluate_reversal, train_reversal
 from .train import TRAIN_EVAL_SEED, VAL_EVAL_SEED, TrainConfig, fixed_batches, train_gpt
+from .transformer import exact_match, train_transformer
 
-ASSETS = Path(__file__).resolve().parent / "assets"
-THREADS = 2
+ASSETS = assets.FOLDER
 VAL_FRACTION = 0.1
-#: the fixed batches every recorded loss is measured on (the same for both models)
+#: the fixed batches every recorded loss of a character model is measured on
 EVAL_BATCHES, EVAL_BATCH_SIZE = 16, 32
 
-#: name -> (model sizes except the vocabulary, training hyper-parameters)
-MODELS: dict[str, tuple[dict, TrainConfig]] = {
-    # the target model of chapters 05-07
-    "char-gpt": (dict(block_size=128, n_layer=4, n_head=4, n_embd=128),
-                 TrainConfig(steps=2000, batch_size=24, lr=3e-3, min_lr=3e-4, warmup_steps=100, eval_every=250, seed=0)),
-    # a much smaller draft model for speculative decoding (chapter 07): same tokenizer, same context
-    "char-gpt-draft": (dict(block_size=128, n_layer=1, n_head=4, n_embd=64),
-                       TrainConfig(steps=2000, batch_size=24, lr=3e-3, min_lr=3e-4, warmup_steps=100, eval_every=250, seed=0)),
-}
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one shipped checkpoint is made; its record (``<name>.json``) repeats every field.
+
+    With ``threads`` threads: ``torch.manual_seed(seed)``, ``model = assets.build(model, config)``,
+    then ``train(model, progress=..., **train_args, **evaluate)`` trains it, evaluates it and returns
+    what it measured (a dict of record fields: losses, evaluation figures). A character model
+    (``corpus=True``) reads the default corpus: its ``vocab_size`` comes from the corpus's
+    ``CharTokenizer`` and its vocabulary is saved with the weights.
+    """
+
+    model: str  # a class name of assets.MODEL_CLASSES
+    config: dict  # its constructor arguments (a GPT's: the GPTConfig fields; a character model gets vocab_size added)
+    seed: int  # torch.manual_seed just before the model is built: its initial weights
+    train: Callable[..., dict]  # train(model, progress=bool, **train_args, **evaluate) -> record fields
+    train_args: dict  # what decides the training (recorded as "train")
+    threads: int
+    evaluate: dict = field(default_factory=dict)  # what decides the evaluation after training (recorded with its figures)
+    corpus: bool = False
+
+
+# ----------------------------------------------------------------------------- character GPTs (chapters 04-07)
 
 
 def corpus_splits(text: str | None = None):
@@ -49,64 +76,190 @@ def corpus_splits(text: str | None = None):
     return tokenizer, train, val
 
 
-def evaluation_losses(model: GPT, train: torch.Tensor, val: torch.Tensor) -> dict[str, float]:
+def evaluation_losses(model: nn.Module, train: torch.Tensor, val: torch.Tensor) -> dict[str, float]:
     """Mean loss on the recorded fixed batches: EVAL_BATCHES x EVAL_BATCH_SIZE blocks of each split."""
     block = model.config.block_size
     return {"train_loss": estimate_loss(model, fixed_batches(train, block, EVAL_BATCH_SIZE, EVAL_BATCHES, TRAIN_EVAL_SEED)),
             "val_loss": estimate_loss(model, fixed_batches(val, block, EVAL_BATCH_SIZE, EVAL_BATCHES, VAL_EVAL_SEED))}
 
 
-def pretrain(name: str, out: Path = ASSETS, steps: int | None = None, progress: bool = True) -> dict:
-    """Train one of MODELS from scratch and write out/<name>.pt and out/<name>.json; returns the json record."""
-    if name not in MODELS:
-        raise ValueError(f"name must be one of {sorted(MODELS)}, got {name!r}")
-    sizes, train_config = MODELS[name]
-    if steps is not None:  # a shorter run with the same recipe (for checks), scaled schedule
-        train_config = TrainConfig(**{**asdict(train_config), "steps": steps, "warmup_steps": min(train_config.warmup_steps, steps // 10),
-                                      "eval_every": max(1, steps // 4)})
+def train_char_gpt(model: nn.Module, progress: bool = True, **train_config) -> dict:
+    """``train_gpt`` on the default corpus (90 / 10 split) with TrainConfig(**train_config).
+
+    Returns the corpus, the losses reached on the fixed evaluation batches and the periodic evaluations.
+    """
+    _, train, val = corpus_splits()
+    history = train_gpt(model, train, val, TrainConfig(**train_config), progress=progress)
+    losses = evaluation_losses(model, train, val)
+    return {"corpus": "default_corpus()", "corpus_chars": len(train) + len(val), "val_fraction": VAL_FRACTION,
+            "eval": {"batches": EVAL_BATCHES, "batch_size": EVAL_BATCH_SIZE, "train_seed": TRAIN_EVAL_SEED, "val_seed": VAL_EVAL_SEED},
+            **{k: round(v, 4) for k, v in losses.items()},
+            "history": [{k: round(v, 4) if isinstance(v, float) else v for k, v in e.items()} for e in history.evals]}
+
+
+# ----------------------------------------------------------------------------- reversal models (chapters 01 and 03)
+
+
+def unseen_reversal_strings(steps: int, batch_size: int, seed: int, candidates: int, candidate_seed: int) -> Seq2SeqBatch:
+    """The held-out set of the reversal notebooks: reversal_batch(candidates) drawn with candidate_seed,
+    less every string that training saw (its steps batches of batch_size, replayed from its seed)."""
+    replay = torch.Generator().manual_seed(seed)
+    seen = {digits_to_text(row) for _ in range(steps) for row in reversal_batch(batch_size, generator=replay).src}
+    batch = reversal_batch(candidates, generator=torch.Generator().manual_seed(candidate_seed))
+    unseen = torch.tensor([digits_to_text(row) not in seen for row in batch.src])
+    return Seq2SeqBatch(batch.src[unseen], batch.src_lengths[unseen], batch.tgt[unseen])
+
+
+def held_out_record(held_out: Seq2SeqBatch, exact: torch.Tensor, candidates: int, candidate_seed: int) -> dict:
+    """Counts on the held-out set, overall and per source length: strings, and strings reversed exactly (greedy)."""
+    lengths = held_out.src_lengths
+    by_length = {n: lengths == n for n in sorted(set(lengths.tolist()))}
+    return {"candidates": candidates, "candidate_seed": candidate_seed, "strings": len(lengths), "exact": int(exact.sum()),
+            "strings_by_length": {str(n): int(rows.sum()) for n, rows in by_length.items()},
+            "exact_by_length": {str(n): int(exact[rows].sum()) for n, rows in by_length.items()}}
+
+
+def rounded(losses: list[float]) -> list[float]:
+    """Per-step losses, rounded to 4 decimals for the record."""
+    return [round(loss, 4) for loss in losses]
+
+
+def train_gru_reversal(model: nn.Module, steps: int, batch_size: int, seed: int, lr: float, candidates: int,
+                       candidate_seed: int, progress: bool = True) -> dict:
+    """Chapter 01: ``train_reversal(model, steps, batch_size, lr, seed)``, then greedy exact match (and, with
+    attention, alignment: the attention argmax on the digit being copied) on the held-out strings."""
+    run = train_reversal(model, steps=steps, batch_size=batch_size, lr=lr, seed=seed, progress=progress)
+    held_out = unseen_reversal_strings(steps, batch_size, seed, candidates, candidate_seed)
+    result = evaluate_reversal(model, held_out)
+    record = {"losses": rounded(run.losses), "held_out": held_out_record(held_out, result["exact"], candidates, candidate_seed)}
+    if result["alignment"] is not None:
+        record["held_out"]["alignment"] = round(result["alignment"], 4)
+    return record
+
+
+def train_transformer_reversal(model: nn.Module, steps: int, batch_size: int, seed: int, lr: float, warmup: int,
+                               candidates: int, candidate_seed: int, progress: bool = True) -> dict:
+    """Chapter 03: ``train_transformer(model, lambda g: reversal_batch(batch_size, generator=g), steps, lr, warmup,
+    seed)``, then greedy exact match on the held-out strings."""
+    run = train_transformer(model, lambda generator: reversal_batch(batch_size, generator=generator), steps=steps, lr=lr,
+                            warmup=warmup, seed=seed, progress=progress)
+    held_out = unseen_reversal_strings(steps, batch_size, seed, candidates, candidate_seed)
+    exact, _ = exact_match(model, held_out)
+    return {"losses": rounded(run.losses), "held_out": held_out_record(held_out, exact, candidates, candidate_seed)}
+
+
+# ----------------------------------------------------------------------------- the registry
+
+_CHAR_GPT_TRAINING = asdict(TrainConfig(steps=2000, batch_size=24, lr=3e-3, min_lr=3e-4, warmup_steps=100, eval_every=250, seed=0))
+
+RECIPES: dict[str, Recipe] = {
+    # the target model of chapters 05-07
+    "char-gpt": Recipe("GPT", dict(block_size=128, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=True), seed=0,
+                       train=train_char_gpt, train_args=_CHAR_GPT_TRAINING, threads=2, corpus=True),
+    # a much smaller draft model for speculative decoding (chapter 07): same tokenizer, same context
+    "char-gpt-draft": Recipe("GPT", dict(block_size=128, n_layer=1, n_head=4, n_embd=64, dropout=0.0, bias=True), seed=0,
+                             train=train_char_gpt, train_args=_CHAR_GPT_TRAINING, threads=2, corpus=True),
+    # chapter 01: the seq2seq bottleneck, and the same model with additive attention; the same training for both
+    "gru-reversal-baseline": Recipe("GRUSeq2Seq", dict(use_attention=False), seed=0, train=train_gru_reversal,
+                                    train_args=dict(steps=400, batch_size=64, seed=1, lr=3e-3), threads=1,
+                                    evaluate=dict(candidates=4000, candidate_seed=1234)),
+    "gru-reversal-attention": Recipe("GRUSeq2Seq", dict(use_attention=True), seed=0, train=train_gru_reversal,
+                                     train_args=dict(steps=400, batch_size=64, seed=1, lr=3e-3), threads=1,
+                                     evaluate=dict(candidates=4000, candidate_seed=1234)),
+    # chapter 03: a 2 + 2-layer post-LN encoder-decoder transformer
+    "transformer-reversal": Recipe("Transformer", dict(src_vocab_size=DIGIT_VOCAB_SIZE, tgt_vocab_size=DIGIT_VOCAB_SIZE, d_model=64,
+                                                       n_heads=4, d_ff=128, n_encoder_layers=2, n_decoder_layers=2, dropout=0.0),
+                                   seed=0, train=train_transformer_reversal,
+                                   train_args=dict(steps=300, batch_size=64, seed=1, lr=2e-3, warmup=50), threads=1,
+                                   evaluate=dict(candidates=2000, candidate_seed=1234)),
+}
+
+
+def recipe(name: str, steps: int | None = None) -> Recipe:
+    """RECIPES[name], or the same recipe shortened to steps (for quick checks; never shipped): a GPT's warm-up
+    and evaluation interval shrink with it."""
+    if name not in RECIPES:
+        raise ValueError(f"name must be one of {sorted(RECIPES)}, got {name!r}")
+    if steps is None:
+        return RECIPES[name]
+    args = {**RECIPES[name].train_args, "steps": steps}
+    if "warmup_steps" in args:
+        args.update(warmup_steps=min(args["warmup_steps"], steps // 10), eval_every=max(1, steps // 4))
+    return replace(RECIPES[name], train_args=args)
+
+
+def save_checkpoint(path: Path, model: nn.Module, config: dict, vocab: str | None = None) -> None:
+    """torch.save {"config", ("vocab",) "state_dict"}: the constructor arguments and the float32 weights
+    (a tied LM head is stored once)."""
+    state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
+    if "lm_head.weight" in state:
+        state["lm_head.weight"] = state["transformer.wte.weight"]  # tied: stored once
+    payload = {"config": config, **({"vocab": vocab} if vocab is not None else {}), "state_dict": state}
+    torch.save(payload, path)
+
+
+def train(name: str, steps: int | None = None, progress: bool = True) -> tuple[nn.Module, dict]:
+    """Train RECIPES[name] from scratch (steps: a shortened run), in memory.
+
+    Returns the trained model (in eval mode) and its record: what ``<name>.json`` holds, less the file's size.
+    Notebooks call this to train a shipped model themselves, by the recipe it was shipped with.
+    """
+    r = recipe(name, steps)
+    tokenizer = CharTokenizer(default_corpus()) if r.corpus else None
+    config = {"vocab_size": tokenizer.vocab_size, **r.config} if tokenizer else dict(r.config)
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(r.threads)
     try:
-        tokenizer, train, val = corpus_splits()
-        torch.manual_seed(train_config.seed)
-        config = GPTConfig(vocab_size=tokenizer.vocab_size, dropout=0.0, bias=True, **sizes)
-        model = GPT(config)
-        cpu_start = time.process_time()
-        history = train_gpt(model, train, val, train_config, progress=progress)
-        cpu_seconds = time.process_time() - cpu_start
-        losses = evaluation_losses(model, train, val)
+        torch.manual_seed(r.seed)
+        model = assets.build(r.model, config)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        results = r.train(model, progress=progress, **r.train_args, **r.evaluate)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     finally:
         torch.set_num_threads(previous_threads)
+    record = {"name": name, "model": r.model, "config": config, "seed": r.seed, "trainer": r.train.__name__,
+              "parameters": count_parameters(model), "train": r.train_args, "threads": r.threads, **results,
+              "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1)}
+    return model.eval(), record
+
+
+def pretrain(name: str, out: Path = ASSETS, steps: int | None = None, progress: bool = True) -> dict:
+    """Train RECIPES[name] from scratch (steps: a shortened run) and write out/<name>.pt and out/<name>.json.
+
+    Returns the record written to the json file.
+    """
+    model, record = train(name, steps, progress)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.pt"
-    state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
-    state["lm_head.weight"] = state["transformer.wte.weight"]  # tied: stored once
-    torch.save({"config": asdict(config), "vocab": "".join(tokenizer.chars), "state_dict": state}, path)
-    record = {
-        "name": name, "config": asdict(config), "parameters": count_parameters(model), "train": asdict(train_config),
-        "threads": THREADS, "corpus": "default_corpus()", "corpus_chars": len(train) + len(val), "val_fraction": VAL_FRACTION,
-        "eval": {"batches": EVAL_BATCHES, "batch_size": EVAL_BATCH_SIZE, "train_seed": TRAIN_EVAL_SEED, "val_seed": VAL_EVAL_SEED},
-        **{k: round(v, 4) for k, v in losses.items()},
-        "history": [{k: round(v, 4) if isinstance(v, float) else v for k, v in e.items()} for e in history.evals],
-        "seconds": round(history.seconds, 1), "cpu_seconds": round(cpu_seconds, 1), "bytes": path.stat().st_size,
-        "torch": torch.__version__,
-    }
+    vocab = "".join(CharTokenizer(default_corpus()).chars) if RECIPES[name].corpus else None
+    save_checkpoint(path, model, record["config"], vocab)
+    record = {**record, "bytes": path.stat().st_size, "torch": torch.__version__}
     (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
 
 
+def summary(record: dict) -> str:
+    """One line about a trained checkpoint: parameters, what it reached, time, size."""
+    if "val_loss" in record:
+        reached = f"train loss {record['train_loss']:.4f}, val loss {record['val_loss']:.4f}"
+    else:
+        held_out = record["held_out"]
+        reached = (f"loss {record['losses'][0]:.3f} -> {record['losses'][-1]:.4f}, exact match "
+                   f"{held_out['exact']:,} / {held_out['strings']:,} held-out strings")
+    return (f"{record['name']}: {record['parameters']:,} parameters, {reached}, {record['seconds']:.0f} s "
+            f"({record['cpu_seconds']:.0f} s CPU) on {record['threads']} thread(s), {record['bytes'] / 1e6:.2f} MB")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="course pretrain", description="train the shipped checkpoints (deterministic)")
-    parser.add_argument("--only", action="append", choices=sorted(MODELS), help="train only this model (repeatable)")
+    parser.add_argument("--only", action="append", choices=sorted(RECIPES), help="train only this checkpoint (repeatable)")
     parser.add_argument("--steps", type=int, help="override the number of steps (for a quick check; do not ship)")
     parser.add_argument("--out", type=Path, default=ASSETS, help="output folder (default: course_lib/assets)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    for name in args.only or list(MODELS):
+    for name in args.only or list(RECIPES):
         record = pretrain(name, args.out, args.steps, progress=not args.no_progress)
-        print(f"{name}: {record['parameters']:,} parameters, train loss {record['train_loss']:.4f}, val loss "
-              f"{record['val_loss']:.4f}, {record['seconds']:.0f} s ({record['cpu_seconds']:.0f} s CPU) on {THREADS} threads, "
-              f"{record['bytes'] / 1e6:.2f} MB -> {args.out / (name + '.pt')}", flush=True)
+        print(f"{summary(record)} -> {args.out / (name + '.pt')}", flush=True)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The shipped checkpoints: they load, their recorded losses are reproducible, `course pretrain` is deterministic."""
+"""The shipped checkpoints: every recipe is shipped, each loads as its class, what its record claims is
+recomputed from the shipped weights, and `course pretrain` is deterministic."""
 from __future__ import annotations
 
 import json
@@ -7,10 +8,18 @@ import pytest
 import torch
 
 from course_lib import assets
-from course_lib.data import CharTokenizer, default_corpus
+from course_lib.data import CharTokenizer, Seq2SeqBatch, default_corpus, reversal_batch
 from course_lib.gpt import GPT, estimate_loss
-from course_lib.pretrain import MODELS, corpus_splits, pretrain
+from course_lib.pretrain import RECIPES, corpus_splits, pretrain, save_checkpoint
+from course_lib.seq2seq import GRUSeq2Seq
 from course_lib.train import fixed_batches
+from course_lib.transformer import Transformer
+
+CHAR_MODELS = sorted(name for name, recipe in RECIPES.items() if recipe.corpus)
+REVERSAL_MODELS = {"gru-reversal-baseline": GRUSeq2Seq, "gru-reversal-attention": GRUSeq2Seq, "transformer-reversal": Transformer}
+#: greedy decoding of the shipped weights on another CPU may flip a near-tie argmax; on the CPU that trained them
+#: the counts are exact. At most this fraction of the held-out strings (or output digits) may come out otherwise.
+FLIP_TOLERANCE = 0.002
 
 
 @pytest.fixture(scope="module")
@@ -18,22 +27,44 @@ def splits():
     return corpus_splits()
 
 
-def test_every_model_of_pretrain_is_shipped():
-    assert assets.names() == sorted(MODELS)
-    for name in MODELS:
+def test_every_recipe_is_shipped():
+    assert assets.names() == sorted(RECIPES)
+    assert sorted(REVERSAL_MODELS) == sorted(set(RECIPES) - set(CHAR_MODELS))
+    for name in RECIPES:
         assert (assets.FOLDER / f"{name}.json").is_file()
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_checkpoint_loads_and_its_validation_loss_is_the_recorded_one(name, splits):
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_checkpoint_loads_as_its_class_and_its_record_repeats_its_recipe(name):
+    recipe, record = RECIPES[name], assets.info(name)
+    model = assets.load(name)
+    assert type(model) is assets.MODEL_CLASSES[recipe.model] and not model.training
+    assert all(p.dtype == torch.float32 for p in model.state_dict().values())
+    assert record["parameters"] == sum(p.numel() for p in model.parameters())
+    assert record["bytes"] == (assets.FOLDER / f"{name}.pt").stat().st_size < 5_000_000
+    vocab = {"vocab_size": CharTokenizer(default_corpus()).vocab_size} if recipe.corpus else {}
+    assert record["config"] == {**vocab, **recipe.config} == assets._checkpoint(name)["config"]
+    assert (record["name"], record["model"], record["seed"], record["trainer"], record["threads"]) == (
+        name, recipe.model, recipe.seed, recipe.train.__name__, recipe.threads)
+    assert record["train"] == json.loads(json.dumps(recipe.train_args))  # (tuples are lists in json)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_saving_the_shipped_weights_again_gives_the_shipped_file(name, tmp_path):
+    """The .pt file is exactly what pretrain's save_checkpoint writes for these weights (nothing else in it)."""
+    checkpoint = assets._checkpoint(name)
+    save_checkpoint(tmp_path / f"{name}.pt", assets.load(name), checkpoint["config"], checkpoint.get("vocab"))
+    assert (tmp_path / f"{name}.pt").read_bytes() == (assets.FOLDER / f"{name}.pt").read_bytes()
+
+
+@pytest.mark.parametrize("name", CHAR_MODELS)
+def test_char_model_validation_loss_is_the_recorded_one(name, splits):
     _, _, val = splits
     model = assets.load(name)
     record = assets.info(name)
-    assert isinstance(model, GPT) and not model.training
+    assert isinstance(model, GPT)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert record["config"] == {**vars(model.config)}
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert record["bytes"] == (assets.FOLDER / f"{name}.pt").stat().st_size < 5_000_000
     e = record["eval"]
     batches = fixed_batches(val, model.config.block_size, e["batch_size"], e["batches"], e["val_seed"])
     with torch.no_grad():
@@ -42,9 +73,11 @@ def test_checkpoint_loads_and_its_validation_loss_is_the_recorded_one(name, spli
     assert record["val_loss"] < record["history"][0]["val"]  # training helped
 
 
-def test_the_tokenizer_is_the_default_corpus_one():
-    for name in assets.names():
+def test_the_tokenizer_of_a_char_model_is_the_default_corpus_one():
+    for name in CHAR_MODELS:
         assert assets.tokenizer(name).chars == CharTokenizer(default_corpus()).chars
+    with pytest.raises(ValueError, match="not a character model"):
+        assets.tokenizer("transformer-reversal")
 
 
 def test_unknown_checkpoint_names_are_rejected():
@@ -52,10 +85,66 @@ def test_unknown_checkpoint_names_are_rejected():
         assets.load("gpt-5")
 
 
-def test_pretrain_is_deterministic(tmp_path):
-    first = pretrain("char-gpt-draft", tmp_path / "a", steps=3, progress=False)
-    second = pretrain("char-gpt-draft", tmp_path / "b", steps=3, progress=False)
-    for key in ("train_loss", "val_loss", "history", "parameters", "bytes"):
-        assert first[key] == second[key], key
-    assert (tmp_path / "a" / "char-gpt-draft.pt").read_bytes() == (tmp_path / "b" / "char-gpt-draft.pt").read_bytes()
-    assert json.loads((tmp_path / "a" / "char-gpt-draft.json").read_text())["train"]["steps"] == 3
+# ----------------------------------------------------------------------------- the reversal models
+
+
+def held_out_strings(train: dict, held_out: dict) -> Seq2SeqBatch:
+    """Written apart from pretrain's: the recorded candidates less every string of the replayed training batches."""
+    replay = torch.Generator().manual_seed(train["seed"])
+    seen = set()
+    for _ in range(train["steps"]):
+        batch = reversal_batch(train["batch_size"], generator=replay)
+        seen.update(tuple(src[:n].tolist()) for src, n in zip(batch.src, batch.src_lengths.tolist()))
+    candidates = reversal_batch(held_out["candidates"], generator=torch.Generator().manual_seed(held_out["candidate_seed"]))
+    keep = [i for i, (src, n) in enumerate(zip(candidates.src, candidates.src_lengths.tolist())) if tuple(src[:n].tolist()) not in seen]
+    return Seq2SeqBatch(candidates.src[keep], candidates.src_lengths[keep], candidates.tgt[keep])
+
+
+def greedy_tokens(model, batch: Seq2SeqBatch) -> torch.Tensor:
+    """Greedy output tokens (B, T) of either model class."""
+    if isinstance(model, GRUSeq2Seq):
+        return model.greedy_decode(batch.src, batch.src_lengths, max_len=batch.tgt.shape[1])[0]
+    return model.greedy_decode(batch.src, max_len=batch.tgt.shape[1])
+
+
+@pytest.mark.parametrize("name", sorted(REVERSAL_MODELS))
+def test_reversal_model_reaches_the_recorded_exact_match_on_unseen_strings(name):
+    model, record = assets.load(name), assets.info(name)
+    claimed = record["held_out"]
+    held_out = held_out_strings(record["train"], claimed)
+    assert len(held_out.src) == claimed["strings"]
+    tokens = greedy_tokens(model, held_out)
+    # exact: every digit of the reversal and the EOS after it
+    exact = torch.tensor([bool((tokens[b, : n + 1] == held_out.tgt[b, : n + 1]).all()) for b, n in enumerate(held_out.src_lengths.tolist())])
+    tolerance = FLIP_TOLERANCE * claimed["strings"]
+    assert abs(int(exact.sum()) - claimed["exact"]) <= tolerance, (int(exact.sum()), claimed["exact"])
+    for n, strings in claimed["strings_by_length"].items():
+        rows = held_out.src_lengths == int(n)
+        assert int(rows.sum()) == strings
+        assert abs(int(exact[rows].sum()) - claimed["exact_by_length"][n]) <= tolerance
+    assert sum(claimed["exact_by_length"].values()) == claimed["exact"]
+    assert record["losses"][-1] < record["losses"][0] / 5 and len(record["losses"]) == record["train"]["steps"]
+
+
+def test_attention_alignment_is_the_recorded_one():
+    """Alignment: over every output digit of every held-out string, the attention argmax is the digit being copied."""
+    model, record = assets.load("gru-reversal-attention"), assets.info("gru-reversal-attention")
+    held_out = held_out_strings(record["train"], record["held_out"])
+    _, weights = model.greedy_decode(held_out.src, held_out.src_lengths, max_len=held_out.tgt.shape[1])
+    hits = sum(int((weights[b, i].argmax() == n - 1 - i)) for b, n in enumerate(held_out.src_lengths.tolist()) for i in range(n))
+    assert abs(hits / int(held_out.src_lengths.sum()) - record["held_out"]["alignment"]) <= FLIP_TOLERANCE
+    assert "alignment" not in assets.info("gru-reversal-baseline")["held_out"]  # no attention, no alignment
+
+
+# ----------------------------------------------------------------------------- course pretrain
+
+
+@pytest.mark.parametrize("name", ["char-gpt-draft", "gru-reversal-attention", "transformer-reversal"])
+def test_pretrain_is_deterministic(name, tmp_path):
+    first = pretrain(name, tmp_path / "a", steps=3, progress=False)
+    second = pretrain(name, tmp_path / "b", steps=3, progress=False)
+    timing = ("seconds", "cpu_seconds")
+    assert {k: v for k, v in first.items() if k not in timing} == {k: v for k, v in second.items() if k not in timing}
+    assert (tmp_path / "a" / f"{name}.pt").read_bytes() == (tmp_path / "b" / f"{name}.pt").read_bytes()
+    written = json.loads((tmp_path / "a" / f"{name}.json").read_text())
+    assert written["train"]["steps"] == 3 and list(written) == list(assets.info(name))  # the shipped record's fields, in order

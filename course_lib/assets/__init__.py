@@ -1,10 +1,14 @@
 """Small pretrained checkpoints shipped with the course, made by ``course pretrain`` (see course_lib/pretrain.py).
 
-    char-gpt          4 layers, 4 heads, 128 dims, context 128: the target model of chapters 05-07
-    char-gpt-draft    1 layer, 4 heads, 64 dims, context 128: its draft for speculative decoding (chapter 07)
+    char-gpt                 GPT, 4 layers, 4 heads, 128 dims, context 128: the target model of chapters 05-07
+    char-gpt-draft           GPT, 1 layer, 4 heads, 64 dims, context 128: its draft for speculative decoding (chapter 07)
+    gru-reversal-baseline    GRUSeq2Seq without attention, trained on digit reversal (chapter 01)
+    gru-reversal-attention   GRUSeq2Seq with additive attention, the same training (chapter 01)
+    transformer-reversal     Transformer, 2 + 2 post-LN layers, trained on digit reversal (chapter 03)
 
-Both are character-level models of the default corpus (``course_lib.data.default_corpus()``);
-``<name>.json`` records how each was trained and the losses it reached.
+The char-* models are character-level models of the default corpus (``course_lib.data.default_corpus()``).
+``<name>.pt`` holds the constructor arguments and the float32 weights (and a character model's
+vocabulary); ``<name>.json`` records the model class, how it was trained and what it reached.
 """
 from __future__ import annotations
 
@@ -12,15 +16,20 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..data import CharTokenizer
 from ..gpt import GPT, GPTConfig
+from ..seq2seq import GRUSeq2Seq
+from ..transformer import Transformer
 
 FOLDER = Path(__file__).resolve().parent
+#: the model classes a checkpoint may hold, by the name its record gives
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"GPT": GPT, "GRUSeq2Seq": GRUSeq2Seq, "Transformer": Transformer}
 
 
 def names() -> list[str]:
-    """The checkpoints available: ['char-gpt', 'char-gpt-draft']."""
+    """The checkpoints available, sorted: ['char-gpt', 'char-gpt-draft', 'gru-reversal-attention', ...]."""
     return sorted(p.stem for p in FOLDER.glob("*.pt"))
 
 
@@ -32,7 +41,7 @@ def _path(name: str, suffix: str) -> Path:
 
 
 def info(name: str) -> dict:
-    """The training record of a checkpoint: config, steps, losses, seconds, size on disk."""
+    """The training record of a checkpoint: model class and config, recipe, losses, figures reached, seconds, bytes."""
     return json.loads(_path(name, ".json").read_text())
 
 
@@ -40,14 +49,26 @@ def _checkpoint(name: str) -> dict:
     return torch.load(_path(name, ".pt"), map_location="cpu", weights_only=True)
 
 
-def load(name: str) -> GPT:
-    """The pretrained GPT called name, in eval mode."""
+def build(model: str, config: dict) -> nn.Module:
+    """A freshly initialised model: MODEL_CLASSES[model](**config) (a GPT takes GPTConfig(**config))."""
+    if model not in MODEL_CLASSES:
+        raise ValueError(f"model must be one of {sorted(MODEL_CLASSES)}, got {model!r}")
+    if model == "GPT":
+        return GPT(GPTConfig(**config))
+    return MODEL_CLASSES[model](**config)
+
+
+def load(name: str) -> nn.Module:
+    """The pretrained model called name (a GPT, GRUSeq2Seq or Transformer, as its record says), in eval mode."""
     checkpoint = _checkpoint(name)
-    model = GPT(GPTConfig(**checkpoint["config"]))
+    model = build(info(name)["model"], checkpoint["config"])
     model.load_state_dict(checkpoint["state_dict"])
     return model.eval()
 
 
 def tokenizer(name: str) -> CharTokenizer:
-    """The character tokenizer the checkpoint was trained with."""
-    return CharTokenizer(_checkpoint(name)["vocab"])
+    """The character tokenizer a character model (char-*) was trained with."""
+    checkpoint = _checkpoint(name)
+    if "vocab" not in checkpoint:
+        raise ValueError(f"{name} is not a character model: it has no tokenizer")
+    return CharTokenizer(checkpoint["vocab"])
