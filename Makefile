@@ -29,8 +29,14 @@ system-packages:
 	    || echo "note: could not install $(SYSTEM_PACKAGES_MISSING); the tests that need them are skipped"; \
 	fi
 
-test: setup system-packages    ## the whole suite: library tests, nbval on solutions/, release and grading round trips, browser
+# Another CPU's float rounding, on any machine: ATen's generic kernels instead of AVX2/AVX-512, MKL's
+# vendor-neutral path, oneDNN without AVX. nbval must pass under them too: no stored output may show a
+# number that the CPU's rounding decides.
+OTHER_CPU = ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=SSE41
+
+test: setup system-packages    ## the whole suite: library tests, nbval on solutions/ (twice: as is, as on another CPU), round trips, browser
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile
+	env $(OTHER_CPU) $(BIN)/python -m pytest -n $(JOBS) --dist loadfile solutions/
 
 check: setup                   ## grade your own notebook: make check CH=01
 	$(BIN)/course check $(CH)
