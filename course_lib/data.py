@@ -1,7 +1,9 @@
 """Data that needs no download: synthetic toy tasks (and, from chapter 04, the embedded corpus)."""
 from __future__ import annotations
 
+import gzip
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -65,24 +67,39 @@ def digits_to_text(tokens) -> str:
 # --- chapter 04: the embedded corpus, a character-level tokenizer, language-model batches ---------------------
 
 
-def default_corpus(path=None) -> str:
-    """The course's text corpus: Python's own help topics, or any UTF-8 text file.
+#: the default corpus, shipped: Python's help topics as Python 3.11.7 has them (another Python version has
+#: slightly different help texts, and the shipped checkpoints and the notebooks' outputs must not depend on it)
+HELP_TOPICS = Path(__file__).resolve().parent / "assets" / "python-help-topics.txt.gz"
+HELP_TOPICS_PYTHON = "3.11.7"
 
-    With no ``path``, the text of ``pydoc_data.topics.topics`` (a dict in the standard library, the
-    source of ``help('if')`` and friends), its entries joined by blank lines in sorted key order, so
-    the corpus is the same on every machine with the same Python version. With a ``path``, that
-    file's contents.
-    """
-    if path is not None:
-        from pathlib import Path
 
-        text = Path(path).read_text(encoding="utf-8")
-        if not text:
-            raise ValueError(f"path must name a non-empty text file, got an empty file: {path}")
-        return text
+def help_topics_text() -> str:
+    """The running Python's help topics: the entries of ``pydoc_data.topics.topics`` (the source of
+    ``help('if')`` and friends) in sorted key order, joined by blank lines."""
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[key].strip("\n") for key in sorted(topics)) + "\n"
+
+
+def snapshot_help_topics(path: Path = HELP_TOPICS) -> None:
+    """Write help_topics_text() to path, gzip-compressed (byte-identical for the same text). It made the
+    shipped HELP_TOPICS, on Python HELP_TOPICS_PYTHON."""
+    path.write_bytes(gzip.compress(help_topics_text().encode("utf-8"), compresslevel=9, mtime=0))
+
+
+def default_corpus(path=None) -> str:
+    """The course's text corpus: Python's own help topics, or any UTF-8 text file.
+
+    With no ``path``, the shipped snapshot HELP_TOPICS of Python HELP_TOPICS_PYTHON's help topics
+    (``help_topics_text()`` there): the same text on every machine, whatever its Python version.
+    With a ``path``, that file's contents.
+    """
+    if path is None:
+        return gzip.decompress(HELP_TOPICS.read_bytes()).decode("utf-8")
+    text = Path(path).read_text(encoding="utf-8")
+    if not text:
+        raise ValueError(f"path must name a non-empty text file, got an empty file: {path}")
+    return text
 
 
 class CharTokenizer:
