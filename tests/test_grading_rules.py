@@ -1,33 +1,98 @@
-"""The grader's rules, tested directly (fast): who is charged for a cell, what counts as using the reference."""
+"""The grader's rules, tested directly (fast): reading a submission, the reference-import rule,
+what the clean room loads, isolation of exercises, and the clean room's limits and errors."""
 from __future__ import annotations
 
-import json
+import copy
 
 import pytest
 
-from course_lib.grading import _exercise_of_cell, definitions_only
-from course_lib.recheck import forbidden_use, student_definitions
+from course_lib.grading import Limits
+from course_lib.grading.cleanroom import forbidden_use, student_definitions
+from course_lib.grading.runner import chapter_job, run_cleanroom
+from course_lib.grading.submission import nbgrader_meta, read_submission
 
 
-def cell(cell_id, source="", grade_id=None, solution=False, grade=False):
-    meta = {"nbgrader": {"grade_id": grade_id, "solution": solution, "grade": grade}} if grade_id else {}
-    return {"id": cell_id, "cell_type": "code", "source": source, "metadata": meta, "outputs": []}
+def cell(cell_id, source="", grade_id=None, solution=False, grade=False, cell_type="code"):
+    meta = {"nbgrader": {"grade_id": grade_id, "solution": solution, "grade": grade, "points": 1 if grade else 0}} if grade_id else {}
+    return {"id": cell_id, "cell_type": cell_type, "source": source, "metadata": meta, "outputs": []}
 
 
-@pytest.fixture
-def notebook(tmp_path):
-    cells = [cell("sol", grade_id="additive-solution", solution=True), cell("train"), cell("mine"),
-             cell("test", grade_id="additive-mask", grade=True)]
-    path = tmp_path / "nb.ipynb"
-    path.write_text(json.dumps({"cells": cells}))
-    return path
+SETUP = cell("setup", "import torch")
+SOURCE = {"cells": [SETUP,
+                    cell("double-solution", "def double(x):\n    return 2 * x\n", "double-solution", solution=True),
+                    cell("double-visible", "assert double(3) == 6", "double-visible", grade=True),
+                    cell("quad-solution", "def quad(x):\n    return double(double(x))\n", "quad-solution", solution=True),
+                    cell("quad-visible", "assert quad(3) == 12", "quad-visible", grade=True)],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
 
 
-@pytest.mark.parametrize("cell_id,charged", [("sol", "additive"), ("test", "additive"), ("train", None), ("mine", "additive")])
-def test_course_cells_are_never_charged_to_an_exercise_but_student_cells_are(notebook, cell_id, charged):
-    course_cells = {"sol", "train", "test"}  # "mine" was added by the student
-    assert _exercise_of_cell(notebook, cell_id, course_cells) == charged
+def submitted(double="def double(x):\n    return 2 * x\n", quad="def quad(x):\n    return double(double(x))\n"):
+    notebook = copy.deepcopy(SOURCE)
+    notebook["cells"][1]["source"], notebook["cells"][3]["source"] = double, quad
+    return notebook
 
+
+def verdicts(notebook, limits=Limits(timeout=20)):
+    reading = read_submission(SOURCE, notebook)
+    found = run_cleanroom([chapter_job("ch", SOURCE, reading.answers)], limits, sandboxed=False)
+    return {grade_id: v for (_, grade_id), v in found.items()}
+
+
+# --- reading a submission: honest accidents -------------------------------------------------
+
+def test_a_pasted_copy_of_an_answer_cell_is_ignored_and_noted():
+    notebook = submitted()
+    pasted = copy.deepcopy(notebook["cells"][1])
+    pasted["id"], pasted["source"] = "pasted-1", "def double(x):\n    return 0\n"
+    notebook["cells"].insert(2, pasted)
+    reading = read_submission(SOURCE, notebook)
+    assert reading.answers["double-solution"] == "def double(x):\n    return 2 * x\n"
+    assert reading.notes == ["a copy of double-solution was ignored"]
+    assert "nbgrader" not in reading.notebook["cells"][2]["metadata"]
+    assert "nbgrader" in notebook["cells"][2]["metadata"], "the submission itself is never changed"
+
+
+def test_when_the_original_is_gone_the_first_copy_is_the_answer():
+    notebook = submitted()
+    notebook["cells"][1]["id"] = "renamed"
+    second = copy.deepcopy(notebook["cells"][1])
+    second["id"], second["source"] = "later", "def double(x):\n    return -1\n"
+    notebook["cells"].insert(2, second)
+    reading = read_submission(SOURCE, notebook)
+    assert reading.answers["double-solution"].endswith("return 2 * x\n")
+    assert reading.notes == ["a copy of double-solution was ignored"]
+
+
+def test_foreign_nbgrader_metadata_is_ignored_and_noted():
+    notebook = submitted()
+    notebook["cells"].append(cell("mine", "raise RuntimeError('scratch')", "from-another-course", grade=True))
+    notebook["cells"].append({"id": "odd", "cell_type": "code", "source": "", "metadata": {"nbgrader": {"solution": True}}, "outputs": []})
+    reading = read_submission(SOURCE, notebook)
+    assert reading.notes == ["a cell with nbgrader metadata the course does not have (grade id 'from-another-course') was ignored",
+                             "a cell with nbgrader metadata the course does not have (no grade id) was ignored"]
+    assert not any(nbgrader_meta(c).get("grade_id") == "from-another-course" for c in reading.notebook["cells"])
+
+
+def test_an_answer_switched_to_markdown_is_graded_as_code():
+    notebook = submitted()
+    notebook["cells"][1]["cell_type"] = "markdown"
+    del notebook["cells"][1]["outputs"]
+    reading = read_submission(SOURCE, notebook)
+    assert reading.answers["double-solution"].startswith("def double")
+    assert reading.notebook["cells"][1]["cell_type"] == "code"
+    assert reading.notes == ["double-solution had been switched to markdown: it was graded as the code it holds"]
+    assert all(v.passed for v in verdicts(notebook).values())
+
+
+def test_a_deleted_answer_fails_its_own_tests_only():
+    notebook = submitted()
+    del notebook["cells"][1]
+    found = verdicts(notebook)
+    assert not found["double-visible"].passed and "double" in found["double-visible"].message
+    assert found["quad-visible"].passed
+
+
+# --- the reference-import rule and what the clean room loads ----------------------------------
 
 @pytest.mark.parametrize("source,flagged", [
     ("from course_lib.attention import masked_softmax", True),
@@ -42,33 +107,66 @@ def test_forbidden_use_of_the_reference_code(source, flagged):
     assert bool(forbidden_use(source)) == flagged
 
 
-def test_defusing_keeps_definitions_and_drops_top_level_statements():
-    source = "import os\ndef f():\n    return 1\nos._exit(1)\nclass A:\n    pass\n"
-    kept = definitions_only(source)
-    assert "def f" in kept and "class A" in kept and "os._exit" not in kept and "import os" in kept
-
-
-def test_the_recheck_loads_definitions_and_constants_but_no_patches():
+def test_the_clean_room_loads_definitions_and_constants_but_no_patches():
     source = "import torch\nEPS = 1e-9\ntorch.allclose = lambda *a, **k: True\nX = make()\ndef f(x):\n    return x + EPS\n"
     kept = student_definitions(source)
     assert "EPS = 1e-09" in kept and "def f" in kept
     assert "allclose" not in kept and "make()" not in kept
 
 
-def test_the_recheck_accepts_a_solution_that_takes_an_optimizer_step(tmp_path):
-    """torch imports torch._dynamo lazily at the first optimizer step, which re-binds torch attributes:
-    that must not be mistaken for the student patching torch."""
-    from course_lib.recheck import recheck
+# --- one mistake costs one exercise ---------------------------------------------------------------
 
-    step = ("def one_step(model):\n"
+def test_a_bug_in_an_earlier_exercise_does_not_cost_a_later_one_that_calls_it():
+    found = verdicts(submitted(double="def double(x):\n    return 3 * x\n"))
+    assert not found["double-visible"].passed
+    assert found["quad-visible"].passed, "quad is tested with the reference double"
+
+
+def test_a_later_exercise_is_judged_on_its_own_code():
+    found = verdicts(submitted(quad="def quad(x):\n    return double(x)\n"))
+    assert found["double-visible"].passed and not found["quad-visible"].passed
+
+
+# --- errors cost their own exercise, in plain words ---------------------------------------------------
+
+def test_a_test_past_the_time_limit_is_stopped_and_costs_its_exercise():
+    found = verdicts(submitted(double="def double(x):\n    while True:\n        pass\n"), Limits(timeout=2))
+    assert found["double-visible"].error.startswith("a test of this exercise did not finish within 2 s")
+    assert found["quad-visible"].passed
+
+
+def test_code_that_ends_the_process_costs_its_exercise():
+    found = verdicts(submitted(double="import os\ndef double(x):\n    os._exit(3)\n"))
+    assert "exit code 3" in found["double-visible"].error
+    assert found["quad-visible"].passed
+
+
+def test_printing_forever_is_only_a_loop():
+    found = verdicts(submitted(double="def double(x):\n    while True:\n        print('x' * 1000)\n"), Limits(timeout=2))
+    assert "did not finish within 2 s" in found["double-visible"].error
+    assert found["quad-visible"].passed
+
+
+def test_memory_past_the_cap_is_an_error_that_says_so():
+    hog = "import torch\ndef double(x):\n    torch.ones(3 * 2**30, dtype=torch.uint8)\n    return 2 * x\n"
+    found = verdicts(submitted(double=hog), Limits(timeout=20, memory_gib=2))
+    assert found["double-visible"].error == "your code used more than 2 GiB of memory (the grading limit)"
+    assert found["quad-visible"].passed
+
+
+def test_the_clean_room_accepts_a_solution_that_takes_an_optimizer_step():
+    """torch imports torch._dynamo lazily at the first optimizer step, which re-binds torch attributes:
+    that must not be mistaken for the learner patching torch."""
+    step = ("def double(x):\n"
+            "    model = torch.nn.Linear(2, 1)\n"
             "    opt = torch.optim.AdamW(model.parameters(), lr=0.1)\n"
             "    model(torch.ones(1, 2)).sum().backward()\n"
             "    opt.step()\n"
-            "    return model\n")
-    test = ("model = torch.nn.Linear(2, 1)\nbefore = model.weight.detach().clone()\n"
-            "assert not torch.allclose(one_step(model).weight, before)\n")
-    cells = [cell("setup", "import torch"), cell("sol", step, grade_id="step-solution", solution=True),
-             cell("test", test, grade_id="step-visible", grade=True)]
-    path = tmp_path / "nb.ipynb"
-    path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
-    assert recheck(path, path, timeout=120, sandboxed=False) == {"step-visible": (True, "")}
+            "    return 2 * x\n")
+    assert all(v.passed for v in verdicts(submitted(double="import torch\n" + step)).values())
+
+
+def test_monkeypatching_when_called_is_caught():
+    patch = "import torch\ndef double(x):\n    torch.allclose = lambda *a, **k: True\n    return 2 * x\n"
+    found = verdicts(submitted(double=patch))
+    assert not found["double-visible"].passed and "tests cannot be tricked" in found["double-visible"].message

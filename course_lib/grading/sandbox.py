@@ -1,25 +1,41 @@
-"""Run a student's kernel in a bubblewrap sandbox while nbgrader grades it.
+"""The closed box a learner's code runs in while it is graded: bubblewrap.
 
-Only the kernel is sandboxed, not nbgrader: the whole filesystem is read-only except the
-folder the notebook runs in (the student's own autograded copy) and a private, empty
-/tmp. The gradebook, the other students' files and the course itself cannot be written.
+Only the clean room (``cleanroom.py``) runs in it, never the grader. Inside:
 
-The kernel spec written by ``write_kernel_spec`` starts ``python -m course_lib.sandbox
--f {connection_file}``, which execs ``bwrap ... python -m ipykernel_launcher``.
-Where bubblewrap is not available (``available()`` is False) grading still works, with
-a warning that submissions are not isolated from each other.
+* the whole filesystem is read-only, with a private, empty /tmp of bounded size; every
+  student's grading folder, the submissions and Jupyter's runtime folder (other kernels'
+  connection keys) are hidden behind empty folders;
+* no network at all: a network namespace of its own, with nothing but a loopback that
+  nobody listens on (the job comes in on stdin, the verdicts go out on stdout);
+* its own PID, IPC and UTS namespaces: it cannot see or signal the grader's processes;
+* a clean environment: none of the grader's variables (a hub's API token, say), only the
+  few the course needs (``ENVIRONMENT``).
+
+Where bubblewrap is not available (``available()`` is False) grading still works, with a
+warning that submissions are not isolated from each other or from the network.
 """
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-KERNEL_NAME = "course-sandbox"
+#: the grader's variables the clean room keeps (float rounding and thread settings); nothing else passes
+PASSED_THROUGH = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "LANG", "LC_ALL", "TZ")
+#: the environment the clean room sees, besides PASSED_THROUGH
+ENVIRONMENT = {"HOME": "/tmp", "TMPDIR": "/tmp", "MPLCONFIGDIR": "/tmp/matplotlib", "MPLBACKEND": "Agg",
+               "IPYTHONDIR": "/tmp/ipython", "PATH": "/usr/local/bin:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+               "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1"}
+#: size of the private /tmp
+TMP_BYTES = 512 << 20
+
+
+def clean_environment() -> dict[str, str]:
+    """What the clean room's process gets: ENVIRONMENT plus the grader's PASSED_THROUGH variables."""
+    return {**ENVIRONMENT, **{name: os.environ[name] for name in PASSED_THROUGH if name in os.environ}}
 
 
 @functools.cache
@@ -33,13 +49,9 @@ def available() -> bool:
     return probe.returncode == 0
 
 
-#: set by the grader (trusted) for the kernel launcher: folders to hide, os.pathsep-separated
-HIDE_ENV = "COURSE_SANDBOX_HIDE"
-
-
 def _system_paths() -> list[Path]:
     """What any Python process here must be able to read: its interpreter and the course itself."""
-    course = Path(__file__).resolve().parents[1]
+    course = Path(__file__).resolve().parents[2]
     return sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), course})
 
 
@@ -71,22 +83,23 @@ def cover_for(path: Path) -> Path | None:
 def bwrap_command(command: list[str], writable: list[Path] = (), readable: list[Path] = (), hidden: list[Path] = ()) -> list[str]:
     """``command`` inside bubblewrap:
 
-    * the whole filesystem read-only, with a private, empty /tmp;
+    * the whole filesystem read-only, with a private, empty /tmp (TMP_BYTES at most);
     * the interpreter and the course repository read-only (they may live under /tmp or a hidden folder);
     * the ``hidden`` folders, and Jupyter's runtime folder, replaced by empty ones (every student's
       grading folder, other kernels' connection files);
     * the ``readable`` paths (single files or folders) read-only;
-    * the ``writable`` folders writable.
+    * the ``writable`` folders writable;
+    * no network, and its own PID, IPC and UTS namespaces; the environment is ``clean_environment()``.
 
     Deeper paths are mounted on top of shallower ones, whatever their kind, so a writable folder
     inside a hidden one, or a hidden one inside the course, come out as listed. The command runs
-    as PID 1 of its own PID namespace (it cannot see or signal other processes); ``--as-pid-1``
-    keeps ipykernel from mistaking the namespace's init for a dead parent.
+    as PID 1 of its own PID namespace (it cannot see or signal other processes).
     """
-    args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-            "--die-with-parent", "--unshare-pid", "--as-pid-1", "--unshare-ipc",
-            "--setenv", "HOME", "/tmp", "--setenv", "MPLCONFIGDIR", "/tmp/matplotlib",
-            "--setenv", "IPYTHONDIR", "/tmp/ipython", "--setenv", "TMPDIR", "/tmp"]
+    args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
+            "--die-with-parent", "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-net", "--unshare-uts",
+            "--new-session", "--clearenv"]
+    for name, value in clean_environment().items():
+        args += ["--setenv", name, value]
     covers = {cover_for(p) for p in [_runtime_dir(), *hidden]} - {None}
     mounts = ([("--ro-bind", p) for p in _system_paths()] + [("--tmpfs", p) for p in covers]
               + [("--ro-bind", Path(p)) for p in readable] + [("--bind", Path(p)) for p in writable])
@@ -94,32 +107,3 @@ def bwrap_command(command: list[str], writable: list[Path] = (), readable: list[
     for option, path in sorted(mounts, key=lambda mount: len(mount[1].parts)):
         args += [option, str(path)] if option == "--tmpfs" else [option, str(path), str(path)]
     return [*args, "--", *command]
-
-
-def hidden_from_environment() -> list[Path]:
-    return [Path(p) for p in os.environ.get(HIDE_ENV, "").split(os.pathsep) if p]
-
-
-def write_kernel_spec(jupyter_path: Path) -> Path:
-    """Write kernels/course-sandbox/kernel.json under ``jupyter_path`` (put it on JUPYTER_PATH)."""
-    folder = jupyter_path / "kernels" / KERNEL_NAME
-    folder.mkdir(parents=True, exist_ok=True)
-    spec = {"argv": [sys.executable, "-m", "course_lib.sandbox", "-f", "{connection_file}"],
-            "display_name": "Python 3 (course grading sandbox)", "language": "python",
-            "interrupt_mode": "signal", "metadata": {"debugger": False}}
-    (folder / "kernel.json").write_text(json.dumps(spec, indent=1))
-    return folder
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Kernel launcher: exec ipykernel inside the sandbox, writable only in the current folder."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    connection_file = Path(argv[argv.index("-f") + 1]).resolve()
-    kernel = [sys.executable, "-m", "ipykernel_launcher", *argv]
-    # every grading folder the grader names is hidden (other students' work, the gradebooks)
-    command = bwrap_command(kernel, writable=[Path.cwd()], readable=[connection_file], hidden=hidden_from_environment())
-    os.execvp(command[0], command)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,23 @@
+"""The course's grader: nbgrader's workflow, with tests run in a closed clean room.
+
+    course.py      the course on disk, nbgrader's settings, release and re-execution
+    submission.py  reading a submission against its source, forgiving honest accidents
+    runner.py      starting the clean room for one learner and reading its verdicts
+    cleanroom.py   the clean room itself (runs in the sandbox): one exercise at a time
+    sandbox.py     the closed box (bubblewrap): no network, clean environment, hidden folders
+    limits.py      time, memory and process caps, and their plain-words errors
+    books.py       nbgrader's gradebook, autograded notebooks and feedback
+    engine.py      ``grade`` (a class) and ``check`` (a learner's own notebook)
+    reports.py     results, the CSVs, the class report and the learner's report
+    bench.py       ``course bench grade``: seconds per chapter and learner, students per minute
+"""
+from .course import (CELL_TIMEOUT, CODE_STUB, COURSE_ID, RELEASE_DIR, SOURCE_DIR, chapters, configure,
+                     execute_solutions, release, repo_root, resolve_chapter, run_nbgrader)
+from .engine import check, grade
+from .limits import Limits
+from .reports import NotebookResult, TestResult, class_report, format_report, write_csvs
+from .submission import exercise_of
+
+__all__ = ["CELL_TIMEOUT", "CODE_STUB", "COURSE_ID", "RELEASE_DIR", "SOURCE_DIR", "Limits", "NotebookResult", "TestResult",
+           "chapters", "check", "class_report", "configure", "execute_solutions", "exercise_of", "format_report", "grade",
+           "release", "repo_root", "resolve_chapter", "run_nbgrader", "write_csvs"]

@@ -1,0 +1,120 @@
+"""nbgrader's books: the gradebook, the autograded notebook and the feedback, kept by nbgrader itself.
+
+The clean room decides each test; nbgrader records it. ``autograde`` runs nbgrader's own
+``Autograde`` converter in this process (nbgrader's API, no kernel), with its ``Execute``
+preprocessor replaced by ``InjectVerdicts``: every test cell gets the clean room's verdict as
+its output (an error output when it failed), and nbgrader's ``SaveAutoGrades`` scores it as
+usual. nbgrader's own sanitizing still runs first: test cells are restored from the gradebook,
+points and metadata come from it, never from the submission. ``feedback`` is nbgrader's
+``generate_feedback``. Each student's chapter has a course folder of its own, copied from a
+template (``prepare_template``) whose gradebook already knows the chapter's cells.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+from .course import SOURCE_DIR, configure
+
+# nbgrader's apps share loggers and os.environ: one at a time in this process
+_LOCK = threading.Lock()
+
+
+def _inject_verdicts_class():
+    from nbformat.v4 import new_markdown_cell, new_output
+    from nbgrader.preprocessors import NbGraderPreprocessor
+    from traitlets import Dict, List
+
+    class InjectVerdicts(NbGraderPreprocessor):
+        """Put the clean room's verdicts into the test cells (instead of executing the notebook)."""
+
+        verdicts = Dict(help="grade_id -> '' (passed) or why the test failed").tag(config=True)
+        notes = List(help="what grading ignored or repaired, shown at the top of the feedback").tag(config=True)
+
+        def preprocess(self, nb, resources):
+            for cell in nb.cells:
+                meta = cell.metadata.get("nbgrader", {})
+                if cell.cell_type != "code" or not meta.get("grade"):
+                    continue
+                message = self.verdicts.get(meta.get("grade_id"), "not graded")
+                cell.outputs = [] if message == "" else [
+                    new_output("error", ename="TestFailed", evalue=message, traceback=[f"TestFailed: {message}"])]
+            if self.notes:
+                text = "**Grading notes.** " + " ".join(f"{note[0].upper()}{note[1:]}." for note in self.notes)
+                nb.cells.insert(0, new_markdown_cell(text))
+            return nb, resources
+
+    return InjectVerdicts
+
+
+def _config(folder: Path, verdicts: dict | None = None, notes: list[str] = ()):
+    from nbgrader.converters import Autograde
+    from nbgrader.preprocessors import Execute
+    from traitlets.config import Config
+
+    c = Config()
+    configure(c)
+    c.CourseDirectory.root = str(folder)
+    c.CourseDirectory.db_url = f"sqlite:///{folder / 'gradebook.db'}"
+    if verdicts is not None:
+        inject = _inject_verdicts_class()
+        default = Autograde.class_traits()["autograde_preprocessors"].default()
+        c.Autograde.autograde_preprocessors = [inject if p is Execute else p for p in default]
+        c.InjectVerdicts.verdicts = verdicts
+        c.InjectVerdicts.notes = list(notes)
+    return c
+
+
+def _api(config):
+    from nbgrader.apps import NbGraderAPI
+    from nbgrader.coursedir import CourseDirectory
+
+    return NbGraderAPI(CourseDirectory(config=config), config=config)
+
+
+def _checked(result: dict, what: str) -> None:
+    if not result.get("success"):
+        tail = "\n".join(((result.get("log") or "") + (result.get("error") or "")).splitlines()[-40:])
+        raise RuntimeError(f"nbgrader {what} failed:\n{tail}")
+
+
+def prepare_template(root: Path, workdir: Path, chapter: str) -> Path:
+    """A course folder with the chapter's source and a gradebook that knows its cells."""
+    template = workdir / "templates" / chapter
+    shutil.rmtree(template, ignore_errors=True)
+    template.mkdir(parents=True)
+    shutil.copytree(root / SOURCE_DIR / chapter, template / SOURCE_DIR / chapter)
+    # a new gradebook asks the `alembic` command for its schema version: this interpreter's one
+    scripts = str(Path(sys.executable).parent)
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([scripts, os.environ.get("PATH", "")])
+    with _LOCK:
+        _checked(_api(_config(template)).generate_assignment(chapter, force=True, create=True), "generate_assignment")
+    shutil.rmtree(template / "release", ignore_errors=True)
+    return template
+
+
+def autograde(folder: Path, chapter: str, student: str, notebooks: dict[str, dict],
+              verdicts: dict[str, str], notes: list[str]) -> dict[str, dict[str, float]]:
+    """Record one student's chapter in nbgrader's books in ``folder``, and write its feedback.
+
+    notebooks: notebook name -> the submission as nbgrader gets it; verdicts: grade_id -> ''
+    (passed) or why it failed; notes: what grading ignored or repaired.
+    Returns notebook name -> grade_id -> score, read back from nbgrader's gradebook.
+    """
+    from nbgrader.api import Gradebook
+
+    submitted = folder / "submitted" / student / chapter
+    submitted.mkdir(parents=True, exist_ok=True)
+    for name, notebook in notebooks.items():
+        (submitted / f"{name}.ipynb").write_text(json.dumps(notebook, indent=1))
+    with _LOCK:
+        _checked(_api(_config(folder, verdicts, notes)).autograde(chapter, student, force=True, create=True), "autograde")
+        _checked(_api(_config(folder)).generate_feedback(chapter, student, force=True), "generate_feedback")
+        with Gradebook(f"sqlite:///{folder / 'gradebook.db'}") as gradebook:
+            return {name: {g.name: float(g.score) for g in gradebook.find_submission_notebook(name, chapter, student).grades}
+                    for name in notebooks}

@@ -1,0 +1,292 @@
+"""The clean room: a learner's answers tested in a fresh process, one exercise at a time.
+
+This program runs inside the grading sandbox (``sandbox.py``), never in the grader. It reads a
+job (JSON, on stdin) with, for each chapter, the course's set-up cell, every solution cell's
+reference code and the learner's answer, and the chapter's test cells; it writes one line
+per test on stdout: ``<nonce> {"chapter", "grade_id", "passed", "message", "error"}``.
+
+For each chapter the set-up cell (trusted, the course's own) runs once. Then each exercise
+runs in a forked child of its own, in a namespace where
+
+* the *other* exercises are the reference solutions, so one mistake costs one exercise;
+* this exercise is only the *definitions* of the learner's answer (imports, functions,
+  classes and ``NAME = constant`` lines): no other top-level statement runs;
+* the identity of every attribute of the modules the tests use is recorded, and checked
+  after each call into the learner's code and after each test, so monkeypatching is caught
+  before an assertion can use it.
+
+The parent watches each child: a test that runs past the time limit is stopped, a child that
+dies (``os._exit``, a crash) is reported, and the child's own output goes nowhere, so a loop
+that prints forever is just a loop. Memory and process caps are set on the sandbox by the
+grader (``limits.py``); hitting them is reported in plain words. The learner's code shares a
+process with the tests: this defeats monkeypatching, it is not a defence against code written
+to attack this module itself (the sandbox bounds what such code can reach to its own score).
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import functools
+import inspect
+import json
+import math
+import os
+import select
+import signal
+import sys
+import time
+import types
+
+FORBIDDEN_NAMES = {"course_lib", "importlib", "__import__"}
+
+
+def forbidden_use(source: str) -> str:
+    """The first line of a cell that reaches for the course's reference code, or ''."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return ""
+    lines = source.splitlines()
+    for node in ast.walk(tree):
+        hit = (isinstance(node, ast.Import) and any(a.name.split(".")[0] in FORBIDDEN_NAMES for a in node.names)
+               or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in FORBIDDEN_NAMES
+               or isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES
+               or isinstance(node, ast.Constant) and isinstance(node.value, str) and "course_lib" in node.value)
+        if hit:
+            return lines[node.lineno - 1].strip()
+    return ""
+
+
+def student_definitions(source: str) -> str:
+    """Imports, defs, classes and ``NAME = constant-expression`` lines of a cell; nothing else runs."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as error:
+        return f"raise SyntaxError({str(error)!r})"
+    # A forbidden import is kept: grading zeroes the exercise that uses it (``forbidden_use``).
+    kept = [node for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom))
+            or isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets)
+            and not any(isinstance(n, ast.Call) for n in ast.walk(node.value))]
+    return ast.unparse(ast.Module(body=kept, type_ignores=[]))
+
+
+class Integrity:
+    """Remembers the identity of every attribute of some modules and classes; reports changes."""
+
+    def __init__(self, namespaces: list):
+        self._namespaces = [(ns, dict(vars(ns))) for ns in namespaces]
+
+    def changes(self) -> list[str]:
+        changed = []
+        for ns, before in self._namespaces:
+            now = vars(ns)
+            for key, value in before.items():
+                if key not in now or now[key] is not value:
+                    changed.append(f"{getattr(ns, '__name__', ns)}.{key}")
+        return changed
+
+
+def tampering(changed: list[str]) -> str:
+    return f"your code replaced {', '.join(changed[:3])}: tests cannot be tricked"
+
+
+def _watched(namespace: dict) -> list:
+    import numpy
+    import torch
+    import torch._dynamo  # noqa: F401 - imported lazily by the first optimizer step, it re-binds torch attributes
+
+    import course_lib.checks
+
+    watched = [builtins, math, torch, torch.Tensor, torch._C.TensorBase, torch.nn.functional, torch.testing, numpy]
+    watched += [m for name, m in sys.modules.items() if name.startswith("course_lib.checks") and m is not None]
+    watched += [v for v in namespace.values() if isinstance(v, types.ModuleType)]
+    watched.append(course_lib.checks)
+    return list({id(ns): ns for ns in watched}.values())
+
+
+def _guarded(function, integrity: Integrity):
+    """Call the learner's function, then refuse its result if it changed a watched module."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        result = function(*args, **kwargs)
+        changed = integrity.changes()
+        if changed:
+            raise AssertionError(tampering(changed))
+        return result
+    return wrapper
+
+
+def _guard(namespace: dict, names: set[str], integrity: Integrity) -> None:
+    for name in names:
+        obj = namespace.get(name)
+        if inspect.isfunction(obj):
+            namespace[name] = _guarded(obj, integrity)
+        elif inspect.isclass(obj):
+            for attr, value in list(vars(obj).items()):
+                if inspect.isfunction(value):
+                    setattr(obj, attr, _guarded(value, integrity))
+
+
+def limit_hit(error: BaseException, limits: dict) -> str:
+    """The plain-words error for an exception that means a grading limit was hit, or ''."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, MemoryError) or "can't allocate memory" in text or "Cannot allocate memory" in text:
+        return f"your code used more than {limits['memory_gib']:g} GiB of memory (the grading limit)"
+    if isinstance(error, BlockingIOError) or "Resource temporarily unavailable" in text:
+        return f"your code started more than {limits['processes']} processes or threads (the grading limit)"
+    return ""
+
+
+# --- the child: one exercise ------------------------------------------------------------------
+
+def _exercise_namespace(setup: dict, solutions: list[dict], exercise: str) -> tuple[dict, set[str]]:
+    """The set-up namespace with every solution cell loaded: the reference ones for the other
+    exercises, the learner's definitions for ``exercise``; returns it and the learner's names."""
+    namespace = dict(setup)
+    learner: set[str] = set()
+    for solution in solutions:
+        if solution["exercise"] != exercise:
+            exec(compile(solution["reference"], f"<reference {solution['grade_id']}>", "exec"), namespace)
+            continue
+        if solution["answer"] is None:
+            continue
+        before = dict(namespace)
+        exec(compile(student_definitions(solution["answer"]), f"<{solution['grade_id']}>", "exec"), namespace)
+        learner |= {name for name, value in namespace.items() if name not in before or before[name] is not value}
+    return namespace, learner
+
+
+def _run_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: dict, send) -> None:
+    integrity = Integrity(_watched(setup))
+    try:
+        namespace, learner = _exercise_namespace(setup, solutions, exercise["name"])
+    except BaseException as error:  # noqa: BLE001 - the tests below report what is missing
+        namespace, learner = None, set()
+        loading = f"{type(error).__name__}: {error}"
+    else:
+        _guard(namespace, learner, integrity)
+    for test in exercise["tests"]:
+        send({"start": test["grade_id"]})
+        verdict = {"grade_id": test["grade_id"], "passed": False, "message": "", "error": ""}
+        changed = integrity.changes()
+        if namespace is None:
+            verdict["message"] = f"your answer could not be loaded: {loading}"
+        elif changed:
+            verdict["message"] = tampering(changed)
+        else:
+            try:
+                exec(compile(test["source"], f"<{test['grade_id']}>", "exec"), dict(namespace))
+            except BaseException as error:  # noqa: BLE001 - a failed test, whatever it raised
+                verdict["message"] = f"{type(error).__name__}: {error}".strip()
+                verdict["error"] = limit_hit(error, limits)
+            else:
+                changed = integrity.changes()
+                verdict["passed"] = not changed
+                verdict["message"] = tampering(changed) if changed else ""
+        send(verdict)
+
+
+# --- the parent: one child per exercise, watched ------------------------------------------------
+
+def _describe_exit(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else str(number)
+        if number == signal.SIGKILL:
+            return "the process running your code was killed (signal SIGKILL: often, out of memory)"
+        return f"the process running your code died (signal {name})"
+    return f"your code ended the process running the tests (exit code {os.WEXITSTATUS(status)})"
+
+
+def _watch(pid: int, fd: int, exercise: dict, timeout: float):
+    """Yield the child's verdicts; stop it if a test runs past ``timeout``; turn its death into error verdicts."""
+    expected = [t["grade_id"] for t in exercise["tests"]]
+    done: set[str] = set()
+    running, deadline, buffer = None, time.monotonic() + timeout, b""
+    problem = ""
+    with os.fdopen(fd, "rb", buffering=0) as pipe:
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([pipe], [], [], max(left, 0))
+            if not ready:
+                problem = f"a test of this exercise did not finish within {timeout:g} s (the grading limit per test)"
+                os.kill(pid, signal.SIGKILL)
+                break
+            chunk = pipe.read(65536)
+            if not chunk:
+                break
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                message = json.loads(line)
+                if "start" in message:
+                    running, deadline = message["start"], time.monotonic() + timeout
+                elif message.get("grade_id") in expected and message["grade_id"] not in done:
+                    done.add(message["grade_id"])
+                    running = None
+                    yield message
+    _, status = os.waitpid(pid, 0)
+    if not problem and len(done) < len(expected):
+        problem = _describe_exit(status)
+    for grade_id in expected:
+        if grade_id not in done:
+            where = " while this test ran" if grade_id == running else ""
+            yield {"grade_id": grade_id, "passed": False, "message": problem + where, "error": problem}
+
+
+def _fork_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: dict, verdicts_fd: int):
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the learner's code runs here, with nowhere to print and no way to the verdicts
+        os.close(read_end)
+        os.close(verdicts_fd)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        channel = os.fdopen(write_end, "w")
+
+        def send(message: dict) -> None:
+            channel.write(json.dumps(message) + "\n")
+            channel.flush()
+
+        try:
+            _run_exercise(setup, solutions, exercise, limits, send)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    return pid, read_end
+
+
+def run(job: dict, out) -> None:
+    """Test every chapter of ``job``; write each verdict to ``out`` as soon as it is known."""
+    nonce, limits = job["nonce"], job["limits"]
+
+    def report(chapter: str, verdict: dict) -> None:
+        out.write(f"{nonce} {json.dumps({'chapter': chapter, **verdict})}\n")
+        out.flush()
+
+    for chapter in job["chapters"]:
+        setup: dict = {"__name__": "__main__"}
+        exec(compile(chapter["setup"], "<set-up cell>", "exec"), setup)  # trusted: the course's own cell
+        _watched(setup)  # its imports (torch._dynamo is slow) happen once here, not in every child
+        for exercise in chapter["exercises"]:
+            if not exercise["tests"]:
+                continue
+            pid, fd = _fork_exercise(setup, chapter["solutions"], exercise, limits, out.fileno())
+            for verdict in _watch(pid, fd, exercise, limits["timeout"]):
+                report(chapter["chapter"], verdict)
+    out.write(f"{nonce} {json.dumps({'done': True})}\n")
+    out.flush()
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.read())
+    # the verdicts go to a private copy of stdout; whatever else prints goes nowhere (stderr is the grader's log)
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(os.open(os.devnull, os.O_RDWR), 1)
+    run(job, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Read a submission the way the course wrote it, forgiving the accidents learners make.
+
+A submission is matched to the chapter's source notebook by grade id and cell id:
+
+* a copied or pasted cell (JupyterLab keeps a cell's nbgrader metadata when it is copied, so the
+  copy carries the same grade id) is ignored for grading: the course's own cell is the one whose
+  cell id is the release's, or else the first; the copy stays in the notebook as a plain cell;
+* a cell whose nbgrader metadata names a grade id the course does not have is ignored for grading;
+* an answer cell switched to markdown by a stray keystroke is graded as the code it holds;
+* any other cell the learner added never runs while grading (only the answers' definitions do).
+
+``read_submission`` returns the answers, a note in plain words for each thing it ignored or
+repaired ("a copy of masked_softmax-solution was ignored"), and the notebook as nbgrader gets it.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+
+def nbgrader_meta(cell: dict) -> dict:
+    meta = cell.get("metadata", {}).get("nbgrader", {})
+    return meta if isinstance(meta, dict) else {}
+
+
+def source_text(cell: dict) -> str:
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else str(source)
+
+
+def exercise_of(grade_id: str) -> str:
+    """'masked_softmax-mask' -> 'masked_softmax'."""
+    return grade_id.split("-", 1)[0]
+
+
+@dataclass
+class Reading:
+    """A submission read against its source notebook."""
+
+    answers: dict[str, str | None]  # solution grade id -> the learner's code (None: the cell is gone)
+    notebook: dict  # the submission as nbgrader gets it: copies and foreign cells without nbgrader metadata
+    notes: list[str] = field(default_factory=list)  # what was ignored or repaired, in plain words
+
+
+def _plain(cell: dict) -> None:
+    """Make a cell an ordinary one: nbgrader no longer sees it."""
+    cell.get("metadata", {}).pop("nbgrader", None)
+
+
+def read_submission(source: dict, submitted: dict) -> Reading:
+    """Match ``submitted`` (a notebook dict) to ``source``; see the module docstring for the rules."""
+    course = {nbgrader_meta(c)["grade_id"]: c for c in source["cells"] if nbgrader_meta(c).get("grade_id")}
+    notebook = copy.deepcopy(submitted)
+    cells = [c for c in notebook.get("cells", []) if isinstance(c, dict)]
+    notes: list[str] = []
+    candidates: dict[str, list[dict]] = {}
+    for cell in cells:
+        if "nbgrader" not in cell.get("metadata", {}):
+            continue
+        grade_id = nbgrader_meta(cell).get("grade_id")
+        if grade_id in course:
+            candidates.setdefault(grade_id, []).append(cell)
+        else:
+            _plain(cell)
+            what = f"grade id {grade_id!r}" if grade_id else "no grade id"
+            notes.append(f"a cell with nbgrader metadata the course does not have ({what}) was ignored")
+    answers: dict[str, str | None] = {}
+    for grade_id, original in course.items():
+        found = candidates.get(grade_id, [])
+        kept = next((c for c in found if c.get("id") == original.get("id")), found[0] if found else None)
+        for copy_ in found:
+            if copy_ is not kept:
+                _plain(copy_)
+                notes.append(f"a copy of {grade_id} was ignored")
+        if not nbgrader_meta(original).get("solution") or original.get("cell_type") != "code":
+            continue
+        if kept is None:
+            answers[grade_id] = None
+            notes.append(f"{grade_id} is missing from the notebook: the tests of its exercise fail")
+            continue
+        if kept.get("cell_type") != "code":
+            notes.append(f"{grade_id} had been switched to {kept.get('cell_type')}: it was graded as the code it holds")
+            kept["cell_type"] = "code"
+            kept["outputs"], kept["execution_count"] = [], None
+            kept.get("metadata", {}).pop("attachments", None)
+            kept.pop("attachments", None)
+        answers[grade_id] = source_text(kept)
+    return Reading(answers, notebook, notes)
