@@ -38,19 +38,54 @@ def tampered() -> dict:
     return notebook
 
 
+def accidents() -> dict:
+    """A perfect notebook with the accidents learners make: the masked_softmax answer copied and pasted below
+    itself (JupyterLab keeps its nbgrader metadata) and broken in the copy, a test cell pasted too, a cell with
+    another course's nbgrader metadata, the scaled_dot_product_attention answer switched to markdown, and an
+    extra cell at the end that raises."""
+    import copy
+
+    from tests.conftest import nbgrader_cells
+
+    notebook = CH.solved()
+    cells = nbgrader_cells(notebook)
+    index = notebook["cells"].index(cells["masked_softmax-solution"])
+    pasted = copy.deepcopy(cells["masked_softmax-solution"])
+    pasted["id"], pasted["source"] = "pasted-answer", "def masked_softmax(scores, mask=None):\n    return scores * 0\n"
+    pasted_test = copy.deepcopy(cells["masked_softmax-visible"])
+    pasted_test["id"] = "pasted-test"
+    notebook["cells"][index + 1:index + 1] = [pasted, pasted_test]
+    foreign = {"id": "foreign", "cell_type": "code", "execution_count": None, "outputs": [], "source": "1 / 0",
+               "metadata": {"nbgrader": {"grade": True, "grade_id": "q1-tests", "locked": True, "points": 5, "solution": False}}}
+    sdpa = cells[SDPA]
+    sdpa["cell_type"] = "markdown"
+    del sdpa["outputs"], sdpa["execution_count"]
+    raising = {"id": "scratch", "cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+               "source": "raise RuntimeError('trying something')"}
+    notebook["cells"] += [foreign, raising]
+    return notebook
+
+
+ACCIDENT_NOTES = ["a copy of masked_softmax-solution was ignored", "a copy of masked_softmax-visible was ignored",
+                  "a cell with nbgrader metadata the course does not have (grade id 'q1-tests') was ignored",
+                  f"{SDPA} had been switched to markdown: it was graded as the code it holds"]
+
+
 # student -> (notebook, the tests that must fail)
 STUDENTS = {
     "reference": (CH.solved, set()),
     "untouched": (CH.untouched, set(CH.points)),
     "unscaled": (lambda: CH.solved({SDPA: UNSCALED}),
                  {"scaled_dot_product_attention-visible", "scaled_dot_product_attention-scale"}),
-    "nan_on_fully_masked": (lambda: CH.solved({"masked_softmax-solution": NAIVE_MASKED_SOFTMAX}),
-                            {"masked_softmax-fully_masked", "scaled_dot_product_attention-fully_masked"}),
+    # scaled_dot_product_attention calls masked_softmax, but is tested with the reference one: one bug, one exercise
+    "nan_on_fully_masked": (lambda: CH.solved({"masked_softmax-solution": NAIVE_MASKED_SOFTMAX}), {"masked_softmax-fully_masked"}),
     "mask_ignored": (lambda: CH.solved({"additive_attention-solution": CH.mutate(
         "additive_attention-solution", "masked_softmax(energies, mask)", "masked_softmax(energies)")}),
         {"additive_attention-mask"}),
-    "infinite_loop": (lambda: CH.solved({SDPA: "while True:\n    pass"}), CH.tests_of("scaled_dot_product_attention")),
+    "infinite_loop": (lambda: CH.solved({SDPA: "def scaled_dot_product_attention(q, k, v, mask=None):\n    while True:\n        pass\n"}),
+                      CH.tests_of("scaled_dot_product_attention")),
     "tampered": (tampered, {"scaled_dot_product_attention-visible", "scaled_dot_product_attention-scale"}),
+    "accidents": (accidents, set()),
 }
 
 
@@ -60,8 +95,8 @@ def graded(tmp_path_factory):
     shutil.copytree(ROOT / "notebooks" / "00-orientation", submissions / "reference" / "00-orientation")
     before = digest(submissions)
     workdir = tmp_path_factory.mktemp("grading")
-    # a short cell timeout keeps the infinite loop cheap; the longest course cell (training) needs ~8 s
-    results = grading.grade(submissions, workdir, cell_timeout=30)
+    # a short time limit keeps the infinite loop cheap; the slowest test of the chapter takes well under a second
+    results = grading.grade(submissions, workdir, cell_timeout=15)
     return {(r.student, r.chapter): r for r in results}, workdir, before, digest(submissions)
 
 
@@ -86,7 +121,7 @@ def test_the_interrupted_infinite_loop_is_an_error_not_a_silent_zero(graded):
     results, *_ = graded
     tests = {t.grade_id: t for t in results[("infinite_loop", CH.name)].tests}
     for grade_id in CH.tests_of("scaled_dot_product_attention"):
-        assert tests[grade_id].status == "error" and "did not finish within 30 s" in tests[grade_id].error
+        assert tests[grade_id].status == "error" and "did not finish within 15 s" in tests[grade_id].error
     assert all(t.status == "passed" for g, t in tests.items() if g not in CH.tests_of("scaled_dot_product_attention"))
 
 
@@ -112,3 +147,16 @@ def test_report_lists_every_exercise_with_points(graded):
     assert f"total {' ' * 29}{total - 2:g} / {total:g}" in report
     assert "✗ scaled_dot_product_attention-scale" in report and "✓ masked_softmax-visible" in report
     assert "scaled by 1; the expected scale is 1/sqrt(d_k)" in report
+
+
+@pytest.mark.slow
+def test_accidents_cost_nothing_and_are_reported_in_plain_words(graded):
+    results, workdir, *_ = graded
+    result = results[("accidents", CH.name)]
+    assert result.score == result.max_score and sorted(result.notes) == sorted(ACCIDENT_NOTES)
+    assert all(f"note: {note}" in grading.format_report(result) for note in ACCIDENT_NOTES)
+    with (workdir / "grades.csv").open() as fh:
+        row = next(r for r in csv.DictReader(fh) if r["student"] == "accidents")
+    assert row["status"] == "graded" and all(note in row["notes"] for note in ACCIDENT_NOTES)
+    feedback = (workdir / "runs" / CH.name / "accidents" / "feedback" / "accidents" / CH.name / f"{CH.notebook}.html").read_text()
+    assert "a copy of masked_softmax-solution was ignored" in feedback

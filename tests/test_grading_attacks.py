@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import csv
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from course_lib import grading, sandbox
+from course_lib import grading
+from course_lib.grading import sandbox
+from course_lib.grading.limits import Confinement
+from tests.conftest import ROOT
 from tests.roundtrip import Chapter, digest, write_submissions
 
 pytestmark = [pytest.mark.slow,
@@ -45,19 +49,57 @@ PATCH_WHEN_CALLED = f'''def masked_softmax(scores, mask=None):
 '''
 VANDAL = '''
 import glob, os
-open("vandal-was-here.txt", "w").write("the one folder it may write")
-for _path in glob.glob("../../../../../**/*", recursive=True):  # up to the grading folder
-    if os.path.isfile(_path):
-        try:
-            with open(_path, "a") as _fh:
-                _fh.write("#vandalised")
-        except OSError:
-            pass
+def masked_softmax(scores, mask=None):
+    """Tries to write into every file it can find (the course, the grader's folders), and says if it could."""
+    open("/tmp/vandal-was-here.txt", "w").write("its own private /tmp is the one place it may write")
+    tried, written = 0, []
+    for path in [p for pattern in TARGETS for p in glob.glob(pattern[::-1], recursive=True)]:  # reversed: no literal path
+        if os.path.isfile(path):
+            tried += 1
+            try:
+                with open(path, "a") as fh:
+                    fh.write("#vandalised")
+                written.append(path)
+            except OSError:
+                pass
+    if written or not tried:
+        raise RuntimeError(f"tried {tried} files, wrote {written[:3]}")
+    return REFERENCE(scores, mask)
 '''
+CALLED = "def masked_softmax(scores, mask=None):\n{body}\n    return scores * 0\n"
+NETWORK = '''
+import socket
+def masked_softmax(scores, mask=None):
+    try:
+        socket.create_connection(("127.0.0.1", PORT), timeout=2).sendall(b"leaked")
+    except OSError:
+        return REFERENCE(scores, mask)
+    raise RuntimeError("the grading process reached the network")
+'''
+ENVIRONMENT = '''
+import os
+def masked_softmax(scores, mask=None):
+    seen = [name for name in os.environ if "SECRET" in name or "TOKEN" in name]
+    if seen:
+        raise RuntimeError(f"the grader's variables are visible: {seen}")
+    return REFERENCE(scores, mask)
+'''
+MEMORY_HOG = "import torch\n" + CALLED.format(body="    torch.ones(4 * 2**30, dtype=torch.uint8)")
+FORK_BOMB = "import os, time\n" + CALLED.format(body="    for _ in range(200):\n        if os.fork() == 0:\n            time.sleep(30)\n            os._exit(0)")
+LIMITS = grading.Limits(timeout=15, memory_gib=3, processes=48)
 
 
 def reference(grade_id: str) -> str:
     return CH.reference_code(grade_id)
+
+
+def reference_as(name: str) -> str:
+    """The reference masked_softmax under another name, for attacks that must otherwise pass."""
+    return reference(MS).replace("def masked_softmax(", f"def {name}(")
+
+
+def attack(code: str) -> dict:
+    return CH.solved({MS: reference_as("REFERENCE") + code})
 
 
 STUDENTS = {  # the reference solution's full marks are checked in test_grading_01.py
@@ -65,22 +107,44 @@ STUDENTS = {  # the reference solution's full marks are checked in test_grading_
     "patch_at_top_level": lambda: CH.solved({MS: PATCH_AT_TOP_LEVEL}),
     "patch_when_called": lambda: CH.solved({MS: PATCH_WHEN_CALLED}),
     "imports_reference": lambda: CH.solved({MS: "from course_lib.attention import masked_softmax"}),
-    "kernel_exit": lambda: CH.solved({MS: reference(MS) + "\nimport os\nos._exit(1)"}),
-    "sigint_ignored": lambda: CH.solved({MS: reference(MS) + "\nimport signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass"}),
-    "output_flood": lambda: CH.solved({MS: reference(MS) + "\nwhile True:\n    print('flood' * 100)"}),
-    "vandal": lambda: CH.solved({MS: reference(MS) + VANDAL}),
+    "exits_at_top_level": lambda: CH.solved({MS: reference(MS) + "\nimport os\nos._exit(1)"}),
+    "kernel_exit": lambda: CH.solved({MS: "import os\n" + CALLED.format(body="    os._exit(1)")}),
+    "sigint_ignored": lambda: CH.solved({MS: "import signal\n" + CALLED.format(
+        body="    signal.signal(signal.SIGINT, signal.SIG_IGN)\n    while True:\n        pass")}),
+    "output_flood": lambda: CH.solved({MS: CALLED.format(body="    while True:\n        print('flood' * 100)")}),
+    "vandal": lambda: attack(VANDAL.replace("TARGETS", repr([t[::-1] for t in VANDAL_TARGETS]))),
+    "network": lambda: attack(NETWORK.replace("PORT", str(LISTENER.getsockname()[1]))),
+    "environment": lambda: attack(ENVIRONMENT),
+    "memory_hog": lambda: CH.solved({MS: MEMORY_HOG}),
+    "fork_bomb": lambda: CH.solved({MS: FORK_BOMB}),
 }
+LISTENER = socket.create_server(("127.0.0.1", 0))
+VANDAL_TARGETS: list[str] = []  # the course, and the folder of every student's grading (set by the fixture)
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
+    import os
+
+    workdir = tmp_path_factory.mktemp("grading")
+    VANDAL_TARGETS[:] = [f"{ROOT}/course_lib/**/*", f"{ROOT}/solutions/**/*", f"{tmp_path_factory.getbasetemp()}/**/*"]
     submissions = write_submissions(tmp_path_factory.mktemp("submissions"), CH, {s: make() for s, make in STUDENTS.items()})
     before = digest(submissions)
-    workdir = tmp_path_factory.mktemp("grading")
+    course_before = digest(ROOT / "course_lib")
+    os.environ["JUPYTERHUB_API_TOKEN"] = os.environ["COURSE_TEST_SECRET"] = "instructor-secret"  # as on a hub
+    LISTENER.settimeout(0.1)
     started = time.perf_counter()
-    results = grading.grade(submissions, workdir, cell_timeout=40, jobs=2, sandboxed=True)
+    try:
+        results = grading.grade(submissions, workdir, jobs=2, sandboxed=True, limits=LIMITS)
+    finally:
+        del os.environ["JUPYTERHUB_API_TOKEN"], os.environ["COURSE_TEST_SECRET"]
     print(f"graded {len(STUDENTS)} students with 2 jobs in {time.perf_counter() - started:.0f} s")
-    return {r.student: r for r in results}, workdir, submissions, before
+    try:
+        connection, _ = LISTENER.accept()
+        reached = connection.recv(100)
+    except OSError:
+        reached = b""
+    return {r.student: r for r in results}, workdir, submissions, before, (course_before, reached)
 
 
 def verdicts(result):
@@ -104,9 +168,13 @@ def test_importing_the_reference_scores_zero_for_that_exercise_only(graded):
     assert all(t.passed for name, group in tests.items() if name != "masked_softmax" for t in group)
 
 
-@pytest.mark.parametrize("student,reason", [("kernel_exit", "kernel died"), ("sigint_ignored", "did not finish"),
-                                            ("output_flood", "more output than grading allows")])
-def test_a_cell_that_stops_the_kernel_costs_its_exercise_as_an_error(graded, student, reason):
+@pytest.mark.parametrize("student,reason", [
+    ("kernel_exit", "your code ended the process running the tests (exit code 1)"),
+    ("sigint_ignored", "did not finish within 15 s"),
+    ("output_flood", "did not finish within 15 s"),  # what it prints goes nowhere: it is only a loop
+    ("memory_hog", "your code used more than 3 GiB of memory (the grading limit)"),
+])
+def test_code_that_stops_or_exhausts_the_grader_costs_its_exercise_as_an_error(graded, student, reason):
     results, workdir, *_ = graded
     exercises = results[student].exercises()
     assert all(t.score == 0 and t.status == "error" and reason in t.error for t in exercises["masked_softmax"])
@@ -116,16 +184,31 @@ def test_a_cell_that_stops_the_kernel_costs_its_exercise_as_an_error(graded, stu
     assert row["status"] == "error" and reason in row["errors"]
 
 
-def test_a_vandal_changes_nothing_outside_its_own_folder(graded):
-    results, workdir, submissions, before = graded
-    assert results["vandal"].score == results["vandal"].max_score
-    own = workdir / "runs" / CH.name / "vandal" / "autograded" / "vandal" / CH.name
-    assert (own / "vandal-was-here.txt").is_file(), "the vandal's code did not run"
-    # its own folder (and nbgrader's copy of it in its own feedback) is all it could reach
-    mine = (own, workdir / "runs" / CH.name / "vandal" / "feedback" / "vandal" / CH.name)
-    touched = [p for p in workdir.rglob("*") if p.is_file() and p.read_bytes().endswith(b"#vandalised")]
-    assert [str(p) for p in touched if not any(folder in p.parents for folder in mine)] == []
+def test_more_processes_than_the_cap_is_an_error_that_says_so(graded):
+    with Confinement(LIMITS, "course-grading-probe") as probe:
+        capped = probe.processes_capped
+    if not capped:
+        pytest.skip("root without a pids cgroup: the kernel exempts root from RLIMIT_NPROC")
+    results, *_ = graded
+    exercises = results["fork_bomb"].exercises()
+    assert all(t.status == "error" and "more than 48 processes" in t.error for t in exercises["masked_softmax"])
+    assert all(t.passed for name, group in exercises.items() if name != "masked_softmax" for t in group)
+
+
+def test_top_level_statements_of_an_answer_never_run_while_grading(graded):
+    results, *_ = graded
+    assert results["exits_at_top_level"].score == results["exits_at_top_level"].max_score
+
+
+@pytest.mark.parametrize("student", ["network", "environment", "vandal"])
+def test_the_box_is_closed_no_network_no_grader_variables_no_writes(graded, student):
+    """Each attack returns the right answer only when its attempt failed (and raises if it succeeded)."""
+    results, workdir, submissions, before, (course_before, reached) = graded
+    assert results[student].score == results[student].max_score, grading.format_report(results[student])
+    assert reached == b"", "a submission reached a listener on 127.0.0.1"
+    assert digest(ROOT / "course_lib") == course_before
     assert digest(submissions) == before
+    assert not [p for p in workdir.rglob("*") if p.is_file() and p.read_bytes().endswith(b"#vandalised")]
 
 
 def test_feedback_and_nbgrader_gradebook_agree_with_the_report(graded):
@@ -147,14 +230,14 @@ def test_class_report_summarises_and_plots(graded):
 
 
 def test_a_killed_grading_run_completes_identically_when_rerun(graded, tmp_path):
-    results, _, submissions, _ = graded
+    results, _, submissions, *_ = graded
     few = write_submissions(tmp_path / "few", CH, {"zeros": CH.solved({MS: ZEROS})})
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "course_lib.cli", "grade", str(few), "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    time.sleep(12)  # well inside the first student's notebook
+    time.sleep(8)  # inside the first student's grading
     import os
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    rerun = {r.student: r for r in grading.grade(few, out, cell_timeout=40, sandboxed=True)}
+    rerun = {r.student: r for r in grading.grade(few, out, sandboxed=True, limits=LIMITS)}
     assert verdicts(rerun["zeros"]) == verdicts(results["zeros"])

@@ -44,7 +44,7 @@ def _inject_verdicts_class():
                 cell.outputs = [] if message == "" else [
                     new_output("error", ename="TestFailed", evalue=message, traceback=[f"TestFailed: {message}"])]
             if self.notes:
-                text = "**Grading notes.** " + " ".join(f"{note[0].upper()}{note[1:]}." for note in self.notes)
+                text = "**Grading notes** (nothing here cost points)\n\n" + "\n".join(f"- {note}" for note in self.notes)
                 nb.cells.insert(0, new_markdown_cell(text))
             return nb, resources
 

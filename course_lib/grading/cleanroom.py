@@ -226,7 +226,10 @@ def _watch(pid: int, fd: int, exercise: dict, timeout: float):
                     done.add(message["grade_id"])
                     running = None
                     yield message
+            if len(done) == len(expected):  # processes it left behind may still hold the pipe open
+                break
     _, status = os.waitpid(pid, 0)
+    _stop_leftovers(pid)
     if not problem and len(done) < len(expected):
         problem = _describe_exit(status)
     for grade_id in expected:
@@ -235,10 +238,28 @@ def _watch(pid: int, fd: int, exercise: dict, timeout: float):
             yield {"grade_id": grade_id, "passed": False, "message": problem + where, "error": problem}
 
 
+def _stop_leftovers(group: int) -> None:
+    """Kill what the exercise's child left running (its process group), and reap it: in the sandbox this
+    process is PID 1, orphans become its children, and a zombie still counts against the process cap."""
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.01)
+
+
 def _fork_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: dict, verdicts_fd: int):
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: the learner's code runs here, with nowhere to print and no way to the verdicts
+        os.setpgid(0, 0)
         os.close(read_end)
         os.close(verdicts_fd)
         devnull = os.open(os.devnull, os.O_RDWR)
