@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
 
 import torch
@@ -220,7 +221,13 @@ def format_decode(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="course bench", description="benchmarks (they print; they assert nothing)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["grade"]:  # grading speed: its own options
+        from .grading.bench import main as bench_grade_main
+
+        return bench_grade_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="course bench", description="benchmarks (they print; they assert nothing); "
+                                                                      "`course bench grade --help` for grading speed")
     parser.add_argument("what", choices=["train", "decode"],
                         help="train: a training step of our GPT vs Hugging Face's GPT-2; decode: greedy decoding speed, "
                              "cached and uncached, vs Hugging Face's generate")

@@ -41,12 +41,18 @@ def _release(args) -> int:
 
 def _grade(args) -> int:
     names = [grading.resolve_chapter(c) for c in args.chapter] or None
-    from . import sandbox
+    from .grading import Limits, sandbox
+    from .grading.limits import Confinement
 
+    limits = Limits(timeout=args.timeout, memory_gib=args.memory, processes=args.processes)
     if not sandbox.available():
-        print("warning: bubblewrap (bwrap) is not available: submissions are graded without a sandbox and could "
-              "write to each other's files. Install it with `apt-get install bubblewrap`.", file=sys.stderr)
-    results = grading.grade(Path(args.submissions), Path(args.out), names, cell_timeout=args.timeout, jobs=args.jobs)
+        print("warning: bubblewrap (bwrap) is not available: submissions are graded without a sandbox, with network "
+              "access, and could write to each other's files. Install it with `apt-get install bubblewrap`.", file=sys.stderr)
+    with Confinement(limits, "course-grading-probe") as probe:
+        if not probe.processes_capped:
+            print("warning: no pids cgroup can be made here and the kernel exempts root from RLIMIT_NPROC: "
+                  "the process cap is not enforced", file=sys.stderr)
+    results = grading.grade(Path(args.submissions), Path(args.out), names, jobs=args.jobs, limits=limits)
     for result in results:
         print(grading.format_report(result))
     print(f"\nwrote {args.out}/grades.csv, grades_by_exercise.csv, grades_by_test.csv; "
@@ -110,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("submissions", help="folder of submissions")
     p.add_argument("--out", default=".grading", help="work folder for the gradebook, feedback and CSVs (default: .grading)")
     p.add_argument("--chapter", action="append", default=[], help="grade only this chapter (repeatable)")
-    p.add_argument("--timeout", type=int, default=grading.CELL_TIMEOUT, help="seconds a cell may run (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=grading.CELL_TIMEOUT, help="seconds one test may run (default: %(default)s)")
+    p.add_argument("--memory", type=float, default=grading.Limits.memory_gib, help="GiB of memory one learner's tests may use (default: %(default)s)")
+    p.add_argument("--processes", type=int, default=grading.Limits.processes,
+                   help="processes and threads one learner's tests may run (default: %(default)s)")
     p.add_argument("--jobs", type=int, default=1, help="students graded at once (default: %(default)s)")
     p.set_defaults(func=_grade)
 
@@ -126,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: _tool("pretrain", a.args))
 
-    p = sub.add_parser("bench", help="benchmarks against Hugging Face: `course bench train`, `course bench decode`", add_help=False)
+    p = sub.add_parser("bench", help="benchmarks: `course bench train`, `course bench decode` (against Hugging Face), "
+                                     "`course bench grade` (grading speed)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: _tool("bench", a.args))
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import grading, sandbox
+from course_lib import grading
+from course_lib.grading import sandbox
 from tests.roundtrip import Chapter, write_submissions
 
 needs_bwrap = pytest.mark.skipif(not sandbox.available(), reason="bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
@@ -67,7 +68,7 @@ def test_where_a_folder_cannot_be_created_its_nearest_existing_ancestor_is_hidde
 
 def test_deeper_mounts_go_on_top_whatever_their_kind(outside_tmp, monkeypatch):
     # a writable folder inside a hidden one, and a hidden one inside the (re-bound) course
-    course = Path(sandbox.__file__).resolve().parents[1]
+    course = Path(sandbox.__file__).resolve().parents[2]
     hidden_outer, hidden_in_course = outside_tmp / "runs", course / ".grading-test-never-made"
     writable = hidden_outer / "student"
     writable.mkdir(parents=True)

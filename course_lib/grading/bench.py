@@ -1,0 +1,89 @@
+"""``course bench grade``: how fast grading is, measured (it prints; it asserts nothing).
+
+Every learner is the reference solution of every chapter (the slowest honest learner: every test
+runs to the end). Prints the one-off cost of preparing nbgrader's templates, the seconds one learner
+costs chapter by chapter and for the whole course, the throughput in students per minute at each
+``--jobs``, and the peak memory of one learner's clean room.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from . import books, sandbox
+from .course import SOURCE_DIR, chapters, repo_root
+from .engine import _grade_student
+from .limits import Limits
+
+
+def _learners(root: Path, folder: Path, names: list[str], count: int) -> Path:
+    for i in range(count):
+        for chapter in names:
+            shutil.copytree(root / SOURCE_DIR / chapter, folder / f"learner{i:03d}" / chapter)
+    return folder
+
+
+def bench_grade(students: int = 4, jobs: tuple[int, ...] = (1, 2), chapter_names: list[str] | None = None,
+                sandboxed: bool | None = None) -> dict:
+    root = repo_root()
+    names = chapter_names or chapters(root)
+    sandboxed = sandbox.available() if sandboxed is None else sandboxed
+    limits = Limits()
+    result: dict = {"chapters": names, "sandboxed": sandboxed, "per_chapter": {}, "throughput": {}}
+    with tempfile.TemporaryDirectory(prefix="course-bench-grade-") as tmp:
+        tmp = Path(tmp)
+        submissions = _learners(root, tmp / "submitted", names, max(students, 1))
+        workdir = tmp / "work"
+        started = time.perf_counter()
+        templates = {chapter: books.prepare_template(root, workdir, chapter) for chapter in names}
+        result["templates_s"] = time.perf_counter() - started
+        hidden = (workdir / "runs", workdir / "templates", submissions)
+
+        def one(student: str, wanted: list[str]) -> float:
+            begun = time.perf_counter()
+            graded = _grade_student(student, wanted, submissions, workdir, root, templates, limits, sandboxed, hidden)
+            if any(r.error or r.score != r.max_score for r in graded):
+                raise RuntimeError(f"the reference did not get full marks: {[(r.chapter, r.error) for r in graded]}")
+            return time.perf_counter() - begun
+
+        for chapter in names:
+            result["per_chapter"][chapter] = one("learner000", [chapter])
+        result["course_s"] = one("learner000", names)
+        for n in jobs:
+            begun = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=n) as pool:
+                list(pool.map(lambda s: one(s, names), [f"learner{i:03d}" for i in range(students)]))
+            result["throughput"][n] = students / (time.perf_counter() - begun) * 60
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return result
+
+
+def format_grade(result: dict) -> str:
+    lines = [f"grading benchmark: reference learners, {'sandboxed' if result['sandboxed'] else 'NOT sandboxed'}",
+             f"  nbgrader templates (once per grading run, {len(result['chapters'])} chapters): {result['templates_s']:.1f} s",
+             "  one learner, one chapter at a time (each pays one clean room's start):"]
+    lines += [f"    {chapter:<18} {seconds:5.1f} s" for chapter, seconds in result["per_chapter"].items()]
+    lines.append(f"  one learner, whole course at once (one clean room): {result['course_s']:.1f} s")
+    for n, rate in result["throughput"].items():
+        lines.append(f"  --jobs {n}: {rate:.1f} students per minute (whole course each)")
+    lines.append(f"  peak memory of one clean room: {result['peak_rss_mib']:.0f} MiB (RSS), so about that much per job")
+    rate = max(result["throughput"].values())
+    lines.append(f"  a class of 200 at the best rate: {200 / rate:.0f} min")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="course bench grade", description="grading speed (prints; asserts nothing)")
+    parser.add_argument("--students", type=int, default=4, help="learners graded for the throughput rows (default: %(default)s)")
+    parser.add_argument("--jobs", type=int, nargs="+", default=[1, 2], help="--jobs values to measure (default: 1 2)")
+    parser.add_argument("--chapter", action="append", default=[], help="only this chapter (repeatable)")
+    args = parser.parse_args(argv)
+    if args.students < 1 or any(n < 1 for n in args.jobs):
+        raise SystemExit("course bench grade: --students and --jobs must be >= 1")
+    print(format_grade(bench_grade(args.students, tuple(args.jobs), args.chapter or None)))
+    return 0
