@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_grading_01 import CH
+from tests.test_grading_01 import ACCIDENT_NOTES, CH, accidents
 
 COURSE = [sys.executable, "-m", "course_lib.cli"]
 
@@ -22,7 +22,7 @@ def test_course_check_grades_a_learner_notebook_and_prints_a_report(tmp_path):
     import json
 
     notebook = tmp_path / "my attempt.ipynb"  # any name: it is graded as the chapter's notebook
-    notebook.write_text(json.dumps(CH.solved()))
+    notebook.write_text(json.dumps(accidents()))  # full marks, and the learner is told what was ignored
     before = notebook.read_bytes()
     proc = run("check", "01", "--notebook", str(notebook))
     assert proc.returncode == 0, proc.stderr
@@ -30,6 +30,8 @@ def test_course_check_grades_a_learner_notebook_and_prints_a_report(tmp_path):
     assert f"{total:g} / {total:g}" in proc.stdout.splitlines()[-1]
     for exercise in ("masked_softmax", "additive_attention", "scaled_dot_product_attention"):
         assert exercise in proc.stdout
+    for note in ACCIDENT_NOTES:
+        assert f"note: {note}" in proc.stdout
     assert notebook.read_bytes() == before
 
 

@@ -27,14 +27,26 @@ NAIVE_MASKED_SOFTMAX = '''def masked_softmax(scores, mask=None):
 
 
 def tampered() -> dict:
-    """Unscaled attention, plus: its visible test edited to `pass`, a hidden test cell deleted, one cell's metadata stripped."""
+    """Unscaled attention, plus every trick on the test cells: its visible test edited to `pass` and worth 100
+    points, a hidden test cell deleted and replaced by a `pass` copy of itself that carries the original's cell id,
+    another test cell switched to markdown, one cell's metadata stripped, the answer cell made a test worth 50."""
+    import copy
+
     from tests.conftest import nbgrader_cells
 
     notebook = CH.solved({SDPA: UNSCALED})
     cells = nbgrader_cells(notebook)
-    cells["scaled_dot_product_attention-visible"]["source"] = "pass"
+    visible = cells["scaled_dot_product_attention-visible"]
+    visible["source"], visible["metadata"]["nbgrader"]["points"] = "pass", 100
     del cells["scaled_dot_product_attention-mask"]["metadata"]["nbgrader"]
-    notebook["cells"].remove(cells["scaled_dot_product_attention-scale"])
+    scale = cells["scaled_dot_product_attention-scale"]
+    impostor = copy.deepcopy(scale)
+    impostor["source"] = "pass"
+    notebook["cells"][notebook["cells"].index(scale)] = impostor
+    batch = cells["scaled_dot_product_attention-batch"]
+    batch["cell_type"] = "markdown"
+    del batch["outputs"], batch["execution_count"]
+    cells[SDPA]["metadata"]["nbgrader"].update(grade=True, points=50)
     return notebook
 
 
@@ -114,6 +126,18 @@ def test_reference_gets_full_marks_and_untouched_release_zero(graded):
     assert results[("untouched", CH.name)].score == 0
     orientation = results[("reference", "00-orientation")]
     assert not orientation.error and orientation.max_score == 0
+
+
+@pytest.mark.slow
+def test_tampering_with_test_cells_and_points_gains_nothing(graded):
+    results, workdir, *_ = graded
+    tampered_result, unscaled = results[("tampered", CH.name)], results[("unscaled", CH.name)]
+    assert [(t.grade_id, t.score, t.max_score) for t in tampered_result.tests] == [(t.grade_id, t.score, t.max_score) for t in unscaled.tests]
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{workdir / 'runs' / CH.name / 'tampered' / 'gradebook.db'}") as gradebook:
+        notebook = gradebook.find_submission_notebook(CH.notebook, CH.name, "tampered")
+        assert (notebook.score, notebook.max_score) == (unscaled.score, sum(CH.points.values()))
 
 
 @pytest.mark.slow

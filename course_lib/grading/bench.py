@@ -12,12 +12,11 @@ import resource
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import books, sandbox
 from .course import SOURCE_DIR, chapters, repo_root
-from .engine import _grade_student
+from .engine import grade_students
 from .limits import Limits
 
 
@@ -42,23 +41,21 @@ def bench_grade(students: int = 4, jobs: tuple[int, ...] = (1, 2), chapter_names
         started = time.perf_counter()
         templates = {chapter: books.prepare_template(root, workdir, chapter) for chapter in names}
         result["templates_s"] = time.perf_counter() - started
-        hidden = (workdir / "runs", workdir / "templates", submissions)
+        options = dict(submissions=submissions, workdir=workdir, root=root, templates=templates, limits=limits,
+                       sandboxed=sandboxed, hidden=(workdir / "runs", workdir / "templates", submissions))
 
-        def one(student: str, wanted: list[str]) -> float:
+        def timed(learners: list[str], chapter_names: list[str], at_once: int = 1) -> float:
             begun = time.perf_counter()
-            graded = _grade_student(student, wanted, submissions, workdir, root, templates, limits, sandboxed, hidden)
+            graded = grade_students(learners, at_once, chapter_names=chapter_names, **options)
             if any(r.error or r.score != r.max_score for r in graded):
                 raise RuntimeError(f"the reference did not get full marks: {[(r.chapter, r.error) for r in graded]}")
             return time.perf_counter() - begun
 
         for chapter in names:
-            result["per_chapter"][chapter] = one("learner000", [chapter])
-        result["course_s"] = one("learner000", names)
-        for n in jobs:
-            begun = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=n) as pool:
-                list(pool.map(lambda s: one(s, names), [f"learner{i:03d}" for i in range(students)]))
-            result["throughput"][n] = students / (time.perf_counter() - begun) * 60
+            result["per_chapter"][chapter] = timed(["learner000"], [chapter])
+        result["course_s"] = timed(["learner000"], names)
+        for n in jobs:  # as `course grade --jobs n` runs them (its templates are already made)
+            result["throughput"][n] = students / timed([f"learner{i:03d}" for i in range(students)], names, n) * 60
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return result
 
@@ -71,7 +68,8 @@ def format_grade(result: dict) -> str:
     lines.append(f"  one learner, whole course at once (one clean room): {result['course_s']:.1f} s")
     for n, rate in result["throughput"].items():
         lines.append(f"  --jobs {n}: {rate:.1f} students per minute (whole course each)")
-    lines.append(f"  peak memory of one clean room: {result['peak_rss_mib']:.0f} MiB (RSS), so about that much per job")
+    lines.append(f"  peak memory of one process (a clean room or a grading worker): {result['peak_rss_mib']:.0f} MiB (RSS); "
+                 "a job holds one of each")
     rate = max(result["throughput"].values())
     lines.append(f"  a class of 200 at the best rate: {200 / rate:.0f} min")
     return "\n".join(lines)

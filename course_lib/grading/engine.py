@@ -20,9 +20,11 @@ for one learner's own notebook (no sandbox: it is the learner's own machine).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from . import books, sandbox
@@ -134,6 +136,16 @@ def _record(chapter: str, student: str, units: list[_Unit], workdir: Path, templ
             raise RuntimeError(f"nbgrader's gradebook disagrees with the clean room for {unit.key}: {scores[unit.name]} != {ours}")
 
 
+def grade_students(students: list[str], jobs: int, **options) -> list[NotebookResult]:
+    """``_grade_student(student, **options)`` for each student, ``jobs`` at once, in worker processes
+    when ``jobs`` > 1 (nbgrader's books are Python work: processes let them use every core too)."""
+    one = partial(_grade_student, **options)
+    if jobs == 1:
+        return [r for student in students for r in one(student)]
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [r for batch in pool.map(one, students) for r in batch]
+
+
 def grade(submissions: Path, workdir: Path, chapter_names: list[str] | None = None, cell_timeout: float = CELL_TIMEOUT,
           root: Path | None = None, jobs: int = 1, sandboxed: bool | None = None, limits: Limits | None = None) -> list[NotebookResult]:
     """Autograde ``submissions/<student>/<chapter>/*.ipynb``; never modifies ``submissions``.
@@ -160,11 +172,9 @@ def grade(submissions: Path, workdir: Path, chapter_names: list[str] | None = No
     wanted = chapter_names or [c for c in chapters(root) if any((submissions / s / c).is_dir() for s in students)]
     workdir.mkdir(parents=True, exist_ok=True)
     templates = {chapter: books.prepare_template(root, workdir, chapter) for chapter in wanted}
-    hidden = (workdir / "runs", workdir / "templates", submissions)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        graded = pool.map(lambda s: _grade_student(s, wanted, submissions, workdir, root, templates, limits, sandboxed, hidden),
-                          students)
-        results = [r for batch in graded for r in batch]
+    results = grade_students(students, jobs, chapter_names=wanted, submissions=submissions, workdir=workdir, root=root,
+                             templates=templates, limits=limits, sandboxed=sandboxed,
+                             hidden=(workdir / "runs", workdir / "templates", submissions))
     order = {chapter: i for i, chapter in enumerate(wanted)}
     results.sort(key=lambda r: (order[r.chapter], r.student, r.notebook))
     write_csvs(results, workdir)
