@@ -174,7 +174,7 @@ def grade(submissions: Path, workdir: Path, chapter_names: list[str] | None = No
     templates = {chapter: books.prepare_template(root, workdir, chapter) for chapter in wanted}
     results = grade_students(students, jobs, chapter_names=wanted, submissions=submissions, workdir=workdir, root=root,
                              templates=templates, limits=limits, sandboxed=sandboxed,
-                             hidden=(workdir / "runs", workdir / "templates", submissions))
+                             hidden=(workdir / "runs", workdir / "templates", submissions, root / SOURCE_DIR, root / RELEASE_DIR))
     order = {chapter: i for i, chapter in enumerate(wanted)}
     results.sort(key=lambda r: (order[r.chapter], r.student, r.notebook))
     write_csvs(results, workdir)

@@ -56,7 +56,7 @@ def run_cleanroom(jobs: list[dict], limits: Limits, sandboxed: bool, hidden: lis
     """Run the chapters ``jobs`` of one learner in one clean room; ``{(chapter, grade_id): Verdict}``."""
     nonce = secrets.token_hex(16)
     job = {"nonce": nonce, "limits": limits.as_job(), "chapters": jobs}
-    command = [sys.executable, "-m", "course_lib.grading.cleanroom"]
+    command = [sys.executable, "-c", "from course_lib.grading.cleanroom import main; main()"]
     if sandboxed:
         command = sandbox.bwrap_command(command, hidden=list(hidden))
     tests = [(j["chapter"], t["grade_id"]) for j in jobs for e in j["exercises"] for t in e["tests"]]

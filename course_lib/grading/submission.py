@@ -6,6 +6,8 @@ A submission is matched to the chapter's source notebook by grade id and cell id
   copy carries the same grade id) is ignored for grading: the course's own cell is the one whose
   cell id is the release's, or else the first; the copy stays in the notebook as a plain cell;
 * a cell whose nbgrader metadata names a grade id the course does not have is ignored for grading;
+* the course's own cells keep the course's nbgrader metadata and cell type: points and kinds edited in a
+  submission change nothing;
 * an answer cell switched to markdown by a stray keystroke is graded as the code it holds;
 * any other cell the learner added never runs while grading (only the answers' definitions do).
 
@@ -47,6 +49,22 @@ def _plain(cell: dict) -> None:
     cell.get("metadata", {}).pop("nbgrader", None)
 
 
+def _restore_kind(cell: dict, original: dict, notes: list[str]) -> None:
+    """The course's cell keeps the course's nbgrader metadata (points, kind) and cell type, whatever was edited."""
+    grade_id = nbgrader_meta(original)["grade_id"]
+    cell.setdefault("metadata", {})["nbgrader"] = copy.deepcopy(original["metadata"]["nbgrader"])
+    if cell.get("cell_type") != original["cell_type"]:
+        what = "graded as the code it holds" if nbgrader_meta(original).get("solution") else "restored"
+        notes.append(f"{grade_id} had been switched to {cell.get('cell_type')}: it was {what}")
+        cell["cell_type"] = original["cell_type"]
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+            cell.pop("attachments", None)
+        else:
+            cell.pop("outputs", None)
+            cell.pop("execution_count", None)
+
+
 def read_submission(source: dict, submitted: dict) -> Reading:
     """Match ``submitted`` (a notebook dict) to ``source``; see the module docstring for the rules."""
     course = {nbgrader_meta(c)["grade_id"]: c for c in source["cells"] if nbgrader_meta(c).get("grade_id")}
@@ -72,17 +90,13 @@ def read_submission(source: dict, submitted: dict) -> Reading:
             if copy_ is not kept:
                 _plain(copy_)
                 notes.append(f"a copy of {grade_id} was ignored")
+        if kept is not None:
+            _restore_kind(kept, original, notes)
         if not nbgrader_meta(original).get("solution") or original.get("cell_type") != "code":
             continue
         if kept is None:
             answers[grade_id] = None
             notes.append(f"{grade_id} is missing from the notebook: the tests of its exercise fail")
             continue
-        if kept.get("cell_type") != "code":
-            notes.append(f"{grade_id} had been switched to {kept.get('cell_type')}: it was graded as the code it holds")
-            kept["cell_type"] = "code"
-            kept["outputs"], kept["execution_count"] = [], None
-            kept.get("metadata", {}).pop("attachments", None)
-            kept.pop("attachments", None)
         answers[grade_id] = source_text(kept)
     return Reading(answers, notebook, notes)
