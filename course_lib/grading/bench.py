@@ -62,7 +62,8 @@ def bench_grade(students: int = 4, jobs: tuple[int, ...] = (1, 2), chapter_names
 
 def format_grade(result: dict) -> str:
     lines = [f"grading benchmark: reference learners, {'sandboxed' if result['sandboxed'] else 'NOT sandboxed'}",
-             f"  nbgrader templates (once per grading run, {len(result['chapters'])} chapters): {result['templates_s']:.1f} s",
+             f"  nbgrader templates for {len(result['chapters'])} chapters: {result['templates_s']:.1f} s "
+             "(built once per chapter source, then copied from the cache)",
              "  one learner, one chapter at a time (each pays one clean room's start):"]
     lines += [f"    {chapter:<18} {seconds:5.1f} s" for chapter, seconds in result["per_chapter"].items()]
     lines.append(f"  one learner, whole course at once (one clean room): {result['course_s']:.1f} s")

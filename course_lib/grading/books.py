@@ -11,17 +11,30 @@ template (``prepare_template``) whose gradebook already knows the chapter's cell
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
+import tempfile
 import threading
+import warnings
 from pathlib import Path
 
-from .course import SOURCE_DIR, configure
+from .course import CELL_TIMEOUT, SOURCE_DIR, config_text, configure
 
 # nbgrader's apps share loggers and os.environ: one at a time in this process
 _LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _nbgrader_at_work():
+    """One nbgrader app at a time; the SQLAlchemy warnings its gradebook code raises in-process are not ours."""
+    from sqlalchemy.exc import SAWarning
+
+    with _LOCK, warnings.catch_warnings():
+        warnings.simplefilter("ignore", SAWarning)
+        yield
 
 
 def _inject_verdicts_class():
@@ -82,19 +95,62 @@ def _checked(result: dict, what: str) -> None:
         raise RuntimeError(f"nbgrader {what} failed:\n{tail}")
 
 
-def prepare_template(root: Path, workdir: Path, chapter: str) -> Path:
-    """A course folder with the chapter's source and a gradebook that knows its cells."""
-    template = workdir / "templates" / chapter
-    shutil.rmtree(template, ignore_errors=True)
-    template.mkdir(parents=True)
-    shutil.copytree(root / SOURCE_DIR / chapter, template / SOURCE_DIR / chapter)
+def _template_key(root: Path, chapter: str) -> str:
+    """What a chapter's template depends on: its source notebooks, nbgrader's version and the course's settings."""
+    import hashlib
+
+    import nbgrader
+
+    digest = hashlib.sha256(f"{nbgrader.__version__}\n{config_text(CELL_TIMEOUT)}".encode())
+    for path in sorted((root / SOURCE_DIR / chapter).rglob("*")):
+        if path.is_file():
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def template_cache() -> Path:
+    """Where built templates are kept between grading runs (a chapter's is rebuilt when its source changes)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "attention-to-decoding" / "grading-templates"
+
+
+def _build_template(root: Path, chapter: str, folder: Path) -> None:
+    folder.mkdir(parents=True)
+    shutil.copytree(root / SOURCE_DIR / chapter, folder / SOURCE_DIR / chapter)
     # a new gradebook asks the `alembic` command for its schema version: this interpreter's one
     scripts = str(Path(sys.executable).parent)
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([scripts, os.environ.get("PATH", "")])
-    with _LOCK:
-        _checked(_api(_config(template)).generate_assignment(chapter, force=True, create=True), "generate_assignment")
-    shutil.rmtree(template / "release", ignore_errors=True)
+    with _nbgrader_at_work():
+        _checked(_api(_config(folder)).generate_assignment(chapter, force=True, create=True), "generate_assignment")
+    shutil.rmtree(folder / "release", ignore_errors=True)
+
+
+def prepare_template(root: Path, workdir: Path, chapter: str) -> Path:
+    """``workdir/templates/<chapter>``: a course folder with the chapter's source and a gradebook that knows
+    its cells. Building one takes nbgrader seconds, so it is built once per source and kept in
+    ``template_cache()``; where the cache cannot be written, it is built in place."""
+    template = workdir / "templates" / chapter
+    shutil.rmtree(template, ignore_errors=True)
+    cached = template_cache() / f"{chapter}-{_template_key(root, chapter)}"
+    if (cached / "gradebook.db").is_file():
+        shutil.copytree(cached, template)
+        return template
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(prefix=f".{chapter}-", dir=cached.parent))
+    except OSError:
+        _build_template(root, chapter, template)
+        return template
+    try:
+        _build_template(root, chapter, building / "t")
+        try:
+            (building / "t").rename(cached)  # atomic: a grader building the same one at once loses the race
+        except OSError:
+            pass
+        shutil.copytree(cached if (cached / "gradebook.db").is_file() else building / "t", template)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
     return template
 
 
@@ -112,7 +168,7 @@ def autograde(folder: Path, chapter: str, student: str, notebooks: dict[str, dic
     submitted.mkdir(parents=True, exist_ok=True)
     for name, notebook in notebooks.items():
         (submitted / f"{name}.ipynb").write_text(json.dumps(notebook, indent=1))
-    with _LOCK:
+    with _nbgrader_at_work():
         _checked(_api(_config(folder, verdicts, notes)).autograde(chapter, student, force=True, create=True), "autograde")
         _checked(_api(_config(folder)).generate_feedback(chapter, student, force=True), "generate_feedback")
         with Gradebook(f"sqlite:///{folder / 'gradebook.db'}") as gradebook:

@@ -63,7 +63,7 @@ def resolve_chapter(spec: str, root: Path | None = None) -> str:
     raise ValueError(f"chapter must be one of {', '.join(n[:2] for n in names)} (or a full name such as {names[-1]!r}), got {spec!r}")
 
 
-def _config_text(cell_timeout: int) -> str:
+def config_text(cell_timeout: int) -> str:
     return ("from course_lib.grading import configure\n"
             f"configure(get_config(), cell_timeout={cell_timeout})  # noqa: F821\n")
 
@@ -89,7 +89,7 @@ def release(chapter_names: list[str] | None = None, root: Path | None = None) ->
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "nbgrader_config.py"
-        config.write_text(_config_text(CELL_TIMEOUT))
+        config.write_text(config_text(CELL_TIMEOUT))
         for name in names:
             # nbgrader reads nbgrader_config.py from its working directory
             run_nbgrader(["generate_assignment", name, "--force", "--no-db", f"--CourseDirectory.root={root}"], cwd=Path(tmp))

@@ -1,0 +1,33 @@
+"""nbgrader's templates are built once per chapter source and kept: a changed source gets a new one."""
+from __future__ import annotations
+
+import json
+import shutil
+
+from course_lib.grading import books
+from tests.conftest import ROOT
+
+
+def test_a_template_is_built_once_per_source_and_rebuilt_when_the_source_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    built = []
+    build = books._build_template
+    monkeypatch.setattr(books, "_build_template", lambda *args: built.append(args[1]) or build(*args))
+    root = tmp_path / "course"
+    shutil.copytree(ROOT / "solutions" / "00-orientation", root / "solutions" / "00-orientation")
+
+    first = books.prepare_template(root, tmp_path / "run1", "00-orientation")
+    again = books.prepare_template(root, tmp_path / "run2", "00-orientation")
+    assert built == ["00-orientation"], "the second grading run reuses the first one's template"
+    assert (first / "gradebook.db").is_file() and (again / "gradebook.db").is_file()
+    assert (again / "solutions" / "00-orientation" / "orientation.ipynb").read_bytes() == \
+        (ROOT / "solutions" / "00-orientation" / "orientation.ipynb").read_bytes()
+
+    notebook = root / "solutions" / "00-orientation" / "orientation.ipynb"
+    changed = json.loads(notebook.read_text())
+    changed["cells"][0]["source"] = "# a new title\n"
+    notebook.write_text(json.dumps(changed))
+    rebuilt = books.prepare_template(root, tmp_path / "run3", "00-orientation")
+    assert built == ["00-orientation", "00-orientation"], "a changed source gets a template of its own"
+    assert json.loads((rebuilt / "solutions" / "00-orientation" / "orientation.ipynb").read_text()) == changed
+    assert len(list((tmp_path / "cache" / "attention-to-decoding" / "grading-templates").iterdir())) == 2
