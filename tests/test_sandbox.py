@@ -66,20 +66,19 @@ def test_where_a_folder_cannot_be_created_its_nearest_existing_ancestor_is_hidde
     assert sandbox.cover_for(outside_tmp / "a-file" / "runtime") == outside_tmp
 
 
-def test_deeper_mounts_go_on_top_whatever_their_kind(outside_tmp, monkeypatch):
-    # a writable folder inside a hidden one, and a hidden one inside the (re-bound) course
+def test_deeper_mounts_go_on_top(outside_tmp, monkeypatch):
+    # a hidden folder inside another hidden one, and a hidden one inside the (re-bound) course
     course = Path(sandbox.__file__).resolve().parents[2]
     hidden_outer, hidden_in_course = outside_tmp / "runs", course / ".grading-test-never-made"
-    writable = hidden_outer / "student"
-    writable.mkdir(parents=True)
+    hidden_inner = hidden_outer / "student"
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(outside_tmp / "runtime"))
     try:
-        order = mounts(sandbox.bwrap_command(["true"], writable=[writable], hidden=[hidden_outer, hidden_in_course]))
+        order = mounts(sandbox.bwrap_command(["true"], hidden=[hidden_inner, hidden_outer, hidden_in_course]))
     finally:
         shutil.rmtree(hidden_in_course, ignore_errors=True)
     position = {target: i for i, (_, target) in enumerate(order)}
-    assert ("--tmpfs", str(hidden_outer)) in order and ("--bind", str(writable)) in order
-    assert position[str(hidden_outer)] < position[str(writable)]
+    assert ("--tmpfs", str(hidden_outer)) in order and ("--tmpfs", str(hidden_inner)) in order
+    assert position[str(hidden_outer)] < position[str(hidden_inner)]
     assert position[str(course)] < position[str(hidden_in_course)]
     assert ("--tmpfs", str(outside_tmp / "runtime")) in order
 

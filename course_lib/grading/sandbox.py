@@ -80,19 +80,17 @@ def cover_for(path: Path) -> Path | None:
         return None if ancestor == Path("/") else ancestor
 
 
-def bwrap_command(command: list[str], writable: list[Path] = (), readable: list[Path] = (), hidden: list[Path] = ()) -> list[str]:
+def bwrap_command(command: list[str], hidden: list[Path] = ()) -> list[str]:
     """``command`` inside bubblewrap:
 
     * the whole filesystem read-only, with a private, empty /tmp (TMP_BYTES at most);
     * the interpreter and the course repository read-only (they may live under /tmp or a hidden folder);
     * the ``hidden`` folders, and Jupyter's runtime folder, replaced by empty ones (every student's
-      grading folder, other kernels' connection files);
-    * the ``readable`` paths (single files or folders) read-only;
-    * the ``writable`` folders writable;
+      grading folder, the submissions, other kernels' connection files);
     * no network, and its own PID, IPC and UTS namespaces; the environment is ``clean_environment()``.
 
-    Deeper paths are mounted on top of shallower ones, whatever their kind, so a writable folder
-    inside a hidden one, or a hidden one inside the course, come out as listed. The command runs
+    Deeper paths are mounted on top of shallower ones, so a hidden folder inside the course (solutions/)
+    comes out hidden. The command runs
     as PID 1 of its own PID namespace (it cannot see or signal other processes).
     """
     args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
@@ -101,8 +99,7 @@ def bwrap_command(command: list[str], writable: list[Path] = (), readable: list[
     for name, value in clean_environment().items():
         args += ["--setenv", name, value]
     covers = {cover_for(p) for p in [_runtime_dir(), *hidden]} - {None}
-    mounts = ([("--ro-bind", p) for p in _system_paths()] + [("--tmpfs", p) for p in covers]
-              + [("--ro-bind", Path(p)) for p in readable] + [("--bind", Path(p)) for p in writable])
+    mounts = [("--ro-bind", p) for p in _system_paths()] + [("--tmpfs", p) for p in covers]
     # sorted by depth (stable: at equal depth, the order above), so that a mount is never buried by its parent's
     for option, path in sorted(mounts, key=lambda mount: len(mount[1].parts)):
         args += [option, str(path)] if option == "--tmpfs" else [option, str(path), str(path)]
