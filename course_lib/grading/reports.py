@@ -15,7 +15,7 @@ class TestResult:
     score: float
     max_score: float
     message: str = ""  # why the test failed ("" when it passed)
-    error: str = ""  # set when the exercise could not be graded normally (kernel died, flood, ...)
+    error: str = ""  # set when the exercise could not be graded normally (time limit, memory or process cap, process died)
 
     @property
     def exercise(self) -> str:
