@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 JOBS ?= 2
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup system-packages lab test check release clean
+.PHONY: setup system-packages hub lab test check release clean
 
 setup: $(VENV)/.installed
 
@@ -29,12 +29,22 @@ system-packages:
 	    || echo "note: could not install $(SYSTEM_PACKAGES_MISSING); the tests that need them are skipped"; \
 	fi
 
+# JupyterHub's proxy (configurable-http-proxy, from npm, pinned by docs/hub/package-lock.json), for the hub test and
+# for instructors who run the course on a hub (docs/hub.md). JupyterHub itself is a pinned Python dependency.
+PROXY := $(VENV)/chp/node_modules/.bin/configurable-http-proxy
+hub: $(PROXY)
+$(PROXY): docs/hub/package.json docs/hub/package-lock.json
+	@if command -v npm >/dev/null; then \
+	  mkdir -p $(VENV)/chp && cp docs/hub/package.json docs/hub/package-lock.json $(VENV)/chp/ && \
+	  cd $(VENV)/chp && npm ci --no-audit --no-fund --loglevel=error; \
+	else echo "note: npm not found: the JupyterHub test is skipped"; fi
+
 # Another CPU's float rounding, on any machine: ATen's generic kernels instead of AVX2/AVX-512, MKL's
 # vendor-neutral path, oneDNN without AVX. nbval must pass under them too: no stored output may show a
 # number that the CPU's rounding decides.
 OTHER_CPU = ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=SSE41
 
-test: setup system-packages    ## the whole suite: library tests, nbval on solutions/ (twice: as is, as on another CPU), round trips, browser
+test: setup system-packages hub ## the whole suite: library tests, nbval on solutions/ (twice: as is, as on another CPU), round trips, browser
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile
 	env $(OTHER_CPU) $(BIN)/python -m pytest -n $(JOBS) --dist loadfile solutions/
 

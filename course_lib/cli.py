@@ -1,4 +1,4 @@
-"""The ``course`` command: lab, check, execute, release, grade, report, validate, pretrain, bench."""
+"""The ``course`` command: lab, check, execute, release, grade, collect-and-grade, report, validate, pretrain, bench."""
 from __future__ import annotations
 
 import argparse
@@ -60,6 +60,21 @@ def _grade(args) -> int:
     return 0
 
 
+def _collect_and_grade(args) -> int:
+    from .grading import Limits
+
+    limits = Limits(timeout=args.timeout, memory_gib=args.memory, processes=args.processes)
+    results, warnings = grading.collect_and_grade(args.chapter, Path(args.course_dir), args.out and Path(args.out),
+                                                  jobs=args.jobs, limits=limits, feedback=not args.no_feedback)
+    for result in results:
+        print(grading.format_report(result))
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"\ngraded {len({r.student for r in results})} learners"
+          + ("" if args.no_feedback else "; feedback released (learners: Assignments tab, Fetch Feedback)"))
+    return 0
+
+
 def _report(args) -> int:
     print(grading.class_report(Path(args.workdir)))
     return 0
@@ -91,6 +106,14 @@ def _tool(module: str, argv: list[str]) -> int:
     return importlib.import_module(f"course_lib.{module}").main(argv)
 
 
+def _limit_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--timeout", type=float, default=grading.CELL_TIMEOUT, help="seconds one test may run (default: %(default)s)")
+    p.add_argument("--memory", type=float, default=grading.Limits.memory_gib, help="GiB of memory one learner's tests may use (default: %(default)s)")
+    p.add_argument("--processes", type=int, default=grading.Limits.processes,
+                   help="processes and threads one learner's tests may run (default: %(default)s)")
+    p.add_argument("--jobs", type=int, default=1, help="students graded at once (default: %(default)s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="course", description="From Attention to Decoding: course commands.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("check", help="grade your own notebook of a chapter against the hidden tests")
     p.add_argument("chapter", help="chapter number or name, e.g. 01")
-    p.add_argument("--notebook", type=Path, help="the notebook to grade (default: notebooks/<chapter>/*.ipynb)")
+    p.add_argument("--notebook", type=Path, help="the notebook to grade (default: ./<chapter>/*.ipynb as fetched on a hub, "
+                                                         "else notebooks/<chapter>/*.ipynb)")
     p.set_defaults(func=_check)
 
     p = sub.add_parser("execute", help="re-execute reference notebooks in solutions/ so their stored outputs are current")
@@ -116,12 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("submissions", help="folder of submissions")
     p.add_argument("--out", default=".grading", help="work folder for the gradebook, feedback and CSVs (default: .grading)")
     p.add_argument("--chapter", action="append", default=[], help="grade only this chapter (repeatable)")
-    p.add_argument("--timeout", type=float, default=grading.CELL_TIMEOUT, help="seconds one test may run (default: %(default)s)")
-    p.add_argument("--memory", type=float, default=grading.Limits.memory_gib, help="GiB of memory one learner's tests may use (default: %(default)s)")
-    p.add_argument("--processes", type=int, default=grading.Limits.processes,
-                   help="processes and threads one learner's tests may run (default: %(default)s)")
-    p.add_argument("--jobs", type=int, default=1, help="students graded at once (default: %(default)s)")
+    _limit_options(p)
     p.set_defaults(func=_grade)
+
+    p = sub.add_parser("collect-and-grade", help="on a hub: nbgrader collect, grade in the clean room, release feedback")
+    p.add_argument("chapter", help="chapter number or name, e.g. 01")
+    p.add_argument("--course-dir", default=".", help="your nbgrader course folder, with its nbgrader_config.py (default: .)")
+    p.add_argument("--out", help="work folder for the gradebooks, feedback and CSVs (default: <course-dir>/grading/<chapter>)")
+    p.add_argument("--no-feedback", action="store_true", help="collect and grade only; release the feedback later")
+    _limit_options(p)
+    p.set_defaults(func=_collect_and_grade)
 
     p = sub.add_parser("report", help="class summary of a `course grade` run: mean per exercise, tests failed most")
     p.add_argument("workdir", nargs="?", default=".grading", help="the --out folder of `course grade` (default: .grading)")

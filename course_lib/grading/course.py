@@ -36,6 +36,15 @@ def configure(c, cell_timeout: int = CELL_TIMEOUT) -> None:
     c.OverwriteCells.add_missing_cells = True
 
 
+def configure_course_folder(c) -> None:
+    """nbgrader's settings for an instructor's own course folder on a hub (docs/hub/instructor_nbgrader_config.py):
+    the course's settings, releasing the installed course's notebooks/ by absolute path, so that
+    ``nbgrader release_assignment NN-name`` and ``course collect-and-grade NN`` work from that folder."""
+    configure(c)
+    c.CourseDirectory.source_directory = str(repo_root() / SOURCE_DIR)
+    c.CourseDirectory.release_directory = str(repo_root() / RELEASE_DIR)
+
+
 def repo_root() -> Path:
     """The course repository this package was installed from (it holds solutions/)."""
     root = Path(__file__).resolve().parents[2]

@@ -147,11 +147,13 @@ def grade_students(students: list[str], jobs: int, **options) -> list[NotebookRe
 
 
 def grade(submissions: Path, workdir: Path, chapter_names: list[str] | None = None, cell_timeout: float = CELL_TIMEOUT,
-          root: Path | None = None, jobs: int = 1, sandboxed: bool | None = None, limits: Limits | None = None) -> list[NotebookResult]:
+          root: Path | None = None, jobs: int = 1, sandboxed: bool | None = None, limits: Limits | None = None,
+          hide: tuple[Path, ...] = ()) -> list[NotebookResult]:
     """Autograde ``submissions/<student>/<chapter>/*.ipynb``; never modifies ``submissions``.
 
     Each student's chapters are tested in one clean room (sandboxed when bubblewrap is available:
     ``sandboxed=None`` means "if available") under ``limits`` (default: ``Limits(timeout=cell_timeout)``),
+    with the grading folders, the submissions, the course's solutions and release, and ``hide`` hidden from it,
     and recorded in nbgrader's books in ``workdir/runs/<chapter>/<student>/`` (gradebook.db,
     autograded/, feedback/ HTML). ``jobs`` students are graded at once. Writes workdir/grades.csv (one
     row per student and chapter, with a status column), grades_by_exercise.csv and grades_by_test.csv.
@@ -174,18 +176,27 @@ def grade(submissions: Path, workdir: Path, chapter_names: list[str] | None = No
     templates = {chapter: books.prepare_template(root, workdir, chapter) for chapter in wanted}
     results = grade_students(students, jobs, chapter_names=wanted, submissions=submissions, workdir=workdir, root=root,
                              templates=templates, limits=limits, sandboxed=sandboxed,
-                             hidden=(workdir / "runs", workdir / "templates", submissions, root / SOURCE_DIR, root / RELEASE_DIR))
+                             hidden=(workdir / "runs", workdir / "templates", submissions, root / SOURCE_DIR, root / RELEASE_DIR,
+                                     *hide))
     order = {chapter: i for i, chapter in enumerate(wanted)}
     results.sort(key=lambda r: (order[r.chapter], r.student, r.notebook))
     write_csvs(results, workdir)
     return results
 
 
+def own_notebooks(chapter: str, root: Path) -> list[Path]:
+    """The learner's notebooks of ``chapter``: fetched on a hub into ``./<chapter>/`` (nbgrader's Assignments
+    tab puts them there), or else the course's ``notebooks/<chapter>/``."""
+    fetched = sorted((Path.cwd() / chapter).glob("*.ipynb"))
+    return fetched or sorted((root / RELEASE_DIR / chapter).glob("*.ipynb"))
+
+
 def check(chapter_spec: str, notebook: Path | None = None, workdir: Path | None = None) -> list[NotebookResult]:
-    """Grade the learner's own notebook(s) of one chapter against the hidden tests (a copy is graded)."""
+    """Grade the learner's own notebook(s) of one chapter against the hidden tests (a copy is graded):
+    ``notebook``, or else ``own_notebooks(chapter)``."""
     root = repo_root()
     chapter = resolve_chapter(chapter_spec, root)
-    notebooks = [Path(notebook)] if notebook else sorted((root / RELEASE_DIR / chapter).glob("*.ipynb"))
+    notebooks = [Path(notebook)] if notebook else own_notebooks(chapter, root)
     if not notebooks or not all(p.is_file() for p in notebooks):
         raise ValueError(f"notebook not found: {notebook or root / RELEASE_DIR / chapter}")
     with tempfile.TemporaryDirectory(prefix="course-check-") as tmp:
