@@ -64,14 +64,30 @@ def create_user(name: str, home: Path) -> pwd.struct_passwd:
     return pwd.getpwnam(name)
 
 
-def remove_user(name: str) -> None:
-    subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True)
-    subprocess.run(["userdel", "--remove", name], capture_output=True)
-
-
 def processes_of(name: str) -> list[str]:
-    out = subprocess.run(["pgrep", "-a", "-u", name], capture_output=True, text=True).stdout
-    return out.splitlines()
+    """The command lines of every process of Unix user ``name`` (read from /proc)."""
+    try:
+        uid = pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return []
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and proc.stat().st_uid == uid:
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{proc.name} {command}")
+        except OSError:  # it ended meanwhile
+            continue
+    return found
+
+
+def remove_user(name: str) -> None:
+    for line in processes_of(name):
+        try:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        except OSError:
+            pass
+    subprocess.run(["userdel", "--remove", name], capture_output=True)
 
 
 class Hub:

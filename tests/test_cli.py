@@ -39,6 +39,7 @@ def test_course_check_grades_a_learner_notebook_and_prints_a_report(tmp_path):
     (("check", "42"), "chapter must be one of 00, 01"),
     (("release", "nope"), "chapter must be one of"),
     (("grade", "/no/such/folder"), "submissions must be a folder"),
+    (("collect-and-grade", "01", "--course-dir", "/no/such/folder"), "course_dir must be your nbgrader course folder"),
 ])
 def test_bad_arguments_get_a_clear_error(args, message):
     proc = run(*args)
@@ -50,3 +51,26 @@ def test_console_script_is_installed():
     script = shutil.which("course") or str((ROOT / ".venv" / "bin" / "course"))
     proc = subprocess.run([script, "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "check" in proc.stdout and "release" in proc.stdout
+
+
+def test_collect_and_grade_before_a_release_says_what_to_do(tmp_path):
+    """A course folder whose exchange has no course yet: the instructor is told to release first."""
+    (tmp_path / "nbgrader_config.py").write_text(
+        f"c = get_config()\nc.CourseDirectory.course_id = 'attention-to-decoding'\nc.Exchange.root = {str(tmp_path / 'exchange')!r}\n")
+    proc = run("collect-and-grade", "01", "--course-dir", str(tmp_path))
+    assert proc.returncode == 2
+    assert f"no exchange for course 'attention-to-decoding' at {tmp_path / 'exchange'}" in proc.stderr
+    assert "nbgrader release_assignment 01-attention" in proc.stderr
+
+
+def test_course_check_finds_a_notebook_fetched_on_a_hub(tmp_path):
+    """On a hub, nbgrader's Assignments tab fetches into ./<chapter>/: `course check NN` grades that copy."""
+    import json
+
+    fetched = tmp_path / CH.name
+    fetched.mkdir()
+    (fetched / f"{CH.notebook}.ipynb").write_text(json.dumps(CH.solved()))
+    proc = subprocess.run([*COURSE, "check", "01"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    total = sum(CH.points.values())
+    assert f"{total:g} / {total:g}" in proc.stdout.splitlines()[-1]  # the solved copy, not the untouched notebooks/

@@ -252,7 +252,7 @@ def test_learners_have_the_course_lab_and_course_check(cycle):
     for extension in ("@jupyter-widgets/jupyterlab-manager", "@jupyter/nbgrader"):
         assert f'"name": "{extension}"' in cycle["lab_page"] or f'"name":"{extension}"' in cycle["lab_page"], extension
     total = sum(CH.points.values())
-    assert f"total{' ' * 30}"[:5] in cycle["check"] and f"{total:g} / {total:g}" in cycle["check"], cycle["check"]
+    assert "total" in cycle["check"] and f"{total:g} / {total:g}" in cycle["check"], cycle["check"]
 
 
 def test_the_hub_shuts_down_with_nothing_left_running(cycle):

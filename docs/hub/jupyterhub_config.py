@@ -12,6 +12,9 @@ COURSE = "/opt/attention-to-decoding"  # the course, cloned and set up with `mak
 # Behind a TLS-terminating reverse proxy (nginx, Caddy); or set c.JupyterHub.ssl_key / ssl_cert.
 c.JupyterHub.bind_url = "http://127.0.0.1:8000"
 
+# JupyterHub's proxy, installed from npm by `make hub` (pinned by docs/hub/package-lock.json).
+c.ConfigurableHTTPProxy.command = [f"{COURSE}/.venv/chp/node_modules/.bin/configurable-http-proxy"]
+
 # Learners log in with their Unix accounts (PAM); each server runs as its learner's own Unix user.
 c.JupyterHub.authenticator_class = "pam"
 c.Authenticator.allowed_users = set()  # e.g. {"ada", "alan"}; or c.PAMAuthenticator.allowed_groups = {"course"}
