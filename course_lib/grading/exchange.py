@@ -28,20 +28,25 @@ from .limits import Limits
 from .reports import NotebookResult
 
 
-def nbgrader_setting(course_dir: Path, section: str, name: str):
-    """A setting as nbgrader sees it from ``course_dir`` (its nbgrader_config.py, then Jupyter's config path)."""
+def nbgrader_settings(course_dir: Path) -> dict:
+    """nbgrader's configuration as its commands see it from ``course_dir`` (its nbgrader_config.py, then
+    Jupyter's config path, e.g. /etc/jupyter/nbgrader_config.py)."""
     from nbgrader.apps.baseapp import NbGrader
 
     app = NbGrader()
     with chdir(course_dir):
         app.load_config_file()
-    value = app.config.get(section, {}).get(name)
-    if value is None:
-        from nbgrader.coursedir import CourseDirectory
-        from nbgrader.exchange.default.exchange import Exchange
+    return app.config
 
-        value = {"Exchange": Exchange, "CourseDirectory": CourseDirectory}[section].class_traits()[name].default_value
-    return value
+
+def filesystem_exchange(config) -> Path | None:
+    """The folder of nbgrader's default exchange, or None when another exchange is configured
+    (``ExchangeFactory``, e.g. ngshare on Kubernetes: it authenticates learners itself)."""
+    from nbgrader.exchange.default.exchange import Exchange
+
+    if any(str(name) and not str(name).startswith("nbgrader.exchange.default.") for name in config.get("ExchangeFactory", {}).values()):
+        return None
+    return Path(config.get("Exchange", {}).get("root") or Exchange.class_traits()["root"].default_value)
 
 
 @dataclass(frozen=True)
@@ -131,17 +136,24 @@ def collect_and_grade(chapter_spec: str, course_dir: Path, out: Path | None = No
         raise ValueError(f"course_dir must be your nbgrader course folder, got {course_dir}")
     out = Path(out or course_dir / "grading" / chapter).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    course_id = nbgrader_setting(course_dir, "CourseDirectory", "course_id")
-    exchange = Path(nbgrader_setting(course_dir, "Exchange", "root"))
-    if not course_id or not (exchange / course_id / "inbound").is_dir():
+    config = nbgrader_settings(course_dir)
+    course_id = config.get("CourseDirectory", {}).get("course_id")
+    if not course_id:
+        raise ValueError(f"no course id: {course_dir}/nbgrader_config.py must set c.CourseDirectory.course_id "
+                         "(docs/hub/instructor_nbgrader_config.py does)")
+    exchange = filesystem_exchange(config)
+    if exchange is not None and not (exchange / course_id / "inbound").is_dir():
         raise ValueError(f"no exchange for course {course_id!r} at {exchange}: release the chapter first "
                          f"(nbgrader release_assignment {chapter})")
     run_nbgrader(["collect", chapter, "--update"], cwd=course_dir, log=out / "nbgrader.log")
-    warnings = keep_genuine(course_dir, inbound_submissions(exchange, course_id, chapter), chapter)
+    warnings = []
+    if exchange is not None:  # learners share the inbound folder: only a learner's own submission counts
+        warnings = keep_genuine(course_dir, inbound_submissions(exchange, course_id, chapter), chapter)
     submitted = course_dir / "submitted"
     if not submitted.is_dir():
         return [], warnings + [f"no submissions of {chapter} to grade"]
-    private = [submitted, course_dir / "feedback", course_dir / "autograded", exchange, Path(os.path.expanduser("~/.jupyter"))]
+    private = [submitted, course_dir / "feedback", course_dir / "autograded", Path(os.path.expanduser("~/.jupyter")),
+               *([exchange] if exchange is not None else [])]
     results = grade(submitted, out, [chapter], jobs=jobs, limits=limits, hide=tuple(private))
     if feedback:
         release_feedback(course_dir, out, chapter, [r for r in results if r.chapter == chapter])
