@@ -173,10 +173,10 @@ c.JupyterHub.load_roles = [{{"name": "course-test", "services": ["course-test"],
             self.proc.wait()
 
     # -- the hub's REST API ------------------------------------------------------------------------------------
-    def api(self, method: str, path: str, token: str | None = None, **kwargs) -> requests.Response:
-        response = requests.request(method, f"{self.url}/hub/api{path}", timeout=60,
-                                    headers={"Authorization": f"token {token or self.token}"}, **kwargs)
-        return response
+    def api(self, method: str, path: str, **kwargs) -> requests.Response:
+        """The hub's REST API, as the test's service (admin of users and servers, not of their servers' content)."""
+        return requests.request(method, f"{self.url}/hub/api{path}", timeout=60,
+                                headers={"Authorization": f"token {self.token}"}, **kwargs)
 
     def user_token(self, name: str) -> str:
         """A token of ``name``'s own, as the hub's token page would give (access to that user's server only)."""
@@ -188,13 +188,12 @@ c.JupyterHub.load_roles = [{{"name": "course-test", "services": ["course-test"],
         response = self.api("POST", f"/users/{name}/server")
         if response.status_code not in (201, 202, 400):
             raise RuntimeError(f"starting {name}'s server: {response.status_code} {response.text}")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            model = self.api("GET", f"/users/{name}").json()
-            server = model.get("servers", {}).get("", {})
+        started = time.monotonic()
+        while time.monotonic() < started + timeout:
+            server = self.api("GET", f"/users/{name}").json().get("servers", {}).get("", {})
             if server.get("ready"):
                 return UserServer(self, name, self.user_token(name))
-            if not server.get("pending") and not server.get("ready") and time.monotonic() > deadline - timeout + 10:
+            if not server.get("pending") and time.monotonic() > started + 10:  # neither starting nor started
                 raise RuntimeError(f"{name}'s server failed to start:\n{self.log.read_text()[-5000:]}")
             time.sleep(0.5)
         raise RuntimeError(f"{name}'s server did not start within {timeout} s:\n{self.log.read_text()[-5000:]}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import secrets
 import shutil
 import tempfile
