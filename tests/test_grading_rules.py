@@ -3,6 +3,7 @@ what the clean room loads, isolation of exercises, and the clean room's limits a
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 
@@ -170,3 +171,43 @@ def test_monkeypatching_when_called_is_caught():
     patch = "import torch\ndef double(x):\n    torch.allclose = lambda *a, **k: True\n    return 2 * x\n"
     found = verdicts(submitted(double=patch))
     assert not found["double-visible"].passed and "tests cannot be tricked" in found["double-visible"].message
+
+
+# -- the exchange: only a learner's own submission is graded (course collect-and-grade) ------------------------------
+
+def _inbound(exchange, student, stamp, owner_uid):
+    folder = exchange / "course" / "inbound" / f"{student}+01-attention+{stamp}+{os.urandom(4).hex()}"
+    folder.mkdir(parents=True)
+    (folder / "attention.ipynb").write_text("{}")
+    (folder / "timestamp.txt").write_text(stamp)
+    os.chown(folder, owner_uid, -1)
+    return folder
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder owned by another account needs root")
+@pytest.mark.parametrize("genuine", [True, False])
+def test_a_submission_made_by_another_account_is_not_graded(tmp_path, genuine):
+    """nbgrader's collect takes the latest folder named after a learner, whoever made it; keep_genuine puts back
+    the learner's own latest submission (or none), and says who forged what."""
+    import pwd
+    import shutil
+
+    from course_lib.grading.exchange import inbound_submissions, keep_genuine
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    exchange, course = tmp_path / "exchange", tmp_path / "course"
+    own = _inbound(exchange, "root", "2026-11-20 10:00:00.000000 UTC", 0) if genuine else None
+    forged = _inbound(exchange, "root", "2099-01-01 00:00:00.000000 UTC", nobody)
+    collected = course / "submitted" / "root" / "01-attention"
+    shutil.copytree(forged, collected)  # what `nbgrader collect --update` does: the latest by name
+    submissions = inbound_submissions(exchange, "course", "01-attention")
+    assert [(s.student, s.owner) for s in submissions] == [("root", "nobody")] + ([("root", "root")] if genuine else [])
+    warnings = keep_genuine(course, submissions, "01-attention")
+    if genuine:
+        assert (collected / "timestamp.txt").read_text() == "2026-11-20 10:00:00.000000 UTC"
+        assert warnings == ["root: a later submission in their name made by nobody was ignored; "
+                            "their own submission of 2026-11-20 10:00:00 is graded"]
+    else:
+        assert not collected.exists()
+        assert warnings == ["root: the only submissions in their name were made by nobody: not graded"]
+    assert own is None or own.is_dir()  # the exchange itself is never changed
