@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from . import books, sandbox
-from .course import SOURCE_DIR, chapters, repo_root
+from .course import SOURCE_DIR, chapters, repo_root, resolve_chapter
 from .engine import grade_students
 from .limits import Limits
 
@@ -30,7 +30,7 @@ def _learners(root: Path, folder: Path, names: list[str], count: int) -> Path:
 def bench_grade(students: int = 4, jobs: tuple[int, ...] = (1, 2), chapter_names: list[str] | None = None,
                 sandboxed: bool | None = None) -> dict:
     root = repo_root()
-    names = chapter_names or chapters(root)
+    names = [resolve_chapter(c, root) for c in chapter_names] if chapter_names else chapters(root)
     sandboxed = sandbox.available() if sandboxed is None else sandboxed
     limits = Limits()
     result: dict = {"chapters": names, "sandboxed": sandboxed, "per_chapter": {}, "throughput": {}}
@@ -66,9 +66,9 @@ def format_grade(result: dict) -> str:
              "(built once per chapter source, then copied from the cache)",
              "  one learner, one chapter at a time (each pays one clean room's start):"]
     lines += [f"    {chapter:<18} {seconds:5.1f} s" for chapter, seconds in result["per_chapter"].items()]
-    lines.append(f"  one learner, whole course at once (one clean room): {result['course_s']:.1f} s")
+    lines.append(f"  one learner, these {len(result['chapters'])} chapters at once (one clean room): {result['course_s']:.1f} s")
     for n, rate in result["throughput"].items():
-        lines.append(f"  --jobs {n}: {rate:.1f} students per minute (whole course each)")
+        lines.append(f"  --jobs {n}: {rate:.1f} students per minute ({len(result['chapters'])} chapters each)")
     lines.append(f"  peak memory of one process (a clean room or a grading worker): {result['peak_rss_mib']:.0f} MiB (RSS); "
                  "a job holds one of each")
     rate = max(result["throughput"].values())
