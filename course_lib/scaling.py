@@ -8,7 +8,6 @@ batches, plus the recipe, the torch version and the run times. The notebook fits
 Two groups of runs:
 
     family-1M    FAMILY_SHAPES (8 sizes, about 13K to 800K non-embedding parameters), each on 2**20 tokens
-    family-4M    the same sizes, each on 2**22 tokens
     isoflop-C    for each compute budget C of ISOFLOP_BUDGETS, every ladder shape whose D = C / (6N) tokens make
                  between MIN_STEPS and MAX_STEPS optimizer steps
 
@@ -129,7 +128,7 @@ class ScalingRecipe:
     weight_decay: float = 0.1
     seed: int = 0  # torch.manual_seed before the model is built, and the seed of the training batches
     threads: int = 1  # per run; runs go in parallel processes
-    family_tokens: tuple[int, ...] = (2**20, 2**22)  # 512 and 2048 steps of 32 x 64 tokens: groups family-1M, family-4M
+    family_tokens: tuple[int, ...] = (2**20,)  # 512 steps of 32 x 64 tokens: the group family-1M
     isoflop_budgets: tuple[float, ...] = (1e11, 3e11, 1e12)
     min_steps: int = 50
     max_steps: int = 4000
@@ -270,7 +269,7 @@ def load_results(path: Path = RESULTS) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="course scaling", description="train the scaling family of chapter 10 "
                                      "(deterministic) and write its results file")
-    parser.add_argument("--only", help="train only the groups of runs whose name starts with this (family, family-4M, "
+    parser.add_argument("--only", help="train only the groups of runs whose name starts with this (family, "
                                        "isoflop, isoflop-1e+12, ...)")
     parser.add_argument("--jobs", type=int, default=2, help="runs trained at once, one thread each (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results file (default: course_lib/assets/scaling-family.json)")
