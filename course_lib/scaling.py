@@ -19,9 +19,10 @@ reference solutions of the chapter's exercises (``tests/test_solution_drift.py``
     course scaling --only family-1M --out /tmp/check --fresh    # one group of runs, trained again
 
 The 31 runs take about 77 minutes of single-thread training in all (the sum of the runs' times, measured on a
-2-core machine shared with other work, so an upper bound), about half that in wall time with --jobs 2. Runs that
-an existing results file (--out, --reuse) already holds for the same RUN_FIELDS and torch version are not trained
-again: a run is deterministic, so the file is the same either way (on the same kind of CPU).
+2-core machine shared with other work); with --jobs 2 there, the first 27 of them took 32 minutes of wall time.
+Runs that an existing results file (--out, --reuse) already holds for the same RUN_FIELDS and torch version are
+not trained again: a run is deterministic, so its figures are the same either way on the same kind of CPU (only
+the recorded times differ).
 """
 from __future__ import annotations
 
