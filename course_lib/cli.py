@@ -1,4 +1,5 @@
-"""The ``course`` command: lab, check, execute, release, grade, collect-and-grade, report, validate, pretrain, bench."""
+"""The ``course`` command: lab, check, execute, release, grade, collect-and-grade, report, validate, pretrain, scaling,
+bench."""
 from __future__ import annotations
 
 import argparse
@@ -163,13 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: _tool("pretrain", a.args))
 
+    p = sub.add_parser("scaling", help="train the scaling family of chapter 10 and write course_lib/assets/scaling-family.json "
+                                       "(deterministic)", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: _tool("scaling", a.args))
+
     p = sub.add_parser("bench", help="benchmarks: `course bench train`, `course bench decode` (against Hugging Face), "
                                      "`course bench grade` (grading speed)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: _tool("bench", a.args))
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("pretrain", "bench"):  # their options (and --help) are their own
+    if argv and argv[0] in ("pretrain", "scaling", "bench"):  # their options (and --help) are their own
         return _tool(argv[0], argv[1:])
     args = parser.parse_args(argv)
     try:

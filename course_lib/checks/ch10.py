@@ -1,0 +1,118 @@
+"""Visible checks of chapter 10 (scaling laws), and the independent oracles they compare against.
+
+Oracles: numbers worked out by hand (6 x 1,000 x 2,000 = 12,000,000), synthetic losses made from a known
+(E, A, alpha) (``synthetic_losses``, ``planted_noise_losses``), and the defining equations of the
+compute-optimal split (6ND = C, D = rN) checked on what the learner returns; never course_lib.scaling's
+reference solutions.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .core import fail, passed
+
+__all__ = ["check_training_flops", "check_fit_power_law", "check_compute_optimal", "synthetic_losses",
+           "planted_noise_losses"]
+
+
+def synthetic_losses(n, E: float, A: float, alpha: float):
+    """Exact losses E + A / n**alpha (float64) of a known power law: the oracle of the fitting checks."""
+    return E + A / np.asarray(n, dtype=np.float64) ** alpha
+
+
+def planted_noise_losses(n, E: float, A: float, alpha: float, noise0):
+    """Losses E + A n^-alpha exp(eps) whose noise eps the least-squares fit in log space cannot see.
+
+    eps starts as noise0 and is made orthogonal to 1, log n and 1 / (loss - E) (a fixed point, reached by
+    repeating the projection): then at the true E, log(loss - E) = log A - alpha log n + eps has the true
+    (log A, alpha) as its least-squares line, and the sum of squared residuals is stationary in E there.
+    A fit in log space recovers (E, A, alpha) exactly; a fit that weighs residuals in linear space does not.
+    Returns (loss (P,), eps (P,)).
+    """
+    n = np.asarray(n, dtype=np.float64)
+    eps = np.asarray(noise0, dtype=np.float64).copy()
+    for _ in range(100):
+        loss = E + A * n**-alpha * np.exp(eps)
+        basis, _ = np.linalg.qr(np.stack([np.ones_like(n), np.log(n), 1 / (loss - E)], axis=1))
+        eps = eps - basis @ (basis.T @ eps)
+    return E + A * n**-alpha * np.exp(eps), eps
+
+
+def _number(value, what: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        fail(f"{what} should be a number, got {type(value).__name__}")
+    if not math.isfinite(number):
+        fail(f"{what} should be finite, got {number}")
+    return number
+
+
+def check_training_flops(training_flops) -> None:
+    """Visible checks for chapter 10, exercise 1: C = 6ND on small numbers, and linear in N and in D."""
+    got = _number(training_flops(1_000, 2_000), "training_flops(1_000, 2_000)")
+    if got == 2 * 1_000 * 2_000:
+        fail("training_flops(1_000, 2_000) = 4,000,000 = 2ND: that is the forward pass only. The backward pass costs "
+             "twice the forward (gradients for the activations and for the weights): 6ND in all")
+    if abs(got - 12_000_000) > 1e-6:
+        fail(f"training_flops(1_000, 2_000) should be 6 x 1,000 x 2,000 = 12,000,000, got {got:,.6g}")
+    for n, d in ((2_000, 2_000), (1_000, 6_000)):
+        value = _number(training_flops(n, d), f"training_flops({n:,}, {d:,})")
+        if abs(value - 6 * n * d) > 1e-6:
+            fail(f"training_flops({n:,}, {d:,}) should be {6 * n * d:,}, got {value:,.6g}: C grows in proportion to N and to D")
+    try:
+        arrays = np.asarray(training_flops(np.array([1e3, 1e4]), np.array([2e3, 2e5])), dtype=np.float64)
+    except Exception as error:  # noqa: BLE001 - any error is the learner's to see, with its cause
+        fail(f"training_flops should work elementwise on numpy arrays: for N = [1e3, 1e4] and D = [2e3, 2e5] it raised "
+             f"{type(error).__name__}: {error}")
+    if arrays.shape != (2,) or not np.allclose(arrays, [1.2e7, 1.2e10], rtol=1e-12, atol=0):
+        fail(f"training_flops should work elementwise on numpy arrays: for N = [1e3, 1e4] and D = [2e3, 2e5] expected "
+             f"[1.2e7, 1.2e10], got {arrays.tolist()}")
+    passed("training_flops")
+
+
+def _fit(fit_power_law, n, loss, offsets, what: str):
+    result = fit_power_law(n, loss, offsets) if offsets is not None else fit_power_law(n, loss)
+    if not isinstance(result, tuple) or len(result) != 3:
+        fail(f"fit_power_law should return a tuple (E, A, alpha), got {type(result).__name__} ({what})")
+    return tuple(_number(v, f"{name} ({what})") for v, name in zip(result, ("E", "A", "alpha")))
+
+
+def check_fit_power_law(fit_power_law) -> None:
+    """Visible checks for chapter 10, exercise 2: known power laws recovered, with and without an offset grid."""
+    n = np.logspace(3, 6, 7)
+    E, A, alpha = 1.5, 20.0, 0.5
+    loss = synthetic_losses(n, E, A, alpha)
+    offsets = np.round(np.arange(0, 1_501) * 0.001, 3)  # 0, 0.001, ..., 1.5: the true E is one of them
+    got_E, got_A, got_alpha = _fit(fit_power_law, n, loss, offsets, "offsets 0, 0.001, ..., 1.5")
+    if got_E == 0.0 and abs(got_alpha - alpha) > 0.01:
+        fail(f"for losses 1.5 + 20 / n^0.5 you returned E = 0 and alpha = {got_alpha:.4g}: did you fit log(loss) against "
+             "log(n)? The loss does not fall to 0 but to E: fit log(loss - E) for each candidate E in offsets")
+    if abs(got_E - E) > 1e-9 or abs(got_alpha - alpha) > 1e-6 or abs(got_A - A) > 1e-4:
+        fail(f"for exact losses 1.5 + 20 / n^0.5 (n = 1e3 ... 1e6) and an offsets grid that holds 1.5, expected "
+             f"(E, A, alpha) = (1.5, 20, 0.5), got ({got_E:.6g}, {got_A:.6g}, {got_alpha:.6g})")
+    got_E, got_A, got_alpha = _fit(fit_power_law, n, loss, None, "default offsets")
+    if abs(got_alpha - alpha) > 0.01 or abs(got_E - E) > 0.01:
+        fail(f"with the default offsets (1000 values in [0, min(loss)) = [0, {loss.min():.4g})) expected E close to 1.5 "
+             f"and alpha close to 0.5 (within 0.01), got E = {got_E:.4g}, alpha = {got_alpha:.4g}")
+    passed("fit_power_law")
+
+
+def check_compute_optimal(compute_optimal) -> None:
+    """Visible checks for chapter 10, exercise 3: 6ND = C and D = rN, on a worked example."""
+    result = compute_optimal(1.2e14)
+    if not isinstance(result, tuple) or len(result) != 2:
+        fail(f"compute_optimal should return a tuple (N, D), got {type(result).__name__}")
+    n, d = (_number(v, name) for v, name in zip(result, ("N", "D")))
+    if n <= 0 or d <= 0:
+        fail(f"N and D should be positive, got N = {n:.4g}, D = {d:.4g}")
+    if abs(6 * n * d / 1.2e14 - 1) > 1e-9:
+        hint = " (did you forget the 6 of C = 6ND?)" if abs(n * d / 1.2e14 - 1) < 1e-9 else ""
+        fail(f"compute_optimal(1.2e14): 6 N D should spend the budget, 1.2e14 FLOPs; got 6 N D = {6 * n * d:.4g}{hint}")
+    if abs(d / n - 20) > 1e-9:
+        fail(f"compute_optimal(1.2e14) with the default 20 tokens per parameter: D / N should be 20, got {d / n:.4g}")
+    if abs(n - 1e6) > 1e-3:
+        fail(f"compute_optimal(1.2e14) should give N = sqrt(1.2e14 / (6 x 20)) = 1e6 parameters, got {n:.6g}")
+    passed("compute_optimal")
