@@ -35,7 +35,8 @@ def test_pretokenize_equals_hugging_face_byte_level_on_the_corpus_and_adversaria
     from tokenizers import pre_tokenizers
 
     hf = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    for text in [corpus[0], corpus[1], *ADVERSARIAL]:
+    # one help topic at a time: Hugging Face's pre_tokenize_str takes time quadratic in the string's length
+    for text in [*(corpus[0] + corpus[1]).split("\n\n"), *ADVERSARIAL]:
         ours = [chunk.encode("utf-8") for chunk in bpe.pretokenize(text)]
         assert ours == [bpe.hf_token_bytes(chunk) for chunk, _ in hf.pre_tokenize_str(text)], text[:50]
         assert "".join(bpe.pretokenize(text)) == text
