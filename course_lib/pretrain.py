@@ -16,7 +16,8 @@ The notebooks load these checkpoints instead of training: the same recipe on ano
 slightly different path (its kernels round differently), so a notebook that trained would print other
 figures there. Same recipe, same CPU kind and same torch version give byte-identical files.
 
-    course pretrain                                  # all of them, about 6 minutes on 2 otherwise idle cores
+    course pretrain                                  # all of them: about 6 minutes on 2 otherwise idle cores, plus bpe-gpt
+                                                     # (char-gpt's training again; 39 min measured on 2 busy shared cores)
     course pretrain --only gru-reversal-attention    # one of them (repeatable)
     course pretrain --only char-gpt-draft --steps 50 --out /tmp/check   # a quick reproducibility check
 """

@@ -175,7 +175,7 @@ def test_attention_alignment_is_the_recorded_one():
 # ----------------------------------------------------------------------------- course pretrain
 
 
-@pytest.mark.parametrize("name", ["char-gpt-draft", "gru-reversal-attention", "transformer-reversal"])
+@pytest.mark.parametrize("name", ["char-gpt-draft", "bpe-gpt", "gru-reversal-attention", "transformer-reversal"])
 def test_pretrain_is_deterministic(name, tmp_path):
     first = pretrain(name, tmp_path / "a", steps=3, progress=False)
     second = pretrain(name, tmp_path / "b", steps=3, progress=False)
