@@ -224,7 +224,11 @@ class BPETokenizer:
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from the 256 bytes to 256 printable characters (Hugging Face ByteLevel writes tokens with it):
     printable Latin-1 bytes map to themselves, the others to chr(256 + n) in byte order."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    return dict(_BYTES_TO_UNICODE)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
     mapping, n = {}, 0
     for b in range(256):
         if b in printable:
@@ -235,10 +239,13 @@ def bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
+_BYTES_TO_UNICODE = _bytes_to_unicode()
+_UNICODE_TO_BYTES = {c: b for b, c in _BYTES_TO_UNICODE.items()}
+
+
 def hf_token_bytes(token: str) -> bytes:
     """The bytes of a Hugging Face byte-level token string ('Ġworld' -> b' world')."""
-    inverse = {c: b for b, c in bytes_to_unicode().items()}
-    return bytes(inverse[c] for c in token)
+    return bytes(_UNICODE_TO_BYTES[c] for c in token)
 
 
 def train_hf_bpe(text: str, vocab_size: int):
