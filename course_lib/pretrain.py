@@ -7,6 +7,7 @@ state dict and the constructor arguments) and ``course_lib/assets/<name>.json`` 
 the per-step losses and the figures the model reached, which ``tests/test_assets.py`` recomputes).
 
     char-gpt, char-gpt-draft   character GPTs of the default corpus (chapters 04-07), 2 threads
+    bpe-gpt                    char-gpt's model and training on byte-level BPE tokens of the same text (chapter 09)
     gru-reversal-baseline      chapter 01's GRU encoder-decoder without attention, 1 thread
     gru-reversal-attention     the same with additive attention, 1 thread
     transformer-reversal       chapter 03's 2 + 2-layer post-LN encoder-decoder transformer, 1 thread
@@ -15,7 +16,8 @@ The notebooks load these checkpoints instead of training: the same recipe on ano
 slightly different path (its kernels round differently), so a notebook that trained would print other
 figures there. Same recipe, same CPU kind and same torch version give byte-identical files.
 
-    course pretrain                                  # all of them, about 6 minutes on 2 otherwise idle cores
+    course pretrain                                  # all of them: about 6 minutes on 2 otherwise idle cores, plus bpe-gpt
+                                                     # (char-gpt's training again; 39 min measured on 2 busy shared cores)
     course pretrain --only gru-reversal-attention    # one of them (repeatable)
     course pretrain --only char-gpt-draft --steps 50 --out /tmp/check   # a quick reproducibility check
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,6 +35,7 @@ import torch
 from torch import nn
 
 from . import assets
+from .bpe import BPETokenizer, text_nats, train_bpe
 from .data import DIGIT_VOCAB_SIZE, CharTokenizer, Seq2SeqBatch, default_corpus, digits_to_text, reversal_batch, train_val_split
 from .gpt import count_parameters, estimate_loss
 from .seq2seq import evaluate_reversal, train_reversal
@@ -63,6 +67,7 @@ class Recipe:
     threads: int
     evaluate: dict = field(default_factory=dict)  # what decides the evaluation after training (recorded with its figures)
     corpus: bool = False
+    bpe: bool = False  # a BPE model of the default corpus: config["vocab_size"] tokens, merges learned on the training text
 
 
 # ----------------------------------------------------------------------------- character GPTs (chapters 04-07)
@@ -94,6 +99,49 @@ def train_char_gpt(model: nn.Module, progress: bool = True, **train_config) -> d
     return {"corpus": "default_corpus()", "corpus_chars": len(train) + len(val), "val_fraction": VAL_FRACTION,
             "eval": {"batches": EVAL_BATCHES, "batch_size": EVAL_BATCH_SIZE, "train_seed": TRAIN_EVAL_SEED, "val_seed": VAL_EVAL_SEED},
             **{k: round(v, 4) for k, v in losses.items()},
+            "history": [{k: round(v, 4) if isinstance(v, float) else v for k, v in e.items()} for e in history.evals]}
+
+
+def bpe_corpus_splits(vocab_size: int, text: str | None = None):
+    """(BPETokenizer, train ids, val ids) of the default corpus (or of text): the text is cut at the same character as
+    ``corpus_splits`` cuts it (the last VAL_FRACTION of the characters are the validation text) and the BPE merges
+    (``train_bpe``, vocab_size tokens) are learned on the training text alone."""
+    text = default_corpus() if text is None else text
+    cut = int(len(text) * (1.0 - VAL_FRACTION))  # train_val_split's cut, in characters
+    tokenizer = BPETokenizer(train_bpe(text[:cut], vocab_size))
+    return tokenizer, torch.tensor(tokenizer.encode(text[:cut])), torch.tensor(tokenizer.encode(text[cut:]))
+
+
+def bits_per_character(bpe_model: nn.Module, bpe_tokenizer: BPETokenizer, char_model: nn.Module, char_tokenizer: CharTokenizer,
+                       text: str) -> dict:
+    """Bits per character of a BPE model and a character model on the SAME characters of text: all of them but those
+    of the first BPE token (which has no context); bits = total nats / (ln 2 x characters), ``text_nats`` windows."""
+    bpe_ids = torch.tensor(bpe_tokenizer.encode(text))
+    skip = len(bpe_tokenizer.decode(bpe_ids[:1].tolist()))  # characters of the first BPE token
+    chars = len(text) - skip
+    bpe_nats = text_nats(bpe_model, bpe_ids, first=1)
+    char_nats = text_nats(char_model, torch.tensor(char_tokenizer.encode(text)), first=skip)
+    return {"chars": chars, "skipped_chars": skip, "bpe_tokens": len(bpe_ids) - 1,
+            "bpe_bits_per_char": bpe_nats / (math.log(2) * chars), "char_bits_per_char": char_nats / (math.log(2) * chars)}
+
+
+def train_bpe_gpt(model: nn.Module, progress: bool = True, **train_config) -> dict:
+    """``train_gpt`` on BPE tokens of the default corpus (``bpe_corpus_splits`` with the model's vocab_size) with
+    TrainConfig(**train_config): the same blocks of block_size tokens, now ~2 characters per token."""
+    tokenizer, train, val = bpe_corpus_splits(model.config.vocab_size)
+    history = train_gpt(model, train, val, TrainConfig(**train_config), progress=progress)
+    losses = evaluation_losses(model, train, val)
+    text = default_corpus()
+    model.eval()
+    bits = bits_per_character(model, tokenizer, assets.load("char-gpt"), assets.tokenizer("char-gpt"),
+                              text[int(len(text) * (1.0 - VAL_FRACTION)):])
+    return {"corpus": "default_corpus()", "corpus_chars": len(default_corpus()), "val_fraction": VAL_FRACTION,
+            "tokenizer": {"merges": len(tokenizer.merges), "trained_on": "the training text", "train_tokens": len(train),
+                          "val_tokens": len(val)},
+            "eval": {"batches": EVAL_BATCHES, "batch_size": EVAL_BATCH_SIZE, "train_seed": TRAIN_EVAL_SEED, "val_seed": VAL_EVAL_SEED},
+            **{k: round(v, 4) for k, v in losses.items()},
+            "val_text": {**bits, "bpe_bits_per_char": round(bits["bpe_bits_per_char"], 4),
+                         "char_bits_per_char": round(bits["char_bits_per_char"], 4), "char_model": "char-gpt"},
             "history": [{k: round(v, 4) if isinstance(v, float) else v for k, v in e.items()} for e in history.evals]}
 
 
@@ -159,6 +207,9 @@ RECIPES: dict[str, Recipe] = {
     # a much smaller draft model for speculative decoding (chapter 07): same tokenizer, same context
     "char-gpt-draft": Recipe("GPT", dict(block_size=128, n_layer=1, n_head=4, n_embd=64, dropout=0.0, bias=True), seed=0,
                              train=train_char_gpt, train_args=_CHAR_GPT_TRAINING, threads=2, corpus=True),
+    # chapter 09: char-gpt's model and training, on 512 byte-level BPE tokens (256 bytes + 256 merges) instead of characters
+    "bpe-gpt": Recipe("GPT", dict(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=True), seed=0,
+                      train=train_bpe_gpt, train_args=_CHAR_GPT_TRAINING, threads=2, bpe=True),
     # chapter 01: the seq2seq bottleneck, and the same model with additive attention; the same training for both
     "gru-reversal-baseline": Recipe("GRUSeq2Seq", dict(use_attention=False), seed=0, train=train_gru_reversal,
                                     train_args=dict(steps=400, batch_size=64, seed=1, lr=3e-3), threads=1,
@@ -188,13 +239,15 @@ def recipe(name: str, steps: int | None = None) -> Recipe:
     return replace(RECIPES[name], train_args=args)
 
 
-def save_checkpoint(path: Path, model: nn.Module, config: dict, vocab: str | None = None) -> None:
-    """torch.save {"config", ("vocab",) "state_dict"}: the constructor arguments and the float32 weights
-    (a tied LM head is stored once)."""
+def save_checkpoint(path: Path, model: nn.Module, config: dict, vocab: str | None = None, merges: list | None = None) -> None:
+    """torch.save {"config", ("vocab",) ("merges",) "state_dict"}: the constructor arguments, a character model's
+    vocabulary or a BPE model's merges ([[a, b], ...] in the order learned), and the float32 weights (a tied LM
+    head is stored once)."""
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
     if "lm_head.weight" in state:
         state["lm_head.weight"] = state["transformer.wte.weight"]  # tied: stored once
-    payload = {"config": config, **({"vocab": vocab} if vocab is not None else {}), "state_dict": state}
+    payload = {"config": config, **({"vocab": vocab} if vocab is not None else {}),
+               **({"merges": merges} if merges is not None else {}), "state_dict": state}
     torch.save(payload, path)
 
 
@@ -232,7 +285,8 @@ def pretrain(name: str, out: Path = ASSETS, steps: int | None = None, progress: 
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.pt"
     vocab = "".join(CharTokenizer(default_corpus()).chars) if RECIPES[name].corpus else None
-    save_checkpoint(path, model, record["config"], vocab)
+    merges = [list(pair) for pair in bpe_corpus_splits(record["config"]["vocab_size"])[0].merges] if RECIPES[name].bpe else None
+    save_checkpoint(path, model, record["config"], vocab, merges)
     record = {**record, "bytes": path.stat().st_size, "torch": torch.__version__}
     (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
     return record

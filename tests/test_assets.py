@@ -3,6 +3,7 @@ recomputed from the shipped weights, and `course pretrain` is deterministic."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -10,12 +11,14 @@ import torch
 from course_lib import assets
 from course_lib.data import CharTokenizer, Seq2SeqBatch, default_corpus, reversal_batch
 from course_lib.gpt import GPT, estimate_loss
-from course_lib.pretrain import RECIPES, corpus_splits, pretrain, save_checkpoint
+from course_lib.bpe import text_nats, train_bpe
+from course_lib.pretrain import RECIPES, VAL_FRACTION, bpe_corpus_splits, corpus_splits, pretrain, save_checkpoint
 from course_lib.seq2seq import GRUSeq2Seq
 from course_lib.train import fixed_batches
 from course_lib.transformer import Transformer
 
 CHAR_MODELS = sorted(name for name, recipe in RECIPES.items() if recipe.corpus)
+BPE_MODELS = sorted(name for name, recipe in RECIPES.items() if recipe.bpe)
 REVERSAL_MODELS = {"gru-reversal-baseline": GRUSeq2Seq, "gru-reversal-attention": GRUSeq2Seq, "transformer-reversal": Transformer}
 #: greedy decoding of the shipped weights on another CPU may flip a near-tie argmax; on the CPU that trained them
 #: the counts are exact. At most this fraction of the held-out strings (or output digits) may come out otherwise.
@@ -29,7 +32,7 @@ def splits():
 
 def test_every_recipe_is_shipped():
     assert assets.names() == sorted(RECIPES)
-    assert sorted(REVERSAL_MODELS) == sorted(set(RECIPES) - set(CHAR_MODELS))
+    assert sorted(REVERSAL_MODELS) == sorted(set(RECIPES) - set(CHAR_MODELS) - set(BPE_MODELS))
     for name in RECIPES:
         assert (assets.FOLDER / f"{name}.json").is_file()
 
@@ -53,7 +56,8 @@ def test_checkpoint_loads_as_its_class_and_its_record_repeats_its_recipe(name):
 def test_saving_the_shipped_weights_again_gives_the_shipped_file(name, tmp_path):
     """The .pt file is exactly what pretrain's save_checkpoint writes for these weights (nothing else in it)."""
     checkpoint = assets._checkpoint(name)
-    save_checkpoint(tmp_path / f"{name}.pt", assets.load(name), checkpoint["config"], checkpoint.get("vocab"))
+    save_checkpoint(tmp_path / f"{name}.pt", assets.load(name), checkpoint["config"], checkpoint.get("vocab"),
+                    checkpoint.get("merges"))
     assert (tmp_path / f"{name}.pt").read_bytes() == (assets.FOLDER / f"{name}.pt").read_bytes()
 
 
@@ -78,6 +82,38 @@ def test_the_tokenizer_of_a_char_model_is_the_default_corpus_one():
         assert assets.tokenizer(name).chars == CharTokenizer(default_corpus()).chars
     with pytest.raises(ValueError, match="not a character model"):
         assets.tokenizer("transformer-reversal")
+
+
+# ----------------------------------------------------------------------------- the BPE model (chapter 09)
+
+
+def test_the_tokenizer_of_a_bpe_model_is_learned_from_the_training_text_alone():
+    text = default_corpus()
+    for name in BPE_MODELS:
+        tokenizer = assets.tokenizer(name)
+        assert tokenizer.merges == train_bpe(text[:int(len(text) * (1 - VAL_FRACTION))], assets.info(name)["config"]["vocab_size"])
+        assert tokenizer.vocab_size == assets.load(name).config.vocab_size
+
+
+@pytest.mark.parametrize("name", BPE_MODELS)
+def test_bpe_model_reaches_the_recorded_losses_and_bits_per_character(name):
+    model, record = assets.load(name), assets.info(name)
+    tokenizer, _, val = bpe_corpus_splits(model.config.vocab_size)
+    e = record["eval"]
+    with torch.no_grad():
+        val_loss = estimate_loss(model, fixed_batches(val, model.config.block_size, e["batch_size"], e["batches"], e["val_seed"]))
+    assert abs(val_loss - record["val_loss"]) < 0.02, (val_loss, record["val_loss"])
+    # bits per character on the whole validation text, recomputed here (written apart from pretrain's), both models
+    text = default_corpus()
+    val_text = text[int(len(text) * (1 - VAL_FRACTION)):]
+    v = record["val_text"]
+    first = tokenizer.encode(val_text)[0]
+    assert v["skipped_chars"] == len(tokenizer.vocab[first].decode("utf-8")) and v["chars"] == len(val_text) - v["skipped_chars"]
+    bits = text_nats(model, val, first=1) / (math.log(2) * v["chars"])
+    char_model = assets.load(v["char_model"])
+    char_ids = torch.tensor(assets.tokenizer(v["char_model"]).encode(val_text))
+    char_bits = text_nats(char_model, char_ids, first=v["skipped_chars"]) / (math.log(2) * v["chars"])
+    assert abs(bits - v["bpe_bits_per_char"]) < 0.002 and abs(char_bits - v["char_bits_per_char"]) < 0.002, (bits, char_bits, v)
 
 
 def test_unknown_checkpoint_names_are_rejected():
@@ -139,7 +175,7 @@ def test_attention_alignment_is_the_recorded_one():
 # ----------------------------------------------------------------------------- course pretrain
 
 
-@pytest.mark.parametrize("name", ["char-gpt-draft", "gru-reversal-attention", "transformer-reversal"])
+@pytest.mark.parametrize("name", ["char-gpt-draft", "bpe-gpt", "gru-reversal-attention", "transformer-reversal"])
 def test_pretrain_is_deterministic(name, tmp_path):
     first = pretrain(name, tmp_path / "a", steps=3, progress=False)
     second = pretrain(name, tmp_path / "b", steps=3, progress=False)

@@ -5,6 +5,7 @@
     gru-reversal-baseline    GRUSeq2Seq without attention, trained on digit reversal (chapter 01)
     gru-reversal-attention   GRUSeq2Seq with additive attention, the same training (chapter 01)
     transformer-reversal     Transformer, 2 + 2 post-LN layers, trained on digit reversal (chapter 03)
+    bpe-gpt                  char-gpt's shape and training on 512 byte-level BPE tokens of the same text (chapter 09)
 
 The char-* models are character-level models of the default corpus (``course_lib.data.default_corpus()``).
 ``<name>.pt`` holds the constructor arguments and the float32 weights (and a character model's
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..bpe import BPETokenizer
 from ..data import CharTokenizer
 from ..gpt import GPT, GPTConfig
 from ..seq2seq import GRUSeq2Seq
@@ -66,9 +68,12 @@ def load(name: str) -> nn.Module:
     return model.eval()
 
 
-def tokenizer(name: str) -> CharTokenizer:
-    """The character tokenizer a character model (char-*) was trained with."""
+def tokenizer(name: str) -> CharTokenizer | BPETokenizer:
+    """The tokenizer a language model was trained with: a character model's (char-*) CharTokenizer, a BPE model's
+    (bpe-*) BPETokenizer."""
     checkpoint = _checkpoint(name)
+    if "merges" in checkpoint:
+        return BPETokenizer({(a, b): 256 + i for i, (a, b) in enumerate(checkpoint["merges"])})
     if "vocab" not in checkpoint:
         raise ValueError(f"{name} is not a character model: it has no tokenizer")
     return CharTokenizer(checkpoint["vocab"])

@@ -1,0 +1,325 @@
+"""Byte-level byte-pair encoding (chapter 09): pre-tokenization, training, encoding, decoding, from scratch.
+
+Tokens are ids: 0..255 are the 256 byte values, so every string is representable (as its UTF-8 bytes);
+each learned merge (a, b) -> new id adds one token whose bytes are the bytes of a followed by those of b.
+``merges`` is a dict {(a, b): new_id} in the order the merges were learned, with new ids 256, 257, ...:
+the new id IS the rank (lower = learned earlier = applied first).
+
+Pre-tokenization (``pretokenize``) cuts text into chunks with GPT-2's regular expression (words with their
+leading space, numbers, punctuation runs, whitespace); merges never cross a chunk boundary. It equals
+Hugging Face ``tokenizers``' ``ByteLevel(add_prefix_space=False, use_regex=True)`` pre-tokenizer, which
+tests/test_bpe.py checks, along with the encoder against ``tokenizers``' own BPE model given the same merges.
+
+Training (``train_bpe``) counts pairs per distinct chunk (a word-frequency dict), repeatedly merges the most
+frequent pair and recounts only the chunks that held it. Ties in the count go to the smallest pair (a, b)
+of ids: deterministic, and documented, because Hugging Face breaks ties by its own (different) id order.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+from collections import Counter
+
+import regex
+
+#: GPT-2's pre-tokenization pattern (OpenAI's encoder.py; Hugging Face ByteLevel's with use_regex=True)
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_GPT2_REGEX = regex.compile(GPT2_PATTERN)
+#: the 256 single-byte tokens come first
+BYTE_VOCAB = 256
+
+
+def pretokenize(text: str) -> list[str]:
+    """Cut text into GPT-2's pre-tokenization chunks: "Hello world!!" -> ["Hello", " world", "!!"].
+
+    The chunks concatenate back to text exactly; BPE merges happen inside a chunk, never across two.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}")
+    return _GPT2_REGEX.findall(text)
+
+
+def count_pairs(ids: list[int], counts: dict | None = None, weight: int = 1) -> dict:
+    """Add weight to counts[(a, b)] for every adjacent pair of ids, at every position: [5, 5, 5] adds 2 to (5, 5).
+
+    Every position counts, as in GPT-2, Sennrich et al. and Hugging Face: the count is how often a pair
+    appears, not how many merges of it one pass can make. Returns counts (a new dict if None).
+    """
+    counts = {} if counts is None else counts
+    for pair in zip(ids, ids[1:]):
+        counts[pair] = counts.get(pair, 0) + weight
+    return counts
+
+
+def bpe_merge(ids, pair, new_id):
+    """Replace every occurrence of pair in ids by new_id, left to right, without overlaps.
+
+    ids: list[int] (length n) -> list[int] (length n - number of replacements).
+    [5, 5, 5] with pair (5, 5) -> [new_id, 5]: the first two are merged, the third has no partner left.
+    """
+    out = []
+    i = 0
+    while i < len(ids):
+        if i + 1 < len(ids) and ids[i] == pair[0] and ids[i + 1] == pair[1]:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def hf_byte_order() -> list[int]:
+    """rank[b]: where Hugging Face's byte-level BPE trainer puts byte b in its alphabet (ids 0..255): sorted by the
+    printable character ``bytes_to_unicode`` gives the byte, so '!'..'~' (bytes 33..126) come first and the
+    space (shown as 'Ġ', chr(288)) comes after every printable Latin-1 byte."""
+    chars = bytes_to_unicode()
+    order = sorted(range(BYTE_VOCAB), key=lambda b: chars[b])
+    rank = [0] * BYTE_VOCAB
+    for position, b in enumerate(order):
+        rank[b] = position
+    return rank
+
+
+def train_bpe(text: str, vocab_size: int, ties: str = "ids") -> dict:
+    """Learn vocab_size - 256 merges from text: {(a, b): new_id} in the order learned (new ids 256, 257, ...).
+
+    Each step merges the pair of ids that occurs most often inside the pre-tokenized chunks (every position
+    counts, see ``count_pairs``). A tie in the count goes to the smallest pair (a, b): with ties="ids" in our
+    ids (bytes by value); with ties="hf" in Hugging Face's ids (bytes in ``hf_byte_order``, merged tokens in
+    the order learned, as ours), which makes the merges Hugging Face's. Stops early if no pair is left.
+    Word-frequency dict plus incremental counts: only the distinct chunks that hold the merged pair are
+    recounted, so a step costs in proportion to those chunks.
+    """
+    if not isinstance(vocab_size, int) or vocab_size < BYTE_VOCAB:
+        raise ValueError(f"vocab_size must be an int >= {BYTE_VOCAB} (the byte tokens), got {vocab_size!r}")
+    if ties not in ("ids", "hf"):
+        raise ValueError(f"ties must be 'ids' or 'hf', got {ties!r}")
+    rank = hf_byte_order() if ties == "hf" else list(range(BYTE_VOCAB))
+
+    def key(pair):  # heap order: the highest count first, then the smallest pair
+        a, b = pair
+        return (-counts[pair], rank[a] if a < BYTE_VOCAB else a, rank[b] if b < BYTE_VOCAB else b, pair)
+
+    chunks = Counter(pretokenize(text))  # the word-frequency dict: each distinct chunk once, with its count
+    words = [list(chunk.encode("utf-8")) for chunk in chunks]
+    freqs = list(chunks.values())
+    counts: dict = {}
+    where: dict = {}  # pair -> indices of the words that hold it
+    for w, (ids, freq) in enumerate(zip(words, freqs)):
+        count_pairs(ids, counts, freq)
+        for pair in zip(ids, ids[1:]):
+            where.setdefault(pair, set()).add(w)
+    heap = [key(pair) for pair in counts]
+    heapq.heapify(heap)
+    merges: dict = {}
+    while len(merges) < vocab_size - BYTE_VOCAB and heap:
+        negative, *_, pair = heapq.heappop(heap)
+        if counts.get(pair, 0) != -negative:  # a stale entry: the count changed since it was pushed
+            if counts.get(pair, 0) > 0:
+                heapq.heappush(heap, key(pair))  # back in, with its current count
+            continue
+        new_id = BYTE_VOCAB + len(merges)
+        merges[pair] = new_id
+        changed = set()
+        for w in where.pop(pair):
+            ids, freq = words[w], freqs[w]
+            count_pairs(ids, counts, -freq)  # take the word's pairs out, merge, put its new pairs in
+            words[w] = ids = bpe_merge(ids, pair, new_id)
+            count_pairs(ids, counts, freq)
+            for p in zip(ids, ids[1:]):
+                where.setdefault(p, set()).add(w)
+                changed.add(p)
+        counts.pop(pair, None)
+        for p in changed:
+            if counts.get(p, 0) > 0:
+                heapq.heappush(heap, key(p))
+    return merges
+
+
+def bpe_encode(text, merges):
+    """Token ids of text: pre-tokenize, then in each chunk's UTF-8 bytes apply the merges by rank.
+
+    merges: {(a, b): new_id}, new ids in the order learned. In each chunk, repeatedly merge the adjacent
+    pair with the LOWEST new id (the earliest learned) until no adjacent pair is a merge. Returns list[int].
+    """
+    ids = []
+    for chunk in pretokenize(text):
+        chunk_ids = list(chunk.encode("utf-8"))
+        while len(chunk_ids) >= 2:
+            pair = min(zip(chunk_ids, chunk_ids[1:]), key=lambda p: merges.get(p, float("inf")))
+            if pair not in merges:
+                break
+            chunk_ids = bpe_merge(chunk_ids, pair, merges[pair])
+        ids.extend(chunk_ids)
+    return ids
+
+
+def vocab_from_merges(merges: dict) -> dict:
+    """{id: bytes}: the 256 single bytes, then each merged token's bytes (those of its pair, concatenated)."""
+    vocab = {i: bytes([i]) for i in range(BYTE_VOCAB)}
+    for (a, b), new_id in sorted(merges.items(), key=lambda item: item[1]):
+        if a not in vocab or b not in vocab:
+            raise ValueError(f"merges must only use ids defined before them, got ({a}, {b}) -> {new_id}")
+        vocab[new_id] = vocab[a] + vocab[b]
+    return vocab
+
+
+def bpe_decode(ids, vocab):
+    """The text of token ids: join ALL their bytes, then decode UTF-8 once (a character's bytes may be split
+    over two tokens). Bytes that are not valid UTF-8 (only a bad id sequence has them) become U+FFFD."""
+    return b"".join(vocab[int(i)] for i in ids).decode("utf-8", errors="replace")
+
+
+class BPETokenizer:
+    """A byte-level BPE tokenizer: ``encode(text) -> list[int]``, ``decode(ids) -> str``, exact inverses.
+
+    Built from merges ({(a, b): new_id}, new ids 256, 257, ... in order), or trained: ``BPETokenizer.train(text,
+    vocab_size)``; ``BPETokenizer.from_hf(tokenizer)`` takes a Hugging Face byte-level BPE's merges.
+    """
+
+    def __init__(self, merges: dict):
+        expected = list(range(BYTE_VOCAB, BYTE_VOCAB + len(merges)))
+        if sorted(merges.values()) != expected:
+            raise ValueError(f"merges must map pairs to the new ids {BYTE_VOCAB}..{BYTE_VOCAB + len(merges) - 1}, one each")
+        self.merges = dict(sorted(merges.items(), key=lambda item: item[1]))
+        self.vocab = vocab_from_merges(self.merges)
+        self._cache: dict = {}
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int) -> "BPETokenizer":
+        return cls(train_bpe(text, vocab_size))
+
+    @classmethod
+    def from_hf(cls, tokenizer) -> "BPETokenizer":
+        return cls(merges_from_hf(tokenizer))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str) -> list[int]:
+        """bpe_encode(text, self.merges), with each distinct chunk encoded once (cached)."""
+        ids = []
+        for chunk in pretokenize(text):
+            if chunk not in self._cache:
+                self._cache[chunk] = bpe_encode(chunk, self.merges)
+            ids.extend(self._cache[chunk])
+        return ids
+
+    def decode(self, ids) -> str:
+        bad = [int(i) for i in ids if not 0 <= int(i) < len(self.vocab)]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {len(self.vocab) - 1}], got {bad[0]}")
+        return bpe_decode(ids, self.vocab)
+
+    def token_bytes(self, ids) -> list[bytes]:
+        """The bytes of each token: [b'Hello', b' world', b'!!']."""
+        return [self.vocab[int(i)] for i in ids]
+
+
+# ----------------------------------------------------------------------------- Hugging Face tokenizers (the oracle)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from the 256 bytes to 256 printable characters (Hugging Face ByteLevel writes tokens with it):
+    printable Latin-1 bytes map to themselves, the others to chr(256 + n) in byte order."""
+    return dict(_BYTES_TO_UNICODE)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+    mapping, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + n)
+            n += 1
+    return mapping
+
+
+_BYTES_TO_UNICODE = _bytes_to_unicode()
+_UNICODE_TO_BYTES = {c: b for b, c in _BYTES_TO_UNICODE.items()}
+
+
+def hf_token_bytes(token: str) -> bytes:
+    """The bytes of a Hugging Face byte-level token string ('Ġworld' -> b' world')."""
+    return bytes(_UNICODE_TO_BYTES[c] for c in token)
+
+
+def train_hf_bpe(text: str, vocab_size: int):
+    """Hugging Face ``tokenizers``' BPE trained on text like ``train_bpe``: byte-level pre-tokenization with GPT-2's
+    pattern (add_prefix_space=False), all 256 bytes in the alphabet, no special tokens, min_frequency 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if not isinstance(vocab_size, int) or vocab_size < BYTE_VOCAB:
+        raise ValueError(f"vocab_size must be an int >= {BYTE_VOCAB} (the byte tokens), got {vocab_size!r}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=0, show_progress=False, special_tokens=[],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([text], trainer=trainer)
+    return tokenizer
+
+
+def hf_merges(tokenizer) -> list[tuple[str, str]]:
+    """A Hugging Face BPE tokenizer's merges, in rank order, as pairs of its token strings."""
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    return [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
+
+
+def merges_from_hf(tokenizer) -> dict:
+    """Our merges {(a, b): new_id} from a Hugging Face byte-level BPE tokenizer's merges (same order, our ids)."""
+    ids = {bytes([b]): b for b in range(BYTE_VOCAB)}
+    merges = {}
+    for left, right in hf_merges(tokenizer):
+        a, b = ids[hf_token_bytes(left)], ids[hf_token_bytes(right)]
+        new_id = BYTE_VOCAB + len(merges)
+        merges[(a, b)] = new_id
+        ids[hf_token_bytes(left) + hf_token_bytes(right)] = new_id
+    return merges
+
+
+def hf_encode_bytes(tokenizer, text: str) -> list[bytes]:
+    """The bytes of each token Hugging Face's tokenizer gives text."""
+    return [hf_token_bytes(t) for t in tokenizer.encode(text).tokens]
+
+
+# ----------------------------------------------------------------------------- bits per character of a language model
+
+
+def text_nats(model, ids, first: int = 1, stride: int | None = None, batch_size: int = 32) -> float:
+    """Total negative log-likelihood, in nats, that a GPT gives tokens ids[first:] of one long text.
+
+    ids: 1-D tensor (N,) of token ids; first >= 1 (token 0 has no context). Windows of block_size tokens start
+    every stride tokens (default block_size // 2; the last window ends at the text's end); each token is scored
+    once, in the first window that holds it past the window's first position, so every token after the first
+    window sees at least block_size - stride - 1 tokens of context. Windows run batch_size at a time; the
+    log-probabilities are taken in float64 from the model's logits.
+    """
+    import torch
+
+    block = model.config.block_size
+    stride = block // 2 if stride is None else stride
+    n = len(ids)
+    if not 1 <= first < n:
+        raise ValueError(f"first must be in [1, {n - 1}] (len(ids) - 1), got {first}")
+    if not 1 <= stride <= block - 1:
+        raise ValueError(f"stride must be in [1, {block - 1}] (block_size - 1), got {stride}")
+    width = min(block, n)
+    starts = list(range(0, n - width + 1, stride))
+    if starts[-1] + width < n:
+        starts.append(n - width)
+    total, scored = 0.0, first  # tokens before `scored` are done
+    with torch.no_grad():
+        for i in range(0, len(starts), batch_size):
+            group = starts[i:i + batch_size]
+            windows = torch.stack([ids[s:s + width] for s in group])  # (B, width)
+            logp = torch.log_softmax(model(windows)[0].double(), dim=-1)  # (B, width, V): [b, j] predicts window[b, j + 1]
+            for b, start in enumerate(group):
+                targets = torch.arange(max(scored, start + 1), max(scored, start + width))  # (empty: all scored)
+                total -= logp[b, targets - start - 1, ids[targets]].sum().item()
+                scored = max(scored, start + width)
+    return total
