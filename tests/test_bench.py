@@ -59,6 +59,6 @@ def test_bench_grade_prints_every_row(capsys):
     """`course bench grade` on one chapter, one learner, at --jobs 1 and 2 (a smoke run: it times, it asserts nothing)."""
     assert main(["grade", "--students", "1", "--jobs", "1", "2", "--chapter", "01"]) == 0  # as typed: 01
     out = capsys.readouterr().out
-    for row in ("nbgrader templates", "01-attention", "whole course at once", "--jobs 1:", "--jobs 2:", "peak memory",
+    for row in ("nbgrader templates", "01-attention", "chapters at once", "--jobs 1:", "--jobs 2:", "peak memory",
                 "a class of 200"):
         assert row in out, out
