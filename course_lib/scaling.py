@@ -152,8 +152,12 @@ FAMILY_SHAPES = LADDER[2:]
 
 
 def gpt_non_embedding(n_layer: int, n_embd: int) -> int:
-    """Non-embedding parameters of a course GPT with biases: per block 12C^2 + 13C, plus the final LayerNorm's 2C."""
-    return n_layer * (12 * n_embd**2 + 13 * n_embd) + 2 * n_embd
+    """Non-embedding parameters of a course GPT with biases (per block 12C^2 + 13C, plus the final LayerNorm's 2C):
+    chapter 04's ``gpt_param_count`` less the token and position tables."""
+    from .gpt import GPTConfig, gpt_param_count
+
+    config = GPTConfig(vocab_size=1, block_size=1, n_layer=n_layer, n_head=1, n_embd=n_embd, bias=True)
+    return gpt_param_count(config) - (config.vocab_size + config.block_size) * n_embd
 
 
 def planned_runs(recipe: ScalingRecipe = RECIPE, only: str | None = None) -> list[dict]:

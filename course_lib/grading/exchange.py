@@ -20,6 +20,7 @@ import pwd
 import shutil
 from contextlib import chdir
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from .course import repo_root, resolve_chapter, run_nbgrader
@@ -54,7 +55,7 @@ class Inbound:
     """One submission in the exchange's inbound folder: ``student+chapter+timestamp+random``."""
     path: Path
     student: str
-    timestamp: object  # datetime
+    timestamp: datetime
     owner: str
 
 
@@ -76,6 +77,8 @@ def inbound_submissions(exchange: Path, course_id: str, chapter: str) -> list[In
 def keep_genuine(course_dir: Path, submissions: list[Inbound], chapter: str) -> list[str]:
     """Replace each collected submission that another account made by the learner's latest genuine one
     (or remove it if there is none); returns the warnings."""
+    from nbgrader.utils import parse_utc
+
     warnings = []
     collected = course_dir / "submitted"
     for student in sorted({s.student for s in submissions}):
@@ -83,8 +86,6 @@ def keep_genuine(course_dir: Path, submissions: list[Inbound], chapter: str) -> 
         stamp = folder / "timestamp.txt"
         if not stamp.is_file():
             continue
-        from nbgrader.utils import parse_utc
-
         timestamp = parse_utc(stamp.read_text().strip())
         forged = [s for s in submissions if s.student == student and s.owner != student]
         if not any(s.timestamp == timestamp for s in forged):
