@@ -1,0 +1,126 @@
+"""course_lib.quantize and the decode step's oneDNN path (course_lib.kv_cache.linear), against independent oracles.
+
+Oracles: float64 F.linear with the dequantized weight, Hugging Face's count of GPT-2 small's parameters,
+the model's own tensors, and PyTorch's F.linear.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib.gpt import GPT, GPTConfig
+from course_lib.kv_cache import ONEDNN_MIN_ELEMENTS, generate_cached, linear
+from course_lib.quantize import (WEIGHT_FORMATS, Int8Linear, bytes_per_token, decode_weight_bytes, dequantize_int8,
+                                 int8_linear, quantize_int8, quantize_weights)
+
+SMALL = GPTConfig(vocab_size=61, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def small_gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(SMALL).eval()
+
+
+def test_bytes_per_token_of_gpt2_small_matches_hugging_faces_parameter_count():
+    gpt2 = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    assert bytes_per_token(gpt2, 1, 0) == (124_439_808 - 1024 * 768) * 4  # 494.6 MB
+    assert bytes_per_token(gpt2, 64, 1024, torch.bfloat16) == ((124_439_808 - 1024 * 768) / 64 + 2 * 12 * 1024 * 768) * 2
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"batch_size": 0, "context": 0}, "batch_size must be an integer >= 1, got 0"),
+    ({"batch_size": 1.5, "context": 0}, "batch_size must be an integer >= 1, got 1.5"),
+    ({"batch_size": 1, "context": 33}, r"context must be an integer in \[0, block_size = 32\], got 33"),
+    ({"batch_size": 1, "context": -1}, r"context must be an integer in \[0, block_size = 32\], got -1"),
+])
+def test_bytes_per_token_names_the_bad_argument_and_its_range(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        bytes_per_token(SMALL, **kwargs)
+
+
+def test_quantize_int8_is_symmetric_per_channel_absmax_and_rejects_non_matrices():
+    w = torch.randn(5, 16) * torch.tensor([1e-3, 1.0, 0.0, 30.0, 2.0])[:, None]
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert torch.allclose(scale.double(), w.double().abs().amax(1) / 127, rtol=1e-6, atol=0)
+    assert int(q.min()) >= -127 and scale[2] == 0 and (q[2] == 0).all()
+    assert ((dequantize_int8(q, scale) - w).abs() <= scale[:, None] / 2 * (1 + 1e-5)).all()
+    with pytest.raises(ValueError, match=r"weight must be 2-D \(out, in\), got shape \(3,\)"):
+        quantize_int8(torch.ones(3))
+
+
+@pytest.mark.parametrize("in_features", [16, 64, 768, 5, 24])  # 5 and 24 are not multiples of 16: the fallback path
+def test_int8_linear_layer_matches_float64_dequantized_linear_within_bfloat16_rounding(in_features):
+    torch.manual_seed(in_features)
+    layer = nn.Linear(in_features, 48)
+    int8 = Int8Linear.from_linear(layer)
+    x = torch.randn(3, 4, in_features)
+    q, scale = quantize_int8(layer.weight)
+    expected = F.linear(x.double(), q.double() * scale.double()[:, None], layer.bias.detach().double())
+    got = int8(x)
+    assert got.shape == (3, 4, 48) and got.dtype == torch.float32
+    # the CPU kernel takes bfloat16 activations and returns bfloat16: 8 significant bits
+    assert torch.allclose(got.double(), expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max()))
+    assert torch.allclose(int8_linear(x, q, scale, layer.bias).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_linear_keeps_the_inputs_dtype_with_a_float32_bias():
+    q, scale = quantize_int8(torch.randn(6, 8))
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        assert int8_linear(torch.randn(2, 8, dtype=dtype), q, scale, torch.randn(6)).dtype == dtype
+
+
+def test_quantize_weights_copies_and_leaves_the_model_alone():
+    model = small_gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    int8, bf16, fp32 = (quantize_weights(model, w) for w in ("int8", "bfloat16", "float32"))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    linears = [m for m in int8.modules() if isinstance(m, (nn.Linear, Int8Linear))]
+    assert linears and all(isinstance(m, Int8Linear) for m in linears)  # 4 per block and the LM head
+    assert len(linears) == 4 * SMALL.n_layer + 1
+    assert int8.transformer.wte.weight.dtype == torch.float32  # the embedding stays float32 for its look-ups
+    assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+    assert fp32.lm_head.weight is fp32.transformer.wte.weight  # the copy keeps the tie
+    with pytest.raises(ValueError, match=r"weights must be one of \('float32', 'bfloat16', 'int8'\), got 'int4'"):
+        quantize_weights(model, "int4")
+    assert WEIGHT_FORMATS == ("float32", "bfloat16", "int8")
+
+
+def test_decode_weight_bytes_counts_what_a_step_reads():
+    model = small_gpt()
+    assert decode_weight_bytes(model) == bytes_per_token(SMALL, 1, 0)  # float32: the formula, to the byte
+    assert decode_weight_bytes(quantize_weights(model, "bfloat16")) == bytes_per_token(SMALL, 1, 0, torch.bfloat16)
+    int8 = quantize_weights(model, "int8")
+    C, V, L = SMALL.n_embd, SMALL.vocab_size, SMALL.n_layer
+    matrices = L * 12 * C * C + V * C  # int8, one byte each
+    scales = L * (3 * C + C + 4 * C + C) + V  # one float32 per output channel
+    vectors = L * (2 * 2 * C + 3 * C + C + 4 * C + C) + 2 * C  # LayerNorms and biases, float32
+    assert decode_weight_bytes(int8) == matrices + 4 * (scales + vectors)
+
+
+def test_quantized_models_decode_and_stay_close_to_float32():
+    model = small_gpt(1)
+    idx = torch.randint(0, SMALL.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits, _ = model(idx)
+        for weights in ("int8", "bfloat16"):
+            quantized = quantize_weights(model, weights)
+            q_logits, _ = quantized(idx)
+            assert (q_logits.float() - logits).abs().max() < 0.05 * logits.abs().max()
+            out = generate_cached(quantized, idx[:, :4], 6)
+            assert out.shape == (2, 10) and torch.equal(out[:, :4], idx[:, :4])
+
+
+def test_linear_uses_onednn_only_where_it_pays_and_agrees_with_f_linear():
+    torch.manual_seed(3)
+    big = nn.Linear(512, 1024)  # 2^19 weights: the oneDNN path
+    small = nn.Linear(32, 48)
+    assert big.weight.numel() >= ONEDNN_MIN_ELEMENTS > small.weight.numel()
+    for layer in (big, small):
+        x = torch.randn(3, 1, layer.in_features)
+        assert torch.allclose(linear(layer, x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    bf16 = nn.Linear(512, 1024).to(torch.bfloat16)  # other dtypes run as themselves
+    x = torch.randn(2, 512, dtype=torch.bfloat16)
+    assert torch.equal(linear(bf16, x), bf16(x))
