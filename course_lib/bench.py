@@ -7,9 +7,10 @@ next token); each step is forward, loss, backward, gradient clipping and an Adam
 are timed alternately in one process (so background load hits both alike), after a warm-up, and
 the median of the repeats is reported. A benchmark, not a test: it prints, it asserts nothing.
 
-``decode``: greedy tokens per second of our cached decoding (``course_lib.kv_cache.generate_cached``),
-our uncached decoding (a full forward pass per token), and Hugging Face's ``generate`` with
-``use_cache`` True and False, on the same weights; see ``bench_decode``.
+``decode``: greedy tokens per second of our cached decoding (``course_lib.kv_cache.generate_cached``)
+with float32, int8 and bfloat16 weights (``course_lib.quantize``), our uncached decoding (a full forward
+pass per token), and Hugging Face's ``generate`` with ``use_cache`` True and False, on the same weights;
+beside them the memory-bandwidth bound of each weight format; see ``bench_decode``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from .data import CharTokenizer, default_corpus, get_batch
 from .gpt import GPT, GPTConfig
 from .kv_cache import generate_cached
+from .quantize import decode_weight_bytes, quantize_weights
 
 
 def _step_ours(model, optimizer, x, y):
@@ -126,23 +128,19 @@ def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
     return buffer.numel() * 4 / best
 
 
-def decode_weight_bytes(model) -> int:
-    """Bytes of the weights one decode step reads: every parameter once (the tied embedding once, read in full by
-    the LM head), except the position table, of which a step reads one row."""
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "transformer.wpe.weight")
-
-
 def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: int = 256, prompt_len: int = 16,
                  uncached_tokens: dict | None = None, threads: int = 2, warmup: int = 1, repeats: int = 5,
                  seed: int = 0) -> dict:
-    """Greedy decoding speed of ours (cached, uncached) and Hugging Face's generate (use_cache True, False).
+    """Greedy decoding speed of ours (cached with float32, int8 and bfloat16 weights; uncached) and of
+    Hugging Face's generate (use_cache True, False), float32.
 
     For each shape and batch size: random weights (seeded), one converted copy for Hugging Face (identical
-    weights), a random prompt of prompt_len tokens; each implementation generates new_tokens (cached) or
-    uncached_tokens[shape] (uncached) tokens, warmup times untimed, then repeats times, alternating between
-    implementations; the median time gives tokens/s = B * new tokens / seconds. For the GPT-2-small shape at
-    batch 1, the memory-bandwidth bound: the bytes of the weights a step reads / the measured read bandwidth.
-    Returns {"rows": [...], "bound": {...} or None, ...}.
+    weights) and our int8 and bfloat16 copies (``quantize_weights``), a random prompt of prompt_len tokens;
+    each implementation generates new_tokens (cached) or uncached_tokens[shape] (uncached) tokens, warmup
+    times untimed, then repeats times, alternating between implementations; the median time gives
+    tokens/s = B * new tokens / seconds; "vs HF" divides by HF's float32 row of the same caching. For the
+    GPT-2-small shape at batch 1, the memory-bandwidth bound of each weight format: the measured read
+    bandwidth / the bytes of the weights a step reads. Returns {"rows": [...], "bound": {...} or None, ...}.
     """
     from .hf import to_hf
 
@@ -161,11 +159,14 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
             config = GPTConfig(**DECODE_SHAPES[shape])
             ours = GPT(config).eval()
             theirs = to_hf(ours)
+            ours_int8, ours_bf16 = quantize_weights(ours, "int8"), quantize_weights(ours, "bfloat16")
             n_uncached = min(uncached_tokens[shape], new_tokens)
             for B in batch_sizes:
                 prompt = torch.randint(0, config.vocab_size, (B, prompt_len), generator=torch.Generator().manual_seed(seed + B))
                 runs = {
                     "ours, cached": (lambda n: generate_cached(ours, prompt, n), new_tokens),
+                    "ours int8, cached": (lambda n: generate_cached(ours_int8, prompt, n), new_tokens),
+                    "ours bf16, cached": (lambda n: generate_cached(ours_bf16, prompt, n), new_tokens),
                     "ours, uncached": (lambda n: greedy_uncached(ours, prompt, n), n_uncached),
                     "HF generate, use_cache=True": (lambda n: _hf_generate(theirs, prompt, n, True), new_tokens),
                     "HF generate, use_cache=False": (lambda n: _hf_generate(theirs, prompt, n, False), n_uncached),
@@ -185,17 +186,20 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
                     seconds = statistics.median(times[name])
                     rows.append({"shape": shape, "batch_size": B, "impl": name, "new_tokens": n, "seconds": seconds,
                                  "tokens_per_s": B * n / seconds, "times": times[name], "same_tokens_as_hf": same})
-                for row in rows[-4:]:
-                    hf_name = "HF generate, use_cache=" + ("True" if row["impl"].endswith(" cached") or row["impl"].endswith("True") else "False")
-                    hf_row = next(r for r in rows[-4:] if r["impl"] == hf_name)
+                these = rows[-len(runs):]
+                for row in these:
+                    cached = row["impl"].endswith((" cached", "True"))
+                    hf_row = next(r for r in these if r["impl"] == f"HF generate, use_cache={cached}")
                     row["ratio_to_hf"] = row["tokens_per_s"] / hf_row["tokens_per_s"]
                 if shape == "gpt2-small" and B == 1:
-                    weight_bytes = decode_weight_bytes(ours)
-                    bandwidth = read_bandwidth(weight_bytes)
-                    ours_row = next(r for r in rows[-4:] if r["impl"] == "ours, cached")
-                    bound_tokens_per_s = bandwidth / weight_bytes
-                    bound = {"weight_bytes": weight_bytes, "bandwidth": bandwidth, "tokens_per_s": bound_tokens_per_s,
-                             "fraction": ours_row["tokens_per_s"] / bound_tokens_per_s}
+                    bandwidth = read_bandwidth(decode_weight_bytes(ours))
+                    bound = {"bandwidth": bandwidth, "formats": {}}
+                    for weights, model, impl in (("float32", ours, "ours, cached"), ("int8", ours_int8, "ours int8, cached"),
+                                                 ("bfloat16", ours_bf16, "ours bf16, cached")):
+                        weight_bytes = decode_weight_bytes(model)
+                        row = next(r for r in these if r["impl"] == impl)
+                        bound["formats"][weights] = {"weight_bytes": weight_bytes, "tokens_per_s": bandwidth / weight_bytes,
+                                                     "fraction": row["tokens_per_s"] * weight_bytes / bandwidth}
     finally:
         torch.set_num_threads(previous_threads)
     return {"rows": rows, "bound": bound, "threads": threads, "repeats": repeats, "warmup": warmup, "prompt_len": prompt_len}
@@ -211,12 +215,15 @@ def format_decode(result: dict) -> str:
                      f"{row['seconds'] / row['new_tokens'] * 1e3:>8.2f} {row['tokens_per_s']:>9.1f} {row['ratio_to_hf']:>5.2f}x")
     agree = {(r["shape"], r["batch_size"]): r["same_tokens_as_hf"] for r in result["rows"]}
     lines.append("ours cached == HF cached, same tokens: " + ", ".join(f"{s} B={b}: {'yes' if v else 'NO'}" for (s, b), v in agree.items()))
-    lines.append("(vs HF: ours cached / HF use_cache=True, ours uncached / HF use_cache=False; target >= 1.2x)")
+    lines.append("(vs HF: our cached rows / HF use_cache=True float32, ours uncached / HF use_cache=False; "
+                 "targets: float32 >= 1.3x, int8 >= 2.5x at gpt2-small)")
     bound = result.get("bound")
     if bound:
-        lines.append(f"memory-bandwidth bound, gpt2-small B=1: weights read per step {bound['weight_bytes'] / 1e6:.1f} MB / "
-                     f"measured read bandwidth {bound['bandwidth'] / 1e9:.1f} GB/s (sum of a float32 tensor of that size) = "
-                     f"{bound['tokens_per_s']:.1f} tokens/s; ours cached reaches {bound['fraction']:.0%} of it (target >= 40%)")
+        lines.append(f"memory-bandwidth bound, gpt2-small B=1: measured read bandwidth {bound['bandwidth'] / 1e9:.1f} GB/s "
+                     "(sum of a float32 tensor the size of the float32 weights) / weights read per step:")
+        for weights, b in bound["formats"].items():
+            lines.append(f"  {weights:8s} {b['weight_bytes'] / 1e6:6.1f} MB -> {b['tokens_per_s']:6.1f} tokens/s; "
+                         f"ours cached reaches {b['fraction']:.0%} of it" + (" (target >= 50%)" if weights == "float32" else ""))
     return "\n".join(lines)
 
 

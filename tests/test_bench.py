@@ -35,14 +35,18 @@ def test_bench_decode_quick_on_the_tiny_shape_returns_and_prints_sane_rows(capsy
     assert torch.get_num_threads() == threads
     rows = result["rows"]
     assert [(r["batch_size"], r["impl"]) for r in rows] == [(b, impl) for b in (1, 2) for impl in (
-        "ours, cached", "ours, uncached", "HF generate, use_cache=True", "HF generate, use_cache=False")]
+        "ours, cached", "ours int8, cached", "ours bf16, cached", "ours, uncached", "HF generate, use_cache=True",
+        "HF generate, use_cache=False")]
     for row in rows:
         assert row["seconds"] > 0 and row["tokens_per_s"] == row["batch_size"] * row["new_tokens"] / row["seconds"]
         assert row["new_tokens"] == (6 if row["impl"].endswith(("cached", "True")) and "uncached" not in row["impl"] else 3)
+        hf_row = next(r for r in rows if r["batch_size"] == row["batch_size"] and r["impl"] == "HF generate, use_cache=" +
+                      str("uncached" not in row["impl"] and not row["impl"].endswith("False")))
+        assert row["ratio_to_hf"] == row["tokens_per_s"] / hf_row["tokens_per_s"]
         assert row["ratio_to_hf"] > 0 and row["same_tokens_as_hf"] in (True, False)
     assert result["bound"] is None  # measured for the GPT-2-small shape only
     table = format_decode(result)
-    assert "ours, cached" in table and "HF generate, use_cache=False" in table and "vs HF" in table
+    assert "ours, cached" in table and "ours int8, cached" in table and "HF generate, use_cache=False" in table and "vs HF" in table
 
 
 def test_bench_main_decode_quick_prints_the_table(capsys, monkeypatch):
