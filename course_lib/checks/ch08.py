@@ -1,0 +1,441 @@
+"""Visible checks of chapter 08 (decoding at the speed of memory), and the independent oracles they compare against.
+
+Oracles: bytes counted on real tensors (``bytes_per_token_oracle``: the parameters of a ``GPT(config)``, the
+position table left out and the tied embedding once, plus the ``nbytes`` of a chapter 05 ``KVCache`` of
+``context`` slots); int8 quantization as its float64 formula (``int8_reference``: scale = max |w| / 127 per
+row, q = round(w / scale)) and its properties (int8 levels in -127..127, every entry within half a step of
+the weight, each row's largest entry at +-127); the dequantized weight and the int8 layer as float64
+products (``q * scale[:, None]``, ``F.linear``); never course_lib.quantize's reference solutions.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .core import ATOL, RTOL, assert_close, assert_shape, assert_tensor, fail, passed, unpack_pair
+
+__all__ = ["check_bytes_per_token", "check_quantize_int8", "check_dequantize_int8", "check_int8_linear",
+           "bytes_per_token_oracle", "int8_reference", "int8_rounding_ties"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# exercise 1: bytes per token
+
+
+def _decode_parts(config, batch_size: int, context: int, dtype) -> dict:
+    """The numbers a decode step reads, counted on tensors: elements of the weights (position table left out,
+    the tied embedding once), of the position table and of the token embedding, and of one sequence's cache."""
+    from ..gpt import GPT  # the model whose decoding chapter 08 costs (chapter 04)
+    from ..kv_cache import KVCache  # the cache it decodes with (chapter 05)
+
+    with torch.random.fork_rng(devices=[]):  # its random initialisation leaves the learner's random state as it was
+        model = GPT(config)
+    params = dict(model.named_parameters())  # a tied Parameter appears once, under its first name
+    element = torch.empty((), dtype=dtype).element_size()
+    cache = 0
+    if context > 0:  # a KVCache holds at least one slot
+        cache = KVCache(config.n_layer, batch_size, config.n_head, config.n_embd // config.n_head, max_len=context,
+                        dtype=dtype).nbytes // (batch_size * element)
+    return {"element": element, "cache": cache, "position": params["transformer.wpe.weight"].numel(),
+            "embedding": params["transformer.wte.weight"].numel(),
+            "weights": sum(p.numel() for name, p in params.items() if name != "transformer.wpe.weight")}
+
+
+def bytes_per_token_oracle(config, batch_size: int, context: int, dtype=torch.float32) -> float:
+    """Bytes one decode step reads per token generated, counted: (weights + batch_size x one sequence's cache) / batch_size.
+
+    The weights are every parameter of ``GPT(config)`` (a tied one once) except ``transformer.wpe.weight``;
+    the cache is a chapter 05 ``KVCache(n_layer, batch_size, n_head, n_embd // n_head, max_len=context)``, whose
+    ``nbytes`` covers the whole batch; both in `dtype`.
+    """
+    parts = _decode_parts(config, batch_size, context, dtype)
+    return (parts["weights"] + batch_size * parts["cache"]) * parts["element"] / batch_size
+
+
+def _number(value, what: str) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        fail(f"{what} should be a number, got a tensor of shape {tuple(value.shape)}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        fail(f"{what} should be a number (bytes), got {type(value).__name__}")
+    if not math.isfinite(number):
+        fail(f"{what} should be finite, got {number}")
+    return number
+
+
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(1.0, abs(b))
+
+
+def _describe(config, batch_size: int, context: int, dtype) -> str:
+    bias = "" if config.bias else ", bias=False"
+    return (f"GPTConfig(vocab_size={config.vocab_size}, block_size={config.block_size}, n_layer={config.n_layer}, "
+            f"n_head={config.n_head}, n_embd={config.n_embd}{bias}), batch_size={batch_size}, context={context}, "
+            f"dtype={dtype}")
+
+
+def _bytes_mistakes(config, B: int, context: int, dtype, parts: dict):
+    """(value, explanation) of the classic wrong formulas, for one case."""
+    e, W, K = parts["element"], parts["weights"], parts["cache"]
+    P, E = parts["position"], parts["embedding"]
+    L, C = config.n_layer, config.n_embd
+    mistakes = []
+    if K:
+        mistakes += [
+            (W * e / B, (f"that is the weights alone ({W * e:,} bytes / batch {B}): each sequence also reads its own KV "
+                         f"cache, 2 x n_layer x context x n_embd = 2 x {L} x {context} x {C} = {K:,} numbers "
+                         f"({K * e:,} bytes) per token generated")),
+            ((W + B * K / 2) * e / B, (f"you counted {K // 2:,} cached numbers per sequence, the keys only: the cache "
+                                       "holds a key AND a value per token and layer, 2 x n_layer x context x n_embd = "
+                                       f"{K:,} numbers")),
+        ]
+    if B > 1:
+        mistakes += [
+            ((W + B * K) * e, (f"that is what the whole step reads; the step generates one token per sequence, "
+                               f"B = {B} tokens: divide by the batch size")),
+            ((W + K) * e, (f"you counted the weights in full for every token ({W * e:,} bytes): the step reads them once "
+                           f"for the whole batch and makes B = {B} tokens, so per token they cost weights / B = "
+                           f"{W * e / B:,.6g} bytes (per step is not per token). The KV cache, each sequence's own, "
+                           "counts in full")),
+        ]
+        if K:
+            mistakes.append(((W + K) * e / B, ("you divided the KV cache by the batch size too, as if it were shared: "
+                                               "the weights are shared by the batch, but each sequence has its own "
+                                               f"cache, and every token generated reads its sequence's {K * e:,} bytes "
+                                               "of keys and values in full")))
+    mistakes += [
+        ((W + P + B * K) * e / B, (f"you counted the position table transformer.wpe (block_size x n_embd = "
+                                   f"{config.block_size} x {C} = {P:,} numbers): a decode step reads one row of it per "
+                                   "sequence, not the table: leave it out")),
+        ((W + E + B * K) * e / B, ("you counted the LM head and the token embedding separately: they are one tensor "
+                                   "(weight tying: lm_head.weight is transformer.wte.weight), read once, vocab_size x "
+                                   f"n_embd = {config.vocab_size} x {C} = {E:,} numbers")),
+    ]
+    mistakes += [((W + B * K) * size / B, (f"you counted {size} byte(s) per number, but a {dtype} takes {e} "
+                                           "(torch.empty((), dtype=dtype).element_size()): the weights and the cache "
+                                           "are stored in dtype"))
+                 for size in (1, 2, 4, 8) if size != e]
+    return mistakes
+
+
+def check_bytes_per_token(bytes_per_token) -> None:
+    """Visible checks for chapter 08, exercise 1: two small GPTs (with and without biases), batches 1, 8 and 64,
+    contexts 0 to block_size, in float32, bfloat16, float16 and int8, against bytes counted on tensors."""
+    from ..gpt import GPTConfig  # the model's sizes (chapter 04), not a chapter 08 solution
+
+    small = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=8)
+    no_bias = GPTConfig(vocab_size=37, block_size=24, n_layer=3, n_head=4, n_embd=16, bias=False)
+    cases = [(small, 1, 0, None), (small, 1, 16, torch.float32), (small, 8, 5, torch.bfloat16),
+             (no_bias, 64, 24, torch.float16), (no_bias, 8, 10, torch.int8), (no_bias, 1, 7, torch.float32)]
+    for config, B, context, dtype in cases:
+        if dtype is None:  # the default dtype
+            name = _describe(config, B, context, "the default torch.float32")
+            got = _number(bytes_per_token(config, B, context), f"bytes_per_token({name})")
+            dtype = torch.float32
+        else:
+            name = _describe(config, B, context, dtype)
+            got = _number(bytes_per_token(config, B, context, dtype=dtype), f"bytes_per_token({name})")
+        parts = _decode_parts(config, B, context, dtype)
+        expected = (parts["weights"] + B * parts["cache"]) * parts["element"] / B
+        if _same(got, expected):
+            continue
+        for value, explanation in _bytes_mistakes(config, B, context, dtype, parts):
+            if _same(got, value):
+                fail(f"for {name}: you computed {got:,.6g} bytes per token, expected {expected:,.6g}: {explanation}")
+        e = parts["element"]
+        fail(f"for {name}: you computed {got:,.6g} bytes per token, expected {expected:,.6g} = (weights "
+             f"{parts['weights'] * e:,} bytes, read once for the batch, + {B} x one sequence's KV cache "
+             f"{parts['cache'] * e:,} bytes) / {B} (ratio {got / expected:.4g})")
+    passed("bytes_per_token")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# exercises 2 to 4: int8 weights
+
+
+def int8_reference(weight):
+    """The oracle of chapter 08's quantization checks: symmetric per-output-channel int8, as its float64 formula.
+
+    weight (out, in) -> (q (out, in) int8, scale (out,) float64): scale[o] = max_i |w[o, i]| / 127 and
+    q = round(w / scale[:, None]) (half to even), computed in float64; an all-zero row gets scale 0 and q 0.
+    Code that works in float32 may round the other way where w / scale is within float32 rounding of a
+    half-integer: ``int8_rounding_ties`` marks those entries, where q may differ by 1.
+    """
+    w = weight.detach().double()
+    scale = w.abs().amax(dim=1) / 127
+    q = torch.round(w / torch.where(scale > 0, scale, 1.0)[:, None])
+    return q.to(torch.int8), scale
+
+
+def int8_rounding_ties(weight, slack: float = 1e-4):
+    """Entries of weight (out, in) whose w / scale (float64) lies within `slack` of a half-integer: (out, in) bool.
+
+    There either rounding is right (a float32 computation of w / scale may land on either side of the tie)."""
+    _, scale = int8_reference(weight)
+    ratio = (weight.detach().double() / torch.where(scale > 0, scale, 1.0)[:, None]).abs()
+    return ((ratio - ratio.floor()) - 0.5).abs() < slack
+
+
+class _NonFiniteWatch(TorchFunctionMode):
+    """Records the first torch operation, run inside it, whose floating-point result holds a NaN or an infinity."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.first is None:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+                    self.first = (getattr(func, "__name__", str(func)), "NaN" if t.isnan().any() else "an infinity")
+                    break
+        return out
+
+
+def _scale_dtype_message(dtype, name: str) -> str:
+    if dtype in (torch.bfloat16, torch.float16):
+        bits = 1 - round(math.log2(torch.finfo(dtype).eps))  # significant bits: 8 (bfloat16), 11 (float16)
+        return (f"scale should be float32, got {dtype} ({name}): {dtype} keeps {bits} significant bits, so the scale "
+                f"is off from max |w| / 127 by up to {100 * 2.0 ** -bits:.2g}%, an error every weight of the row "
+                "inherits. Keep the scale in float32 (scale.float())")
+    return (f"scale should be float32, got {dtype} ({name}): one float32 per output channel is all the precision a "
+            "scale needs (a float64 one is 8 bytes; was the weight float64, or the arithmetic?). Return scale.float()")
+
+
+def _check_quantized(quantize_int8, weight, name: str) -> None:
+    """One matrix: every property of symmetric per-output-channel int8, with a specific message for each classic bug."""
+    original = weight.clone()
+    watch = _NonFiniteWatch()
+    with watch:
+        result = quantize_int8(weight)
+    q, scale = unpack_pair(result, "quantize_int8(weight)", ("q", "scale"))
+    assert_tensor(q, f"q ({name})")
+    assert_tensor(scale, f"scale ({name})")
+    if not torch.equal(weight, original):
+        fail(f"quantize_int8 changed the weight it was given ({name}): compute new tensors, do not modify it in place")
+    out, inp = weight.shape
+    w = weight.double()
+    absmax = w.abs().amax(dim=1)  # (out,) float64
+    zero_rows = (absmax == 0).nonzero().flatten().tolist()
+    if q.dtype != torch.int8:
+        hint = (": round, then store the levels as 8-bit integers, q.to(torch.int8)" if q.is_floating_point()
+                else ": uint8 holds 0..255, no negative levels" if q.dtype == torch.uint8 else "")
+        fail(f"q should be int8 (torch.int8), got {q.dtype} ({name}){hint}")
+    assert_shape(q, (out, inp), f"q ({name}), one level per weight (out, in)")
+    if scale.numel() == 1 and out > 1:
+        r = int(absmax.argmin())
+        levels = round(127 * absmax[r].item() / absmax.max().item())
+        fail(f"scale has shape {tuple(scale.shape)} ({name}): one scale for the whole matrix (per-tensor). Each output "
+             f"channel, a row of the (out, in) weight, needs its own: scale[o] = max |w[o, :]| / 127, shape (out,) = "
+             f"({out},). With one scale, row {r} (largest |w| {absmax[r].item():.3g}, against {absmax.max().item():.3g} "
+             f"in the matrix) would " + ("round to 0 everywhere" if levels == 0 else
+                                          f"use only the levels -{levels}..{levels} of -127..127"))
+    if tuple(scale.shape) == (out, 1):
+        fail(f"scale has shape ({out}, 1) ({name}): return it as (out,) = ({out},), e.g. amax(dim=1) without keepdim "
+             "(index it as scale[:, None] where it must broadcast)")
+    if tuple(scale.shape) == (inp,) and inp != out:
+        fail(f"scale has shape ({inp},) = (in,) ({name}): one scale per input channel, the max over dim 0 (the "
+             f"columns). The scale belongs to an output channel, a row of the (out, in) weight: max |w[o, :]| over "
+             f"dim 1, shape (out,) = ({out},)")
+    assert_shape(scale, (out,), f"scale ({name}), one per output channel (out,)")
+    if scale.dtype != torch.float32:
+        fail(_scale_dtype_message(scale.dtype, name))
+    if not torch.isfinite(scale).all():
+        r = int((~torch.isfinite(scale)).nonzero()[0])
+        zero = " (that row is all zeros: give it scale 0, and q 0)" if r in zero_rows else ""
+        fail(f"scale[{r}] is {scale[r].item()} ({name}){zero}")
+    if out > 1 and bool((scale == scale[0]).all()) and absmax.max() > 1.5 * absmax.min():
+        fail(f"every row got the same scale, {scale[0].item():.4g} ({name}), though the rows' largest |w| range from "
+             f"{absmax.min().item():.3g} to {absmax.max().item():.3g}: that is one scale for the whole matrix "
+             "(per-tensor). Each output channel needs its own, scale[o] = max |w[o, :]| / 127")
+    for r in zero_rows:
+        if scale[r] != 0:
+            fail(f"row {r} of this weight is all zeros ({name}): its scale should be max |w| / 127 = 0, got "
+                 f"{scale[r].item():.4g} (did you clamp the scale to a small minimum? Keep it 0 and guard the "
+                 "division instead: torch.where(scale > 0, scale, 1))")
+        if (q[r] != 0).any():
+            computed = f" (your code computed {watch.first[1]} in {watch.first[0]})" if watch.first else ""
+            fail(f"row {r} of this weight is all zeros ({name}), but your q has {int((q[r] != 0).sum())} nonzero "
+                 f"level(s) there, e.g. {int(q[r][q[r] != 0][0])}{computed}: 0 / 0 is NaN, and a NaN cast to int8 is "
+                 "undefined. Give an all-zero row scale 0 and divide it by 1 instead: torch.where(scale > 0, scale, 1)")
+    if (q == -128).any():
+        r, c = (int(i) for i in (q == -128).nonzero()[0])
+        per_128 = torch.allclose(scale.double(), absmax / 128, rtol=1e-5, atol=0)
+        cause = ("your scale is max |w| / 128, so the row's largest entry becomes +-128; +128 does not fit in int8 "
+                 "(it wraps around to -128). Divide by 127" if per_128 else
+                 "clamp to (-127, 127), not (-128, 127), with scale = max |w| / 127")
+        fail(f"q[{r}, {c}] = -128 ({name}): symmetric int8 uses the levels -127..127 only, so that -w quantizes to "
+             f"-q and zero is exactly 0; {cause}")
+    expected_scale = absmax / 127
+    bad = (scale.double() - expected_scale).abs() > 1e-6 * expected_scale
+    if bad.any():
+        r = int(bad.nonzero()[0])
+        got, want = scale[r].item(), expected_scale[r].item()
+        factor = got / want if want else math.inf
+        if abs(factor * 128 / 127 - 1) < 1e-5:
+            hint = ": that is max |w| / 128; symmetric int8 divides by 127, its largest level"
+        elif abs(factor * 255 / 127 - 1) < 1e-5:
+            hint = ": that is max |w| / 255, the range of an asymmetric (zero-point) scheme; symmetric uses 127"
+        elif abs(factor / 127 - 1) < 1e-5:
+            hint = ": that is max |w| itself; divide it by 127, the largest level"
+        elif abs(got - w[r].amax().item() / 127) <= 1e-6 * abs(want):
+            hint = f": that is max w[{r}, :] / 127; take the largest magnitude, max |w[{r}, :]|, negative entries count too"
+        elif inp == out and abs(got - w[:, r].abs().amax().item() / 127) <= 1e-6 * abs(want):
+            hint = f": that is max |w[:, {r}]| / 127, over column {r} (an input channel); output channel {r} needs the max over row {r}"
+        else:
+            hint = ""
+        fail(f"scale[{r}] should be max |w[{r}, :]| / 127 = {want:.6g}, got {got:.6g} ({name}){hint}")
+    s = scale.double()
+    error = (q.double() * s[:, None] - w).abs()
+    too_far = error > s[:, None] * (0.5 + 2e-4) + 1e-12 * w.abs()
+    ratio = w / torch.where(s > 0, s, 1.0)[:, None]
+    ties = int8_rounding_ties(weight)
+    if too_far.any():
+        r, c = (int(i) for i in too_far.nonzero()[0])
+        near_integer = (ratio - ratio.round()).abs() < 1e-4  # truncating or rounding: either may land there
+        if bool(((q.double() == ratio.trunc()) | ties | near_integer).all()):
+            frac = ratio.abs() - ratio.abs().floor()
+            r, c = (int(i) for i in (frac > 0.5).nonzero()[0])
+            fail(f"q looks truncated toward zero, not rounded ({name}): w[{r}, {c}] / scale = {ratio[r, c].item():.4g} "
+                 f"became {int(q[r, c])}, an error of {frac[r, c].item():.2f} of a step. .to(torch.int8) truncates: "
+                 "round first, torch.round(w / scale[:, None])")
+        fail(f"q[{r}, {c}] = {int(q[r, c])} stands for q x scale = {q[r, c].item() * s[r].item():.6g}, but w[{r}, {c}] = "
+             f"{w[r, c].item():.6g} ({name}): off by {error[r, c].item() / s[r].item():.3g} steps, more than half a step. "
+             f"q should be round(w / scale) = round({ratio[r, c].item():.4g})")
+    top = q.abs().amax(dim=1).int()
+    short = (top != 127) & (absmax > 0)
+    if short.any():
+        r = int(short.nonzero()[0])
+        fail(f"the largest |q| of row {r} is {int(top[r])}, expected 127 ({name}): each row's largest entry maps to "
+             "+-127, the full range")
+    q_ref, _ = int8_reference(weight)
+    differ = (q != q_ref) & ~ties
+    if differ.any():
+        r, c = (int(i) for i in differ.nonzero()[0])
+        fail(f"q[{r}, {c}] = {int(q[r, c])}, expected round(w / scale) = round({ratio[r, c].item():.6g}) = "
+             f"{int(q_ref[r, c])} ({name})")
+
+
+def check_quantize_int8(quantize_int8) -> None:
+    """Visible checks for chapter 08, exercise 2: a (6, 10) weight whose rows differ in size by up to 2000x, a
+    (4, 8) weight with an all-zero row, and a float64 weight, against the float64 formula and its properties."""
+    g = torch.Generator().manual_seed(802)
+    rows = torch.tensor([1.0, 0.02, 3.0, 0.5, 40.0, 0.1])
+    weight = torch.randn(6, 10, generator=g) * rows[:, None]
+    _check_quantized(quantize_int8, weight, "a (6, 10) float32 weight")
+    weight = torch.randn(4, 8, generator=g)
+    weight[2] = 0.0
+    _check_quantized(quantize_int8, weight, "a (4, 8) float32 weight whose row 2 is all zeros")
+    weight = torch.randn(5, 7, generator=g, dtype=torch.float64) * 0.05
+    _check_quantized(quantize_int8, weight, "a (5, 7) float64 weight")
+    passed("quantize_int8")
+
+
+def _int8_pair(g, out: int, inp: int):
+    """A random int8 weight (out, in) with levels -127..127, and float32 scales in [0.002, 0.02)."""
+    q = torch.randint(-127, 128, (out, inp), generator=g, dtype=torch.int8)
+    q[0, 0], q[-1, -1] = 127, -127  # the extremes
+    return q, 0.002 + 0.018 * torch.rand(out, generator=g)
+
+
+def _close(actual, expected) -> bool:
+    if tuple(actual.shape) != tuple(expected.shape):
+        return False
+    return bool(((actual.double() - expected).abs() <= _atol(expected) + RTOL * expected.abs()).all())
+
+
+def _atol(expected) -> float:
+    """The course's atol, scaled by the outputs' magnitude when above 1 (the products are summed in float32)."""
+    return ATOL * max(1.0, expected.abs().max().item())
+
+
+def check_dequantize_int8(dequantize_int8) -> None:
+    """Visible checks for chapter 08, exercise 3: a (5, 5) and a (6, 10) int8 weight, against the float64 product."""
+    g = torch.Generator().manual_seed(803)
+    for out, inp in ((5, 5), (6, 10)):
+        q, scale = _int8_pair(g, out, inp)
+        name = f"dequantize_int8(q, scale) for q ({out}, {inp})"
+        try:
+            w = dequantize_int8(q, scale)
+        except Exception as error:  # noqa: BLE001 - any error is the learner's to see, with its cause
+            fail(f"{name} raised {type(error).__name__}: {error} (scale has one entry per row of q, an output "
+                 "channel: broadcast it as scale[:, None])")
+        assert_tensor(w, name)
+        if not w.is_floating_point():
+            fail(f"{name} returned {w.dtype}: the dequantized weight is real numbers, float32: "
+                 "q.float() * scale[:, None] (do not cast the product back to q's dtype)")
+        if w.dtype != torch.float32:
+            fail(f"{name} returned {w.dtype}, expected torch.float32 (q.float() * scale[:, None])")
+        assert_shape(w, (out, inp), name)
+        expected = q.double() * scale.double()[:, None]
+        if not _close(w, expected) and _close(w, q.double() * scale.double()[None, :]):
+            fail(f"{name}: you scaled the columns, q * scale[None, :]: scale[o] belongs to output channel o, row o "
+                 "of q: q * scale[:, None]")
+        assert_close(w, expected, f"{name}, compared with q * scale[:, None] in float64")
+    passed("dequantize_int8")
+
+
+def check_int8_linear(int8_linear) -> None:
+    """Visible checks for chapter 08, exercise 4: square and (6, 10) int8 weights, with and without a bias, inputs
+    (5, in) and (2, 3, in), float32 and float64, against F.linear with the dequantized weight in float64."""
+    g = torch.Generator().manual_seed(804)
+    q, scale = _int8_pair(g, 8, 8)
+    bias, x = torch.randn(8, generator=g), torch.randn(4, 8, generator=g)
+    y = int8_linear(x, q, scale, bias)
+    name = "int8_linear(x, q, scale, bias) for x (4, 8) and a square (8, 8) weight"
+    assert_tensor(y, name)
+    if y.dtype != x.dtype:
+        fail(f"{name} returned {y.dtype} for x in {x.dtype}: the output should be in x's dtype (compute in it, "
+             "q.to(x.dtype), or cast the result back)")
+    assert_shape(y, (4, 8), name)
+    xd, qd, sd, bd = x.double(), q.double(), scale.double(), bias.double()
+    expected = F.linear(xd, qd * sd[:, None], bd)
+    if not _close(y, expected):
+        for wrong, explanation in (
+            (F.linear(xd * sd, qd, bd), ("you multiplied x by the scale, along the input axis (or scaled the columns of "
+                                         "q): scale[o] belongs to output channel o, row o of q. Scale the outputs, "
+                                         "(x @ q.T) * scale, or the rows, q * scale[:, None]")),
+            ((F.linear(xd, qd) + bd) * sd, ("you multiplied the bias by the scale too: the scale undoes the int8 "
+                                            "levels of the weight, the bias is not quantized. Add it after scaling: "
+                                            "(x @ q.T) * scale + bias")),
+            (F.linear(xd, qd, bd), ("your output is x @ q.T + bias, without the scale: the int8 levels q stand for "
+                                    "the weight q * scale[:, None]")),
+            (xd @ (qd * sd[:, None]) + bd, ("you computed x @ W, not x @ W.T: a weight is (out, in), as in nn.Linear, "
+                                            "so y = x @ W.T (F.linear(x, W))")),
+            (xd @ qd * sd + bd, ("you computed x @ q, not x @ q.T: a weight is (out, in), as in nn.Linear, so "
+                                 "y = (x @ q.T) * scale + bias")),
+        ):
+            if _close(y, wrong):
+                fail(f"{name}: {explanation}")
+    assert_close(y, expected, f"{name}, compared with F.linear(x, q * scale[:, None], bias) in float64",
+                 atol=_atol(expected))
+    q, scale = _int8_pair(g, 6, 10)
+    bias = torch.randn(6, generator=g)
+    for x, b, what, hint in (
+        (torch.randn(5, 10, generator=g), bias, "x (5, 10) and a (6, 10) weight",
+         "scale (out,) = (6,) goes with the outputs, not with x's 10 inputs: (x @ q.T) * scale"),
+        (torch.randn(5, 10, generator=g), None, "x (5, 10) and bias=None",
+         "a layer may have no bias (nn.Linear(..., bias=False), GPTConfig(bias=False)): add it only when it is not None"),
+        (torch.randn(2, 3, 10, generator=g), bias, "x (2, 3, 10)",
+         "x may have any number of leading dimensions (..., in): use @ or F.linear, which broadcast, not torch.mm"),
+        (torch.randn(5, 10, generator=g, dtype=torch.float64), bias, "a float64 x (5, 10)", ""),
+    ):
+        name = f"int8_linear(x, q, scale, {'bias' if b is not None else 'None'}) for {what}"
+        try:
+            y = int8_linear(x, q, scale, b)
+        except Exception as error:  # noqa: BLE001 - any error is the learner's to see, with its cause
+            fail(f"{name} raised {type(error).__name__}: {error}" + (f" ({hint})" if hint else ""))
+        assert_tensor(y, name)
+        if y.dtype != x.dtype:
+            fail(f"{name} returned {y.dtype}: the output should be in x's dtype, {x.dtype} (compute in it, "
+                 "q.to(x.dtype), or cast the result back)")
+        assert_shape(y, (*x.shape[:-1], 6), f"{name}, (..., out)")
+        expected = F.linear(x.double(), q.double() * scale.double()[:, None], None if b is None else b.double())
+        assert_close(y, expected, f"{name}, compared with F.linear(x, q * scale[:, None], bias) in float64",
+                     atol=_atol(expected))
+    passed("int8_linear")

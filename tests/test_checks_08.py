@@ -1,0 +1,400 @@
+"""Chapter 08's learner-facing checks: the reference and correct alternatives pass; each classic bug gets a specific
+message."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import checks
+from course_lib.gpt import GPTConfig
+from course_lib.quantize import bytes_per_token, dequantize_int8, int8_linear, quantize_int8
+
+
+def test_reference_implementations_pass_every_visible_check(capsys):
+    checks.check_bytes_per_token(bytes_per_token)
+    checks.check_quantize_int8(quantize_int8)
+    checks.check_dequantize_int8(dequantize_int8)
+    checks.check_int8_linear(int8_linear)
+    assert capsys.readouterr().out.count("all visible checks passed") == 4
+
+
+# ---- correct alternatives: other formulations pass too
+
+
+def bytes_by_layers(config, batch_size, context, dtype=torch.float32):
+    """Layer by layer, from the shapes, as a tensor."""
+    C, b = config.n_embd, int(config.bias)
+    attention = C * 3 * C + b * 3 * C + C * C + b * C
+    mlp = C * 4 * C + b * 4 * C + 4 * C * C + b * C
+    norms = 2 * (C + b * C)
+    weights = config.vocab_size * C + config.n_layer * (attention + mlp + norms) + C + b * C
+    cache = config.n_layer * 2 * context * C
+    per_token = torch.tensor(weights / batch_size + cache, dtype=torch.float64)
+    return per_token * torch.tensor([], dtype=dtype).element_size()
+
+
+def quantize_by_rows(weight):
+    """Row by row, multiplying by 127 / max |w| instead of dividing by the scale."""
+    qs, scales = [], []
+    for row in weight.float():
+        top = row.abs().max()
+        if top == 0:
+            qs.append(torch.zeros_like(row, dtype=torch.int8))
+            scales.append(torch.zeros(()))
+            continue
+        qs.append(torch.clamp(torch.round(row * (127 / top)), -127, 127).to(torch.int8))
+        scales.append(top / 127)
+    return torch.stack(qs), torch.stack(scales)
+
+
+def quantize_in_float64(weight):
+    w = weight.double()
+    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    q = torch.where(scale > 0, w / scale.clamp(min=1e-300), torch.zeros_like(w)).round().to(torch.int8)
+    return q, scale.squeeze(1).float()
+
+
+def dequantize_by_diagonal(q, scale):
+    return torch.diag(scale) @ q.float()
+
+
+def quantize_masking_the_division(weight):
+    """Divides every row, then keeps 0 where the scale is 0: 0 / 0 is computed and thrown away (same numbers)."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127
+    q = torch.where(scale[:, None] > 0, torch.round(w / scale[:, None]), 0.0)
+    return q.clamp(-127, 127).to(torch.int8), scale
+
+
+def dequantize_by_einsum(q, scale):
+    return torch.einsum("oi,o->oi", q.to(torch.float32), scale)
+
+
+def int8_linear_dequantized(x, q, scale, bias=None):
+    """Builds the float weight first (slower, same numbers)."""
+    return F.linear(x, (q.float() * scale[:, None]).to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def int8_linear_einsum(x, q, scale, bias=None):
+    y = torch.einsum("...i,oi->...o", x, q.to(x.dtype)) * scale.to(x.dtype)
+    return y if bias is None else y + bias.to(x.dtype)
+
+
+@pytest.mark.parametrize("check,solution", [
+    (checks.check_bytes_per_token, bytes_by_layers),
+    (checks.check_quantize_int8, quantize_by_rows),
+    (checks.check_quantize_int8, quantize_in_float64),
+    (checks.check_quantize_int8, quantize_masking_the_division),
+    (checks.check_dequantize_int8, dequantize_by_diagonal),
+    (checks.check_dequantize_int8, dequantize_by_einsum),
+    (checks.check_int8_linear, int8_linear_dequantized),
+    (checks.check_int8_linear, int8_linear_einsum),
+])
+def test_correct_alternatives_pass(check, solution, capsys):
+    check(solution)
+    assert "all visible checks passed" in capsys.readouterr().out
+
+
+# ---- exercise 1: bytes per token
+
+
+def _bytes(config, batch_size, context, dtype=torch.float32, *, element=None, weights_extra=0, kv_factor=2,
+           weights_per_token=False, kv_shared=False):
+    C = config.n_embd
+    element = torch.empty((), dtype=dtype).element_size() if element is None else element
+    weights = bytes_per_token(config, 1, 0) / 4 + (weights_extra(config) if weights_extra else 0)  # numbers
+    cache = kv_factor * config.n_layer * context * C
+    weights_share = weights if weights_per_token else weights / batch_size
+    cache_share = cache / batch_size if kv_shared else cache
+    return (weights_share + cache_share) * element
+
+
+def no_kv_cache(config, B, context, dtype=torch.float32):
+    return _bytes(config, B, context, dtype, kv_factor=0)
+
+
+def keys_only(config, B, context, dtype=torch.float32):
+    return _bytes(config, B, context, dtype, kv_factor=1)
+
+
+def weights_per_step(config, B, context, dtype=torch.float32):
+    return _bytes(config, B, context, dtype, weights_per_token=True)
+
+
+def whole_step(config, B, context, dtype=torch.float32):
+    return bytes_per_token(config, B, context, dtype) * B
+
+
+def kv_shared(config, B, context, dtype=torch.float32):
+    return _bytes(config, B, context, dtype, kv_shared=True)
+
+
+def with_position_table(config, B, context, dtype=torch.float32):
+    return _bytes(config, B, context, dtype, weights_extra=lambda c: c.block_size * c.n_embd)
+
+
+def head_twice(config, B, context, dtype=torch.float32):
+    return _bytes(config, B, context, dtype, weights_extra=lambda c: c.vocab_size * c.n_embd)
+
+
+def always_four_bytes(config, B, context, dtype=torch.float32):
+    return bytes_per_token(config, B, context)
+
+
+def as_a_string(config, B, context, dtype=torch.float32):
+    return f"{bytes_per_token(config, B, context, dtype):,} bytes"
+
+
+def off_by_one_layer(config, B, context, dtype=torch.float32):
+    return bytes_per_token(GPTConfig(config.vocab_size, config.block_size, config.n_layer - 1, config.n_head,
+                                     config.n_embd, bias=config.bias), B, context, dtype)
+
+
+# ---- exercise 2: quantize
+
+
+def _rowwise(weight, divisor=127.0):
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / divisor
+    return w, scale, torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def per_tensor(weight):
+    w = weight.float()
+    scale = w.abs().max() / 127
+    return torch.round(w / scale).to(torch.int8), scale
+
+
+def per_tensor_repeated(weight):
+    q, scale = per_tensor(weight)
+    return q, scale.repeat(weight.shape[0])
+
+
+def per_input_channel(weight):
+    w = weight.float()
+    scale = w.abs().amax(dim=0) / 127
+    return torch.round(w / torch.where(scale > 0, scale, 1)[None, :]).to(torch.int8), scale
+
+
+def truncated(weight):
+    w, scale, divisor = _rowwise(weight)
+    return (w / divisor[:, None]).to(torch.int8), scale
+
+
+def divided_by_128(weight):
+    w, scale, divisor = _rowwise(weight, 128.0)
+    return torch.round(w / divisor[:, None]).to(torch.int8), scale
+
+
+def clamped_asymmetric(weight):
+    w, scale, divisor = _rowwise(weight, 128.0)
+    return torch.round(w / divisor[:, None]).clamp(-128, 127).to(torch.int8), scale
+
+
+def scale_clamped(weight):
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def scale_float64(weight):
+    q, scale = quantize_int8(weight)
+    return q, scale.double()
+
+
+def scale_bfloat16(weight):
+    q, scale = quantize_int8(weight)
+    return q, scale.to(torch.bfloat16)
+
+
+def scale_float16(weight):
+    q, scale = quantize_int8(weight)
+    return q, scale.half()
+
+
+def scale_keeps_weight_dtype(weight):
+    w = weight.detach()
+    scale = w.abs().amax(dim=1) / 127
+    return torch.round(w / torch.where(scale > 0, scale, 1)[:, None]).to(torch.int8), scale
+
+
+def q_left_float(weight):
+    q, scale = quantize_int8(weight)
+    return q.float(), scale
+
+
+def q_uint8(weight):
+    q, scale = quantize_int8(weight)
+    return q.to(torch.uint8), scale
+
+
+def scale_keepdim(weight):
+    q, scale = quantize_int8(weight)
+    return q, scale[:, None]
+
+
+def scale_not_divided(weight):
+    w, scale, divisor = _rowwise(weight)
+    return torch.round(w / divisor[:, None]).to(torch.int8), scale * 127
+
+
+def max_not_absmax(weight):
+    w = weight.float()
+    scale = w.amax(dim=1) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def in_place(weight):
+    q, scale = quantize_int8(weight)
+    weight.mul_(0)
+    return q, scale
+
+
+def never_full_range(weight):
+    w, scale, divisor = _rowwise(weight)
+    return (torch.round(w / divisor[:, None]) * 0.99).round().to(torch.int8), scale
+
+
+# ---- exercise 3: dequantize
+
+
+def scale_on_columns(q, scale):
+    return q.float() * scale.float()[None, :]
+
+
+def dequantized_float64(q, scale):
+    return q.double() * scale.double()[:, None]
+
+
+def dequantized_int8(q, scale):
+    return (q.float() * scale[:, None]).to(q.dtype)
+
+
+# ---- exercise 4: int8 linear
+
+
+def scale_on_input(x, q, scale, bias=None):
+    y = (x * scale) @ q.to(x.dtype).T
+    return y if bias is None else y + bias
+
+
+def bias_scaled(x, q, scale, bias=None):
+    y = x @ q.to(x.dtype).T
+    return (y if bias is None else y + bias) * scale
+
+
+def scale_forgotten(x, q, scale, bias=None):
+    y = x @ q.to(x.dtype).T
+    return y if bias is None else y + bias
+
+
+def not_transposed(x, q, scale, bias=None):
+    y = x @ (q.to(x.dtype) * scale[:, None])
+    return y if bias is None else y + bias
+
+
+def q_not_transposed(x, q, scale, bias=None):
+    y = (x @ q.to(x.dtype)) * scale
+    return y if bias is None else y + bias
+
+
+def output_float64(x, q, scale, bias=None):
+    return int8_linear(x.double(), q, scale.double(), None if bias is None else bias.double())
+
+
+def bias_required(x, q, scale, bias=None):
+    return F.linear(x, q.to(x.dtype)) * scale + bias
+
+
+def matrix_only(x, q, scale, bias=None):
+    y = torch.mm(x, q.to(x.dtype).T) * scale
+    return y if bias is None else y + bias
+
+
+def loose_precision(x, q, scale, bias=None):
+    return int8_linear(x.to(torch.bfloat16), q, scale, None if bias is None else bias).to(x.dtype)
+
+
+@pytest.mark.parametrize("check,buggy,message", [
+    (checks.check_bytes_per_token, no_kv_cache, (r"batch_size=1, context=16, .*that is the weights alone "
+                                                 r"\(.* bytes / batch 1\): each sequence also reads its own KV cache, "
+                                                 r"2 x n_layer x context x n_embd = 2 x 2 x 16 x 8 = 512 numbers")),
+    (checks.check_bytes_per_token, keys_only, r"you counted 256 cached numbers per sequence, the keys only"),
+    (checks.check_bytes_per_token, weights_per_step, (r"batch_size=8, .*you counted the weights in full for every "
+                                                      r"token .*per step is not per token")),
+    (checks.check_bytes_per_token, whole_step, (r"that is what the whole step reads; .*B = 8 tokens: divide by the "
+                                                r"batch size")),
+    (checks.check_bytes_per_token, kv_shared, r"you divided the KV cache by the batch size too, as if it were shared"),
+    (checks.check_bytes_per_token, with_position_table, (r"context=0, dtype=the default torch.float32: .*you counted "
+                                                         r"the position table transformer.wpe \(block_size x n_embd = "
+                                                         r"16 x 8 = 128 numbers\)")),
+    (checks.check_bytes_per_token, head_twice, r"LM head and the token embedding separately: .* 50 x 8 = 400 numbers"),
+    (checks.check_bytes_per_token, always_four_bytes, (r"dtype=torch.bfloat16: .*you counted 4 byte\(s\) per number, "
+                                                       r"but a torch.bfloat16 takes 2")),
+    (checks.check_bytes_per_token, as_a_string, r"should be a number \(bytes\), got str"),
+    (checks.check_bytes_per_token, off_by_one_layer, (r"you computed 5,152 bytes per token, expected 8,640 = \(weights "
+                                                      r"8,640 bytes, read once for the batch, \+ 1 x one sequence's "
+                                                      r"KV cache 0 bytes\) / 1")),
+    (checks.check_quantize_int8, per_tensor, (r"scale has shape \(\) \(a \(6, 10\) float32 weight\): one scale for "
+                                              r"the whole matrix \(per-tensor\).*row 1 .*would round to 0 everywhere")),
+    (checks.check_quantize_int8, per_tensor_repeated, r"every row got the same scale, .* \(per-tensor\)"),
+    (checks.check_quantize_int8, per_input_channel, r"scale has shape \(10,\) = \(in,\) .*one scale per input channel"),
+    (checks.check_quantize_int8, truncated, (r"q looks truncated toward zero, not rounded .*became -?\d+, an error of "
+                                             r"0\.\d\d of a step")),
+    (checks.check_quantize_int8, divided_by_128, r"= -128 .*your scale is max \|w\| / 128, .*wraps around"),
+    (checks.check_quantize_int8, clamped_asymmetric, r"= -128 .*symmetric int8 uses the levels -127..127 only"),
+    (checks.check_quantize_int8, scale_clamped, (r"row 2 of this weight is all zeros .*its scale should be max \|w\| "
+                                                 r"/ 127 = 0, got 1e-08 \(did you clamp")),
+    (checks.check_quantize_int8, scale_float64, r"scale should be float32, got torch.float64 \(a \(6, 10\) float32"),
+    (checks.check_quantize_int8, scale_bfloat16, (r"scale should be float32, got torch.bfloat16 .*8 significant bits, "
+                                                  r"so the scale is off from max \|w\| / 127 by up to 0.39%")),
+    (checks.check_quantize_int8, scale_float16, r"scale should be float32, got torch.float16 .*11 significant bits"),
+    (checks.check_quantize_int8, scale_keeps_weight_dtype, (r"scale should be float32, got torch.float64 \(a \(5, 7\) "
+                                                            r"float64 weight\)")),
+    (checks.check_quantize_int8, q_left_float, (r"q should be int8 \(torch.int8\), got torch.float32 .*round, then "
+                                                r"store the levels as 8-bit integers")),
+    (checks.check_quantize_int8, q_uint8, r"got torch.uint8 .*no negative levels"),
+    (checks.check_quantize_int8, scale_keepdim, r"scale has shape \(6, 1\) .*return it as \(out,\) = \(6,\)"),
+    (checks.check_quantize_int8, scale_not_divided, (r"scale\[0\] should be max \|w\[0, :\]\| / 127 = .*: that is max "
+                                                     r"\|w\| itself")),
+    (checks.check_quantize_int8, max_not_absmax, r"that is max w\[2, :\] / 127; take the largest magnitude, max \|w\[2, :\]\|"),
+    (checks.check_quantize_int8, in_place, r"quantize_int8 changed the weight it was given"),
+    (checks.check_quantize_int8, never_full_range, (r"q\[0, 0\] = -92 stands for q x scale = .*off by 1\.01 steps, "
+                                                    r"more than half a step")),
+    (checks.check_quantize_int8, lambda weight: quantize_int8(weight)[0], r"should return a tuple \(q, scale\)"),
+    (checks.check_dequantize_int8, scale_on_columns, r"for q \(5, 5\): you scaled the columns, q \* scale\[None, :\]"),
+    (checks.check_dequantize_int8, dequantized_float64, r"returned torch.float64, expected torch.float32"),
+    (checks.check_dequantize_int8, dequantized_int8, r"returned torch.int8: the dequantized weight is real numbers"),
+    (checks.check_int8_linear, scale_on_input, (r"square \(8, 8\) weight: you multiplied x by the scale, along the "
+                                                r"input axis")),
+    (checks.check_int8_linear, bias_scaled, r"you multiplied the bias by the scale too"),
+    (checks.check_int8_linear, scale_forgotten, r"your output is x @ q.T \+ bias, without the scale"),
+    (checks.check_int8_linear, not_transposed, r"you computed x @ W, not x @ W.T"),
+    (checks.check_int8_linear, q_not_transposed, r"you computed x @ q, not x @ q.T"),
+    (checks.check_int8_linear, output_float64, (r"returned torch.float64 for x in torch.float32: the output should be "
+                                                r"in x's dtype")),
+    (checks.check_int8_linear, bias_required, (r"int8_linear\(x, q, scale, None\) for x \(5, 10\) and bias=None raised "
+                                               r"TypeError: .*a layer may have no bias")),
+    (checks.check_int8_linear, matrix_only, (r"for x \(2, 3, 10\) raised RuntimeError: .*any number of leading "
+                                             r"dimensions")),
+    (checks.check_int8_linear, loose_precision, r"differs from the expected values in \d+ of 32 entries"),
+])
+def test_classic_bugs_get_specific_messages(check, buggy, message):
+    with pytest.raises(checks.CheckFailed, match=message):
+        check(buggy)
+
+
+def test_the_oracles_are_independent_of_the_reference():
+    config = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=8)
+    # by hand: 50 x 8 embedding + 2 layers x (12 x 64 + 13 x 8) + 2 x 8 final LayerNorm = 2,160 numbers
+    assert checks.bytes_per_token_oracle(config, 1, 0) == 2_160 * 4
+    # + per sequence 2 x 2 layers x 10 tokens x 8 = 320 cached numbers; batch 4, bfloat16
+    assert checks.bytes_per_token_oracle(config, 4, 10, torch.bfloat16) == (2_160 / 4 + 320) * 2
+    weight = torch.tensor([[0.5, -1.27, 0.0], [0.0, 0.0, 0.0], [2.54, 1.0, -0.1]])
+    q, scale = checks.int8_reference(weight)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float64
+    assert q.tolist() == [[50, -127, 0], [0, 0, 0], [127, 50, -5]]
+    assert torch.allclose(scale, torch.tensor([0.01, 0.0, 0.02], dtype=torch.float64))
+    ties = checks.int8_rounding_ties(torch.tensor([[2.54, 0.25, 1.27, 0.03]]))  # 127, 12.5, 63.5, 1.5
+    assert ties.tolist() == [[False, True, True, True]]
