@@ -140,7 +140,8 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
     times untimed, then repeats times, alternating between implementations; the median time gives
     tokens/s = B * new tokens / seconds; "vs HF" divides by HF's float32 row of the same caching. For the
     GPT-2-small shape at batch 1, the memory-bandwidth bound of each weight format: the measured read
-    bandwidth / the bytes of the weights a step reads. Returns {"rows": [...], "bound": {...} or None, ...}.
+    bandwidth (measured after each repeat's runs, best of 3 sums; the median over the repeats) / the bytes
+    of the weights a step reads. Returns {"rows": [...], "bound": {...} or None, ...}.
     """
     from .hf import to_hf
 
@@ -176,11 +177,15 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
                     for _ in range(warmup):
                         outputs[name] = run(min(n, 8))
                 times: dict[str, list[float]] = {name: [] for name in runs}
+                measure_bound = shape == "gpt2-small" and B == 1
+                bandwidths = []
                 for _ in range(repeats):
                     for name, (run, n) in runs.items():  # alternate, so that background load hits all alike
                         start = time.perf_counter()
                         outputs[name] = run(n)
                         times[name].append(time.perf_counter() - start)
+                    if measure_bound:  # the bandwidth too, between the same runs: memory is shared with the machine's other work
+                        bandwidths.append(read_bandwidth(decode_weight_bytes(ours), repeats=3))
                 same = torch.equal(outputs["ours, cached"], outputs["HF generate, use_cache=True"])
                 for name, (_, n) in runs.items():
                     seconds = statistics.median(times[name])
@@ -191,9 +196,9 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
                     cached = row["impl"].endswith((" cached", "True"))
                     hf_row = next(r for r in these if r["impl"] == f"HF generate, use_cache={cached}")
                     row["ratio_to_hf"] = row["tokens_per_s"] / hf_row["tokens_per_s"]
-                if shape == "gpt2-small" and B == 1:
-                    bandwidth = read_bandwidth(decode_weight_bytes(ours))
-                    bound = {"bandwidth": bandwidth, "formats": {}}
+                if measure_bound:
+                    bandwidth = statistics.median(bandwidths)  # the median, as for the tokens/s beside it
+                    bound = {"bandwidth": bandwidth, "bandwidths": bandwidths, "formats": {}}
                     for weights, model, impl in (("float32", ours, "ours, cached"), ("int8", ours_int8, "ours int8, cached"),
                                                  ("bfloat16", ours_bf16, "ours bf16, cached")):
                         weight_bytes = decode_weight_bytes(model)
@@ -219,8 +224,10 @@ def format_decode(result: dict) -> str:
                  "targets: float32 >= 1.3x, int8 >= 2.5x at gpt2-small)")
     bound = result.get("bound")
     if bound:
+        spread = ", ".join(f"{b / 1e9:.1f}" for b in sorted(bound["bandwidths"]))
         lines.append(f"memory-bandwidth bound, gpt2-small B=1: measured read bandwidth {bound['bandwidth'] / 1e9:.1f} GB/s "
-                     "(sum of a float32 tensor the size of the float32 weights) / weights read per step:")
+                     f"(median of [{spread}] GB/s: sums of a float32 tensor the size of the float32 weights, measured "
+                     "between the repeats) / weights read per step:")
         for weights, b in bound["formats"].items():
             lines.append(f"  {weights:8s} {b['weight_bytes'] / 1e6:6.1f} MB -> {b['tokens_per_s']:6.1f} tokens/s; "
                          f"ours cached reaches {b['fraction']:.0%} of it" + (" (target >= 50%)" if weights == "float32" else ""))
@@ -243,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
     parser.add_argument("--tokens", type=int, default=256, help="decode: new tokens of the cached rows (default: %(default)s)")
     parser.add_argument("--shapes", nargs="+", default=list(DECODE_SHAPES), choices=list(DECODE_SHAPES), help="decode: model shapes")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="decode: batch sizes (default: 1 8)")
     parser.add_argument("--quick", action="store_true", help="decode: 32 new tokens (8 uncached), 1 run, no warm-up (a smoke run)")
     args = parser.parse_args(argv)
     if args.what == "decode":
@@ -250,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             result = bench_decode(shapes=args.shapes, new_tokens=32, uncached_tokens={s: 8 for s in DECODE_SHAPES},
                                   threads=args.threads, warmup=0, repeats=args.repeats or 1)
         else:
-            result = bench_decode(shapes=args.shapes, new_tokens=args.tokens, threads=args.threads, repeats=args.repeats or 5)
+            result = bench_decode(shapes=args.shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=args.tokens,
+                                  threads=args.threads, repeats=args.repeats or 5)
         print(format_decode(result))
         return 0
     repeats = args.repeats or 7
