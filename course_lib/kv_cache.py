@@ -220,6 +220,7 @@ def position_ids(attention_mask, past: int, T: int, batch_size: int, device=None
 
 #: Weights of at least this many elements go through oneDNN in ``linear`` (below: MKL, whose call costs less).
 ONEDNN_MIN_ELEMENTS = 1 << 18
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def linear(module, x):
@@ -236,9 +237,6 @@ def linear(module, x):
             and weight.dtype == torch.float32 and weight.device.type == "cpu" and x.dtype == torch.float32):
         return torch.ops.mkldnn._linear_pointwise(x, weight, module.bias, "none", [], "")
     return module(x)
-
-
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def cached_mlp(mlp, x):
