@@ -109,7 +109,8 @@ def greedy_uncached(model, idx, max_new_tokens: int):
     return idx
 
 
-def _hf_generate(model, idx, max_new_tokens: int, use_cache: bool):
+def hf_generate(model, idx, max_new_tokens: int, use_cache: bool = True):
+    """Greedy decoding with Hugging Face's generate: exactly max_new_tokens new tokens, no padding. (B, T) -> (B, T + n)."""
     with torch.inference_mode():
         return model.generate(idx, attention_mask=torch.ones_like(idx), do_sample=False, use_cache=use_cache,
                               max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
@@ -169,8 +170,8 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
                     "ours int8, cached": (lambda n: generate_cached(ours_int8, prompt, n), new_tokens),
                     "ours bf16, cached": (lambda n: generate_cached(ours_bf16, prompt, n), new_tokens),
                     "ours, uncached": (lambda n: greedy_uncached(ours, prompt, n), n_uncached),
-                    "HF generate, use_cache=True": (lambda n: _hf_generate(theirs, prompt, n, True), new_tokens),
-                    "HF generate, use_cache=False": (lambda n: _hf_generate(theirs, prompt, n, False), n_uncached),
+                    "HF generate, use_cache=True": (lambda n: hf_generate(theirs, prompt, n, True), new_tokens),
+                    "HF generate, use_cache=False": (lambda n: hf_generate(theirs, prompt, n, False), n_uncached),
                 }
                 outputs = {}
                 for name, (run, n) in runs.items():  # warm-up: allocator, first-call overheads
