@@ -78,6 +78,27 @@ def accidents() -> dict:
     return notebook
 
 
+def exercise_deleted() -> dict:
+    """A perfect notebook from which the learner deleted every cell of the masked_softmax exercise, answer and tests."""
+    notebook = CH.solved()
+    notebook["cells"] = [c for c in notebook["cells"]
+                         if not c.get("metadata", {}).get("nbgrader", {}).get("grade_id", "").startswith("masked_softmax-")]
+    return notebook
+
+
+#: Files that are notebooks but not the chapter's: each is recorded in one plain line, not nbgrader's traceback.
+NOT_THIS_NOTEBOOK = {
+    "old_format": ({"nbformat": 3, "nbformat_minor": 0, "metadata": {"name": "attention"},
+                    "worksheets": [{"cells": [{"cell_type": "code", "input": "x = 1", "language": "python", "outputs": []}]}]},
+                   "an nbformat 3 notebook"),
+    "another_notebook": ({"nbformat": 4, "nbformat_minor": 5, "metadata": {},
+                          "cells": [{"id": "c1", "cell_type": "markdown", "metadata": {}, "source": "# Homework 3"},
+                                    {"id": "c2", "cell_type": "code", "metadata": {}, "source": "x = 1", "outputs": [],
+                                     "execution_count": None}]},
+                         "none of this chapter's cells"),
+}
+
+
 ACCIDENT_NOTES = ["a copy of masked_softmax-solution was ignored", "a copy of masked_softmax-visible was ignored",
                   "a cell with nbgrader metadata the course does not have (grade id 'q1-tests') was ignored",
                   f"{SDPA} had been switched to markdown: it was graded as the code it holds"]
@@ -98,12 +119,14 @@ STUDENTS = {
                       CH.tests_of("scaled_dot_product_attention")),
     "tampered": (tampered, {"scaled_dot_product_attention-visible", "scaled_dot_product_attention-scale"}),
     "accidents": (accidents, set()),
+    "exercise_deleted": (exercise_deleted, CH.tests_of("masked_softmax")),
 }
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     submissions = write_submissions(tmp_path_factory.mktemp("submissions"), CH, {s: make() for s, (make, _) in STUDENTS.items()})
+    write_submissions(submissions, CH, {student: notebook for student, (notebook, _) in NOT_THIS_NOTEBOOK.items()})
     shutil.copytree(ROOT / "notebooks" / "00-orientation", submissions / "reference" / "00-orientation")
     before = digest(submissions)
     workdir = tmp_path_factory.mktemp("grading")
@@ -155,10 +178,10 @@ def test_grading_leaves_submissions_untouched_and_writes_csvs_and_feedback(grade
     assert before == after
     with (workdir / "grades.csv").open() as fh:  # one row per student and chapter notebook
         rows = {(r["student"], r["chapter"]): float(r["score"]) for r in csv.DictReader(fh)}
-    assert set(rows) == {(s, CH.name) for s in STUDENTS} | {("reference", "00-orientation")}
+    assert set(rows) == {(s, CH.name) for s in [*STUDENTS, *NOT_THIS_NOTEBOOK]} | {("reference", "00-orientation")}
     assert rows[("reference", CH.name)] == sum(CH.points.values()) and rows[("untouched", CH.name)] == 0
     by_test = (workdir / "grades_by_test.csv").read_text().splitlines()
-    assert len(by_test) == 1 + len(STUDENTS) * len(CH.points)
+    assert len(by_test) == 1 + len(STUDENTS) * len(CH.points) + len(NOT_THIS_NOTEBOOK)  # one error row each
     for student in STUDENTS:
         assert (workdir / "runs" / CH.name / student / "feedback" / student / CH.name / f"{CH.notebook}.html").is_file()
 
@@ -184,3 +207,15 @@ def test_accidents_cost_nothing_and_are_reported_in_plain_words(graded):
     assert row["status"] == "graded" and all(note in row["notes"] for note in ACCIDENT_NOTES)
     feedback = (workdir / "runs" / CH.name / "accidents" / "feedback" / "accidents" / CH.name / f"{CH.notebook}.html").read_text()
     assert "a copy of masked_softmax-solution was ignored" in feedback
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("student", list(NOT_THIS_NOTEBOOK))
+def test_a_notebook_that_is_not_the_chapters_is_recorded_in_one_plain_line(graded, student):
+    results, workdir, *_ = graded
+    said = NOT_THIS_NOTEBOOK[student][1]
+    assert results[(student, CH.name)].error.startswith(f"not graded: {CH.notebook}.ipynb is not this chapter's notebook")
+    with (workdir / "grades.csv").open() as fh:
+        row = next(r for r in csv.DictReader(fh) if r["student"] == student)
+    assert row["status"] == "error" and said in row["errors"]
+    assert "\n" not in row["errors"] and "Traceback" not in row["errors"], row["errors"]

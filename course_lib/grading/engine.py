@@ -33,7 +33,7 @@ from .course import CELL_TIMEOUT, RELEASE_DIR, SOURCE_DIR, chapters, repo_root, 
 from .limits import Limits
 from .reports import NotebookResult, TestResult, write_csvs
 from .runner import chapter_job, run_cleanroom
-from .submission import exercise_of, nbgrader_meta, read_submission
+from .submission import NotThisNotebook, exercise_of, nbgrader_meta, read_submission
 
 
 def _points(source: dict) -> dict[str, float]:
@@ -69,6 +69,9 @@ class _Unit:
         try:
             submitted = json.loads(path.read_text())
             self.reading = read_submission(self.source, submitted)
+        except NotThisNotebook as error:
+            self.result.error = f"not graded: {path.name} is not this chapter's notebook: {error}"
+            return
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             self.result.error = f"not graded: {path.name} is not a notebook that can be read ({type(error).__name__}: {error})"
             return

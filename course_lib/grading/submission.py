@@ -9,7 +9,11 @@ A submission is matched to the chapter's source notebook by grade id and cell id
 * the course's own cells keep the course's nbgrader metadata and cell type: points and kinds edited in a
   submission change nothing;
 * an answer cell switched to markdown by a stray keystroke is graded as the code it holds;
-* any other cell the learner added never runs while grading (only the answers' definitions do).
+* any other cell the learner added never runs while grading (only the answers' definitions do);
+* a deleted answer cell is put back, empty, where the course had it, so that nbgrader can restore the
+  deleted test cells after it (its exercise's tests fail; the others are graded as usual);
+* a file with none of the chapter's cells (an nbformat 3 notebook, another course's notebook) is not
+  graded: ``NotThisNotebook`` says so in one plain line.
 
 ``read_submission`` returns the answers, a note in plain words for each thing it ignored or
 repaired ("a copy of masked_softmax-solution was ignored"), and the notebook as nbgrader gets it.
@@ -44,6 +48,14 @@ class Reading:
     notes: list[str] = field(default_factory=list)  # what was ignored or repaired, in plain words
 
 
+class NotThisNotebook(ValueError):
+    """The submitted file is a notebook, but not the chapter's: none of its cells is the course's."""
+
+
+#: What a deleted answer cell is replaced with, so that nbgrader can put the deleted test cells back after it.
+MISSING_ANSWER = "# This answer cell was missing from the submitted notebook: its exercise's tests fail.\n"
+
+
 def _plain(cell: dict) -> None:
     """Make a cell an ordinary one: nbgrader no longer sees it."""
     cell.get("metadata", {}).pop("nbgrader", None)
@@ -65,9 +77,34 @@ def _restore_kind(cell: dict, original: dict, notes: list[str]) -> None:
             cell.pop("execution_count", None)
 
 
+def _put_back(cells: list[dict], original: dict, previous: list[str], placed: dict[str, dict]) -> None:
+    """Insert an empty copy of the answer cell ``original`` after the nearest of the ``previous`` course cells placed."""
+    cell = copy.deepcopy(original)
+    cell["source"] = MISSING_ANSWER
+    _plain_outputs(cell)
+    anchor = next((placed[g] for g in reversed(previous) if g in placed), None)
+    position = next((i + 1 for i, c in enumerate(cells) if c is anchor), 0)
+    cells.insert(position, cell)
+    placed[nbgrader_meta(original)["grade_id"]] = cell
+
+
+def _plain_outputs(cell: dict) -> None:
+    if cell.get("cell_type") == "code":
+        cell["outputs"], cell["execution_count"] = [], None
+
+
 def read_submission(source: dict, submitted: dict) -> Reading:
-    """Match ``submitted`` (a notebook dict) to ``source``; see the module docstring for the rules."""
+    """Match ``submitted`` (a notebook dict) to ``source``; see the module docstring for the rules.
+
+    Raises ``NotThisNotebook`` when the file holds none of the chapter's cells.
+    """
     course = {nbgrader_meta(c)["grade_id"]: c for c in source["cells"] if nbgrader_meta(c).get("grade_id")}
+    if not isinstance(submitted, dict) or not isinstance(submitted.get("nbformat"), int):
+        raise NotThisNotebook("it is not a Jupyter notebook (no nbformat version)")
+    if submitted["nbformat"] < 4:
+        raise NotThisNotebook(f"it is an nbformat {submitted['nbformat']} notebook, an old format that has none "
+                              "of this chapter's cells: open the chapter's notebook from the course and "
+                              "copy your answers into it")
     notebook = copy.deepcopy(submitted)
     cells = [c for c in notebook.get("cells", []) if isinstance(c, dict)]
     notes: list[str] = []
@@ -82,8 +119,12 @@ def read_submission(source: dict, submitted: dict) -> Reading:
             _plain(cell)
             what = f"grade id {grade_id!r}" if grade_id else "no grade id"
             notes.append(f"a cell with nbgrader metadata the course does not have ({what}) was ignored")
+    if course and not candidates:
+        raise NotThisNotebook("it has none of this chapter's cells: is it another notebook? Submit the "
+                              "chapter's own notebook, with your answers in its cells")
     answers: dict[str, str | None] = {}
-    for grade_id, original in course.items():
+    placed: dict[str, dict] = {}
+    for index, (grade_id, original) in enumerate(course.items()):
         found = candidates.get(grade_id, [])
         kept = next((c for c in found if c.get("id") == original.get("id")), found[0] if found else None)
         for copy_ in found:
@@ -92,10 +133,12 @@ def read_submission(source: dict, submitted: dict) -> Reading:
                 notes.append(f"a copy of {grade_id} was ignored")
         if kept is not None:
             _restore_kind(kept, original, notes)
+            placed[grade_id] = kept
         if not nbgrader_meta(original).get("solution") or original.get("cell_type") != "code":
             continue
         if kept is None:
             answers[grade_id] = None
+            _put_back(notebook["cells"], original, list(course)[:index], placed)
             notes.append(f"{grade_id} is missing from the notebook: the tests of its exercise fail")
             continue
         answers[grade_id] = source_text(kept)
