@@ -5,7 +5,7 @@ import pytest
 
 from course_lib import grading
 from tests.conftest import ROOT
-from tests.prose import prose_numbers, unshown_numbers
+from tests.prose import is_shown, prose_numbers, shown_values, unshown_numbers
 
 #: Per chapter: numbers the prose cites rather than computes, each with its source.
 CITED: dict[str, dict[str, str]] = {
@@ -59,3 +59,18 @@ def test_the_check_reads_numbers_as_a_reviewer_would():
         "The baseline has 104,973 parameters (Bahdanau et al., 2015, chapter 05), 38.6 M in all, "
         "std ×7.84, 61 % of [the roof](https://x.org/2.5), eps 1e-5, float32, GPT-2, 3 heads, 100 steps, 24 layers.")]
     assert found == ["104,973", "38.6 M", "7.84", "61 %", "1e-5", "24"]
+
+
+@pytest.mark.parametrize("prose,shown,ok", [
+    ("38.6 M parameters", "38,597,376", True),      # read in the prose's unit
+    ("61 % of the bound", "0.613", True),            # a fraction shown as a percentage
+    ("61 % of the bound", "61.3%", True),
+    ("about 2.3", "2.26", True),                     # rounded as the prose writes it
+    ("about 2.3", "2.36", False),
+    ("eps 1e-5", "eps=1e-05", True),
+    ("eps 1e-5", "2e-05", False),                    # chapter 03's finding: the prose said 1e-5, the cell printed 2e-5
+    ("104,973 parameters", "92,621", False),
+])
+def test_a_number_is_shown_only_by_a_value_that_rounds_to_it(prose, shown, ok):
+    (number,) = prose_numbers(prose)
+    assert is_shown(number, shown_values([shown])) is ok
