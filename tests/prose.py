@@ -7,6 +7,11 @@ chapter's short list of cited constants (a paper's figure, with its source: ``CI
 writes it with, read in the prose's unit: ``38.6 M`` is shown by ``38,597,376``, ``61 %`` by ``0.613``
 or ``61.3%``, ``2.3`` by ``2.26``.
 
+Only what nbval checks counts as shown: outputs are read after nbval's sanitizer (so a measured value
+beside a claim, "2.87, checked: between 2.5 and 3.5", shows the bounds but not the 2.87), and the
+outputs of a ``# NBVAL_IGNORE_OUTPUT`` cell (timings) show nothing: a figure that changes from machine to
+machine is not a fact the prose can state. The code of every cell counts.
+
 What is not a claim and is skipped: the header's estimate of a learner's time ("**Time:** about 75
 minutes", which no cell can show), years (1950-2030, as in "Vaswani et al., 2017"), chapter and
 exercise numbers ("chapter 05"), numbers inside words or identifiers (``float32``, ``GPT-2``, ``top_k``),
@@ -128,6 +133,15 @@ def output_texts(cell: dict) -> list[str]:
     return texts
 
 
+def sanitized(text: str) -> str:
+    """The text as nbval compares it: after every pattern of tests/nbval_sanitize.cfg, read by nbval itself."""
+    from nbval.plugin import get_sanitize_patterns
+
+    for regex, replace in get_sanitize_patterns((Path(__file__).parent / "nbval_sanitize.cfg").read_text()):
+        text = re.sub(regex, replace, text)
+    return text
+
+
 def unshown_numbers(notebook_path: Path, cited: dict[str, str]) -> list[str]:
     """'cell N: "number" ...' for every number in the markdown that nothing in the notebook shows."""
     notebook = json.loads(Path(notebook_path).read_text())
@@ -135,7 +149,8 @@ def unshown_numbers(notebook_path: Path, cited: dict[str, str]) -> list[str]:
     for cell in notebook["cells"]:
         if cell["cell_type"] == "code":
             shown.append(cell_text(cell))
-            shown.extend(output_texts(cell))
+            if "NBVAL_IGNORE_OUTPUT" not in cell_text(cell):
+                shown.extend(sanitized(text) for text in output_texts(cell))
     values = shown_values(shown)
     cited_numbers = {n.text for key in cited for n in prose_numbers(key)} | set(cited)
     problems = []
