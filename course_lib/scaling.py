@@ -56,12 +56,15 @@ def training_flops(n_params, n_tokens):
 
 
 def fit_power_law(n, loss, offsets=None):
-    """Fit loss = E + A / n**alpha by least squares in log space; returns (E, A, alpha) as floats.
+    """Fit loss = E + A / n**alpha in log space; returns (E, A, alpha) as floats.
 
     n (P,), loss (P,): sizes and losses. offsets (G,): the candidate values of E, each below min(loss)
     (default: 1000 evenly spaced values in [0, min(loss))). For each candidate E, log(loss - E) = log A - alpha log n
-    is a straight line in log n: fit it by least squares; keep the E whose line leaves the smallest sum of squared
-    residuals (in log space), with its A and alpha.
+    is a straight line in log n: its least-squares fit gives A and alpha for that E. The candidates are then
+    compared on one scale, the same for every E: the sum of squared residuals of log(loss),
+    log(loss) - log(E + A / n**alpha). Keep the E with the smallest sum, with its A and alpha. (The residuals of
+    each E's own line, in log(loss - E), would not do: the same misfit looks larger the closer E comes to the
+    losses, so comparing them favours small E.)
     """
     n, loss = np.asarray(n, dtype=np.float64), np.asarray(loss, dtype=np.float64)
     if offsets is None:
@@ -69,9 +72,9 @@ def fit_power_law(n, loss, offsets=None):
     X = np.stack([np.ones_like(n), -np.log(n)], axis=1)  # (P, 2): log A - alpha log n = X @ [log A, alpha]
     best = None
     for E in offsets:
-        y = np.log(loss - E)  # (P,)
-        coef = np.linalg.lstsq(X, y, rcond=None)[0]
-        sse = float(np.sum((X @ coef - y) ** 2))
+        coef = np.linalg.lstsq(X, np.log(loss - E), rcond=None)[0]  # the line in log(loss - E): [log A, alpha]
+        fitted = E + np.exp(X @ coef)  # (P,): the law's losses
+        sse = float(np.sum((np.log(loss) - np.log(fitted)) ** 2))  # every E on the same scale: log(loss)
         if best is None or sse < best[0]:
             best = (sse, float(E), float(np.exp(coef[0])), float(coef[1]))
     return best[1], best[2], best[3]

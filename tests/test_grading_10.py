@@ -5,8 +5,9 @@ One `grading.grade` run grades three students: the reference (full marks), the u
 
 * training_flops: 6 * N * D in integer arithmetic -> `overflow` only (int64 arrays of Chinchilla's size
   wrap around 2^63; Python numbers and float arrays are right);
-* fit_power_law: the offset chosen by the residuals in linear space -> `logspace` only (exact power laws
-  are recovered either way; noise invisible in log space is not invisible in linear space);
+* fit_power_law: each offset judged by the residuals of its own line, in log(loss - E), instead of those of
+  log(loss) -> `logspace` only (exact power laws are recovered either way; noise invisible to the comparison in
+  log(loss) is not invisible in log(loss - E), whose scale changes with E);
 * compute_optimal: the 6 of 6ND forgotten -> the visible test and `budget`; `ratio` passes (D = rN holds).
 
 tests/test_hidden_10.py runs the same cells against more bugs, one at a time and without nbgrader.
@@ -25,8 +26,8 @@ FLOPS, FIT, OPT = "training_flops-solution", "fit_power_law-solution", "compute_
 def planted() -> dict:
     return CH.solved({
         FLOPS: CH.mutate(FLOPS, "return 6.0 * n_params * n_tokens", "return 6 * n_params * n_tokens"),
-        FIT: CH.mutate(FIT, "sse = float(np.sum((X @ coef - y) ** 2))",
-                       "sse = float(np.sum((loss - E - np.exp(coef[0]) * n ** -coef[1]) ** 2))"),
+        FIT: CH.mutate(FIT, "sse = float(np.sum((np.log(loss) - np.log(fitted)) ** 2))",
+                       "sse = float(np.sum((X @ coef - np.log(loss - E)) ** 2))"),
         OPT: CH.mutate(OPT, "n_params = math.sqrt(flops / (6 * tokens_per_param))", "n_params = math.sqrt(flops / tokens_per_param)"),
     })
 

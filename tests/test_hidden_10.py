@@ -25,8 +25,14 @@ cells_of, mutate, failing_tests = HARNESS.cells_of, HARNESS.mutate, HARNESS.fail
 
 FLOPS, FIT, OPT = "training_flops", "fit_power_law", "compute_optimal"
 SIX = "return 6.0 * n_params * n_tokens"
-SSE = "sse = float(np.sum((X @ coef - y) ** 2))"
+SSE = "sse = float(np.sum((np.log(loss) - np.log(fitted)) ** 2))"
 SPLIT = "n_params = math.sqrt(flops / (6 * tokens_per_param))"
+
+NO_OFFSET = '''
+def fit_power_law(n, loss, offsets=None):
+    slope, intercept = np.polyfit(np.log(np.asarray(n, dtype=np.float64)), np.log(np.asarray(loss, dtype=np.float64)), 1)
+    return 0.0, float(np.exp(intercept)), float(-slope)
+'''
 
 LINEAR_SPACE = '''
 def fit_power_law(n, loss, offsets=None):
@@ -56,9 +62,10 @@ CASES = [
     (FLOPS, "correct: numpy float64 arrays", mutate(FLOPS, (SIX, "return 6 * np.asarray(n_params, dtype=np.float64) * np.asarray(n_tokens, dtype=np.float64)")),
      set()),
     # the power-law fit
-    (FIT, "no offset: log(loss) against log(n)", mutate(FIT, ("y = np.log(loss - E)", "y = np.log(loss)")),
-     {f"{FIT}-visible", f"{FIT}-offset", f"{FIT}-logspace"}),
-    (FIT, "offset chosen by the residuals in linear space", mutate(FIT, (SSE, "sse = float(np.sum((loss - E - np.exp(coef[0]) * n ** -coef[1]) ** 2))")),
+    (FIT, "no offset: log(loss) against log(n)", NO_OFFSET, {f"{FIT}-visible", f"{FIT}-offset", f"{FIT}-logspace"}),
+    (FIT, "offset chosen by the residuals of its own line, in log(loss - E)",
+     mutate(FIT, (SSE, "sse = float(np.sum((X @ coef - np.log(loss - E)) ** 2))")), {f"{FIT}-logspace"}),
+    (FIT, "offset chosen by the residuals in linear space", mutate(FIT, (SSE, "sse = float(np.sum((loss - fitted) ** 2))")),
      {f"{FIT}-logspace"}),
     (FIT, "least squares in linear space", LINEAR_SPACE, {f"{FIT}-logspace"}),
     (FIT, "correct: np.polyfit per offset", '''
@@ -68,8 +75,9 @@ def fit_power_law(n, loss, offsets=None):
         offsets = np.linspace(0.0, loss.min(), 1001)[:-1]
     fits = []
     for E in offsets:
-        (slope, intercept), sse = np.polyfit(np.log(n), np.log(loss - E), 1, full=True)[:2]
-        fits.append((float(sse[0]) if len(sse) else 0.0, float(E), math.exp(intercept), -slope))
+        slope, intercept = np.polyfit(np.log(n), np.log(loss - E), 1)
+        A, alpha = math.exp(intercept), -slope
+        fits.append((float(np.sum(np.log(loss / (E + A * n ** -alpha)) ** 2)), float(E), A, alpha))
     sse, E, A, alpha = min(fits, key=lambda f: f[0])
     return E, A, alpha
 ''', set()),

@@ -40,6 +40,7 @@ CITED: dict[str, dict[str, str]] = {
     },
 
     "10-scaling-laws": {
+        "0.076": "Kaplan et al. (2020), Scaling Laws for Neural Language Models, equation (1.1): alpha_N = 0.076",
     },
 
 }

@@ -104,15 +104,28 @@ def test_fit_power_law_default_grid_is_close():
     assert abs(E - 1.234) < 2e-3 and abs(alpha - 0.5) < 5e-3  # grid spacing min(loss) / 1000 = 1.25e-3
 
 
-def test_planted_noise_is_invisible_to_the_log_space_fit_but_not_to_a_linear_one():
+NOISE0 = [0.15, -0.15, 0.05, 0, 0, 0, 0, 0.1, -0.1]  # noise at both ends: each wrong scale of comparison sees some
+
+
+def line_offset_fit(n, loss, offsets):  # the classic bug: each E judged by the residuals of its own line, in log(loss - E)
+    X = np.stack([np.ones_like(n), -np.log(n)], axis=1)
+    fits = [(np.linalg.lstsq(X, np.log(loss - E), rcond=None)[1][0], E) for E in offsets]
+    return min(fits)[1]
+
+
+def test_planted_noise_is_invisible_to_the_log_space_fit_but_not_to_other_scales():
     n = np.logspace(3, 7, 9)
-    loss, eps = checks.planted_noise_losses(n, 1.0, 20.0, 0.35, [0.15, -0.15, 0.05, 0, 0, 0, 0, 0, 0])
+    loss, eps = checks.planted_noise_losses(n, 1.0, 20.0, 0.35, NOISE0)
     assert np.abs(eps).max() > 0.1  # real noise, several percent
-    basis = np.stack([np.ones_like(n), np.log(n), 1 / (loss - 1.0)], axis=1)
-    assert np.abs(basis.T @ eps).max() < 1e-10  # orthogonal to what the log-space fit can see
+    basis = np.stack([np.ones_like(n), np.log(n)], axis=1)
+    assert np.abs(basis.T @ eps).max() < 1e-10  # at the true E, the line through log(loss - E) is the true one
     offsets = np.round(np.arange(0, 1_051) * 0.001, 3)
     offsets = offsets[offsets < loss.min()]
     assert fit_power_law(n, loss, offsets) == pytest.approx((1.0, 20.0, 0.35), rel=1e-7, abs=1e-9)
+    sse = [np.sum((np.log(loss) - np.log(power_law(n, *fit_power_law(n, loss, [E])))) ** 2) for E in offsets]
+    assert int(np.argmin(sse)) == list(offsets).index(1.0) and sorted(sse)[1] > sse[list(offsets).index(1.0)] + 1e-9
+
+    assert abs(line_offset_fit(n, loss, offsets) - 1.0) > 0.01  # the residuals of log(loss - E) favour a smaller E
 
     def linear_space(n, loss, offsets):  # least squares on the losses: E on the grid, alpha on a fine grid, A closed form
         best = None
@@ -127,6 +140,19 @@ def test_planted_noise_is_invisible_to_the_log_space_fit_but_not_to_a_linear_one
 
     E, _, alpha = linear_space(n, loss, offsets[::10])
     assert abs(E - 1.0) > 0.02 and abs(alpha - 0.35) > 0.03
+
+
+def test_the_offset_is_compared_on_one_scale():
+    """The residuals of log(loss - E) grow as E nears the losses; those of log(loss) do not. Losses of a law with
+    E = 0, each off by 2 %: in log(loss), the law at E = 1 fits them about as well as the law at E = 0 (within
+    30 %); in log(loss - E), its line's residuals are twice as large (more than 1.5 times)."""
+    n = np.logspace(4, 6, 8)
+    loss = checks.synthetic_losses(n, 0.0, 5.2, 0.09) * np.exp(0.02 * np.array([1, -1, 1, -1, -1, 1, -1, 1]))
+    X = np.stack([np.ones_like(n), -np.log(n)], axis=1)
+    line_rms = {E: math.sqrt(np.linalg.lstsq(X, np.log(loss - E), rcond=None)[1][0] / len(n)) for E in (0.0, 1.0)}
+    log_rms = {E: math.sqrt(np.mean((np.log(loss) - np.log(power_law(n, *fit_power_law(n, loss, [E])))) ** 2))
+               for E in (0.0, 1.0)}
+    assert line_rms[1.0] > 1.5 * line_rms[0.0] and log_rms[1.0] < 1.3 * log_rms[0.0]
 
 
 def test_power_law_is_the_formula():

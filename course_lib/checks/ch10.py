@@ -23,21 +23,46 @@ def synthetic_losses(n, E: float, A: float, alpha: float):
 
 
 def planted_noise_losses(n, E: float, A: float, alpha: float, noise0):
-    """Losses E + A n^-alpha exp(eps) whose noise eps the least-squares fit in log space cannot see.
+    """Losses E + A n^-alpha exp(eps) whose noise eps the fit in log space cannot see.
 
-    eps starts as noise0 and is made orthogonal to 1, log n and 1 / (loss - E) (a fixed point, reached by
-    repeating the projection): then at the true E, log(loss - E) = log A - alpha log n + eps has the true
-    (log A, alpha) as its least-squares line, and the sum of squared residuals is stationary in E there.
-    A fit in log space recovers (E, A, alpha) exactly; a fit that weighs residuals in linear space does not.
-    Returns (loss (P,), eps (P,)).
+    eps is noise0 made orthogonal to 1 and log n, so that at the true E the least-squares line through
+    log(loss - E) is the true one, log A - alpha log n; then it is moved along one more direction orthogonal to
+    both (a secant search) until the sum of squared residuals of log(loss) is stationary in E at the true E.
+    A fit that compares the candidate offsets by the residuals of log(loss) keeps the true (E, A, alpha); one
+    that compares them on another scale (the residuals of log(loss - E), or of the losses themselves) sees a
+    slope there and moves away. Returns (loss (P,), eps (P,)).
     """
     n = np.asarray(n, dtype=np.float64)
-    eps = np.asarray(noise0, dtype=np.float64).copy()
-    for _ in range(100):
-        loss = E + A * n**-alpha * np.exp(eps)
-        basis, _ = np.linalg.qr(np.stack([np.ones_like(n), np.log(n), 1 / (loss - E)], axis=1))
-        eps = eps - basis @ (basis.T @ eps)
-    return E + A * n**-alpha * np.exp(eps), eps
+    law = A * n**-alpha  # (P,): the true losses less E
+    basis, _ = np.linalg.qr(np.stack([np.ones_like(n), np.log(n)], axis=1))  # (P, 2): the lines in log n
+
+    def line_part(x):
+        return basis @ (basis.T @ x)
+
+    def residual_and_change(eps):
+        """The residuals of log(loss) at the true law (P,), and their derivative in E (P,): E and the line both move."""
+        loss = E + law * np.exp(eps)
+        return np.log(loss) - np.log(E + law), -(1 - law * line_part(1 / (loss - E))) / (E + law)
+
+    def slope(eps) -> float:  # half the derivative in E of the sum of squared residuals of log(loss), at the true E
+        residual, change = residual_and_change(eps)
+        return float(residual @ change)
+
+    eps = np.asarray(noise0, dtype=np.float64)
+    eps = eps - line_part(eps)
+    direction = law / (E + law) * residual_and_change(eps)[1]  # (P,): moves the residuals along their change
+    direction = direction - line_part(direction)
+    direction /= np.linalg.norm(direction)
+    (c0, f0), c1 = (0.0, slope(eps)), 1e-3
+    for _ in range(100):  # the secant method on slope(eps + c direction) = 0
+        f1 = slope(eps + c1 * direction)
+        if abs(f1) < 1e-15 or f1 == f0:
+            break
+        (c0, f0), c1 = (c1, f1), c1 - f1 * (c1 - c0) / (f1 - f0)
+    eps = eps + c1 * direction
+    if abs(slope(eps)) > 1e-12:
+        raise ValueError(f"no noise near {list(noise0)} makes the log-space fit stationary at E = {E}")
+    return E + law * np.exp(eps), eps
 
 
 def _number(value, what: str) -> float:
