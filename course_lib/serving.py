@@ -68,12 +68,13 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     """
     B, H, Dh = q.shape
     M, S = block_tables.shape[1], key_pool.shape[1]
-    keys = key_pool[block_tables].reshape(B, M * S, H, Dh).transpose(1, 2)  # (B, H, M * S, Dh): positions in order
-    values = value_pool[block_tables].reshape(B, M * S, H, Dh).transpose(1, 2)
-    scores = (keys @ q[..., None]).squeeze(-1) / math.sqrt(Dh)  # (B, H, M * S)
+    blocks = block_tables.reshape(-1)  # (B * M,): every sequence's blocks, in order
+    keys = key_pool.index_select(0, blocks).view(B, M * S, H, Dh)  # row b: its positions 0 .. M * S - 1
+    values = value_pool.index_select(0, blocks).view(B, M * S, H, Dh)
+    scores = (keys * q[:, None]).sum(-1).transpose(1, 2) / math.sqrt(Dh)  # (B, H, M * S): q . k per position
     valid = torch.arange(M * S, device=q.device)[None, :] < context_lens[:, None]  # (B, M * S)
-    weights = masked_softmax(scores, valid[:, None, :])  # (B, H, M * S)
-    return (weights[:, :, None, :] @ values).squeeze(2)  # (B, H, Dh)
+    weights = masked_softmax(scores, valid[:, None, :])  # (B, H, M * S): zero past the context
+    return (weights.transpose(1, 2)[..., None] * values).sum(1)  # (B, H, Dh)
 
 
 def schedule_step(running: list, waiting: list, num_free_blocks: int, token_budget: int):
@@ -296,20 +297,20 @@ class Sequence:
     def n_tokens(self) -> int:
         return len(self.tokens)
 
-    def start(self) -> int:
-        """Where computing starts when admitted: after the shared prefix, but the last prompt token is always computed."""
-        return min(len(self.hit) * self.cache.block_size, self.n_tokens - 1) if self.hit else 0
+    def find_prefix(self, share: bool) -> None:
+        """While waiting: find the blocks of a shared prefix (references are taken on admission) and start after them.
+
+        The last prompt token is always computed (its logits give the first new token), so a prefix that
+        covers the whole prompt starts one token early, inside its last shared block."""
+        self.hit = self.cache.lookup(self.tokens) if share else []
+        self.n_cached = min(len(self.hit) * self.cache.block_size, self.n_tokens - 1)
 
     def blocks_needed(self, n: int) -> int:
-        """New blocks to cache n more tokens (for a waiting sequence: after sharing its prefix)."""
+        """New blocks to cache n more tokens: one more if the last block is shared and would be written (copy-on-write)."""
         S = self.cache.block_size
-        if self.blocks or not self.hit:
-            held, cached = len(self.blocks), self.n_cached
-            shared_tail = bool(held) and cached % S and self.cache.refs[self.blocks[-1]] > 1
-        else:
-            held, cached = len(self.hit), self.start()
-            shared_tail = cached % S != 0  # it will write into its last shared block
-        return max(0, math.ceil((cached + n) / S) - held) + (1 if shared_tail else 0)
+        table = self.blocks or self.hit  # a waiting sequence's table will be its shared prefix
+        shared_tail = bool(self.n_cached % S) and (not self.blocks or self.cache.refs[table[-1]] > 1)
+        return max(0, math.ceil((self.n_cached + n) / S) - len(table)) + int(shared_tail)
 
     def blocks_freed(self) -> int:
         return sum(1 for b in self.blocks if self.cache.refs[b] == 1)
@@ -323,8 +324,8 @@ def _chunk_attention(q, key_pool, value_pool, block_table, start: int, S: int):
     """Attention of a chunk of T new queries (T, H, Dh) at positions start.. against its cached keys: (T, H, Dh)."""
     T = q.shape[0]
     slots = slot_mapping(block_table, torch.arange(start + T), S)
-    keys = key_pool.reshape(-1, *key_pool.shape[2:])[slots].transpose(0, 1)  # (H, start + T, Dh)
-    values = value_pool.reshape(-1, *value_pool.shape[2:])[slots].transpose(0, 1)
+    keys = key_pool.flatten(0, 1).index_select(0, slots).transpose(0, 1)  # (H, start + T, Dh)
+    values = value_pool.flatten(0, 1).index_select(0, slots).transpose(0, 1)
     allowed = torch.ones(T, start + T, dtype=torch.bool).tril(diagonal=start)  # query i: positions 0..start + i
     weights = masked_softmax(q.transpose(0, 1) @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1]), allowed)
     return (weights @ values).transpose(0, 1)
@@ -358,8 +359,8 @@ def paged_forward(model, cache: PagedKVCache, chunks: list) -> torch.Tensor:
         q, k, v = linear(attn.c_attn, block.ln_1(x)).split(C, dim=1)
         q, k, v = (t.view(N, H, C // H) for t in (q, k, v))
         key_pool, value_pool = cache.storage[layer, 0], cache.storage[layer, 1]  # (N_blocks, S, H, Dh)
-        key_pool.view(-1, H, C // H)[slots] = k
-        value_pool.view(-1, H, C // H)[slots] = v
+        key_pool.view(-1, H, C // H).index_copy_(0, slots, k)  # each new key into its slot
+        value_pool.view(-1, H, C // H).index_copy_(0, slots, v)
         y = torch.empty_like(q)
         if decode:
             y[rows] = paged_attention(q[rows], key_pool, value_pool, tables, context)
@@ -432,8 +433,8 @@ class Engine:
             if not waiting and not running:
                 step += 1
                 continue
-            for seq in waiting:  # a shared prefix it would find now (its references are taken on admission)
-                seq.hit = cache.lookup(seq.tokens) if self.share_prefixes else []
+            for seq in waiting:
+                seq.find_prefix(self.share_prefixes)
             scheduled, preempted = scheduler(running, waiting, len(cache.free), self.token_budget)
             for seq in preempted:  # give the blocks back; recompute later, keeping the tokens generated
                 for b in seq.blocks:
@@ -449,8 +450,7 @@ class Engine:
                     running.append(seq)
                     for b in seq.hit:
                         cache.share(b)
-                    seq.blocks, seq.n_cached = list(seq.hit), seq.start()
-                    seq.hit = []
+                    seq.blocks, seq.hit = seq.hit, []
                 self._make_room(cache, seq, n)
                 chunks.append((torch.tensor(seq.blocks), seq.n_cached,
                                torch.tensor(seq.tokens[seq.n_cached:seq.n_cached + n])))
@@ -521,8 +521,8 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
     """Serve `requests` in static batches: chapter 05's left-padded batch, one at a time.
 
     At each step with no batch running, the requests that have arrived (first come, first served, at most
-    max_batch_size) form a batch: prompts left-padded to the longest, a ``KVCache`` preallocated at the
-    model's context (block_size) for every row, one prefill step, then one decode step per token until
+    max_batch_size) form a batch: prompts left-padded to the longest, a ``KVCache`` preallocated for the
+    longest prompt plus the longest output in every row (as ``generate_cached`` does), one prefill step, then one decode step per token until
     the row with the most tokens to generate is done; a row that is done idles until then. Returns
     ({name: Result}, Trace) like ``Engine.run``.
     """
@@ -552,11 +552,11 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
         B, width = len(batch), max(len(r.prompt) for r in batch)
         longest = max(r.max_new_tokens for r in batch)
         idx = torch.zeros(B, width, dtype=torch.long)
-        mask = torch.zeros(B, width + longest, dtype=torch.long)
+        mask = torch.zeros(B, width, dtype=torch.long)  # 1: a real token; grows by a column per step
         for row, r in enumerate(batch):
             idx[row, width - len(r.prompt):] = torch.tensor(r.prompt)
             mask[row, width - len(r.prompt):] = 1
-        cache = KVCache.for_model(model, B)  # preallocated at the model's context
+        cache = KVCache.for_model(model, B, width + longest)  # every row: the longest prompt + the longest output
         generators = [torch.Generator().manual_seed(r.seed) for r in batch]
         tokens = [list(r.prompt) for r in batch]
         new = idx
@@ -565,7 +565,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
             for r in pending:
                 if r.arrival <= step:
                     states[r.name] = "waiting"
-            logits = cached_forward(model, new, cache, mask[:, :width + t])[:, -1]
+            logits = cached_forward(model, new, cache, mask)[:, -1]
             now = time.perf_counter() - start_time
             column = torch.zeros(B, 1, dtype=torch.long)
             for row, r in enumerate(batch):
@@ -584,6 +584,8 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
                 if len(result.tokens) == r.max_new_tokens:
                     result.finish_step = step
             new = column
+            busy = [len(tk) - len(r.prompt) < r.max_new_tokens for tk, r in zip(tokens, batch)]
+            mask = torch.cat([mask, torch.tensor(busy, dtype=torch.long)[:, None]], dim=1)  # an idle row feeds padding
             trace.states.append(states)
             trace.allocated.append(cache.nbytes)
             per_token = cache.nbytes // (B * cache.capacity)
@@ -612,7 +614,7 @@ def make_trace(n_requests: int, seed: int = 0, *, context: int = 128, mean_gap: 
                vocab: list | None = None, prefix: list | None = None) -> list:
     """A seeded list of n_requests ``Request``s: arrivals, prompt and output lengths.
 
-    Gaps between arrivals are exponential (mean mean_gap steps; a Poisson process), prompt lengths uniform
+    Gaps between arrivals are exponential (mean mean_gap steps; a Poisson process; 0: all at step 0), prompt lengths uniform
     in prompt_range, output lengths log-normal (median output_median, sigma output_sigma: a long tail of
     long answers), each cut so that prompt + output fits the context. Prompt tokens are drawn from `vocab`
     (default: ids 0..63); `prefix` (a shared system prompt) is put in front of every prompt.
@@ -627,5 +629,5 @@ def make_trace(n_requests: int, seed: int = 0, *, context: int = 128, mean_gap: 
         room = context - len(prompt)
         n_out = max(1, min(room, round(rng.lognormvariate(math.log(output_median), output_sigma))))
         requests.append(Request(f"r{i:02d}", prompt, n_out, arrival=int(clock)))
-        clock += rng.expovariate(1.0 / mean_gap)
+        clock += rng.expovariate(1.0 / mean_gap) if mean_gap > 0 else 0.0
     return requests
