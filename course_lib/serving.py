@@ -320,10 +320,10 @@ class Sequence:
 # one forward pass over the scheduled chunks of many sequences
 
 
-def _chunk_attention(q, key_pool, value_pool, block_table, start: int, S: int):
+def _chunk_attention(q, key_pool, value_pool, block_table, start: int, S: int, slots_of=slot_mapping):
     """Attention of a chunk of T new queries (T, H, Dh) at positions start.. against its cached keys: (T, H, Dh)."""
     T = q.shape[0]
-    slots = slot_mapping(block_table, torch.arange(start + T), S)
+    slots = slots_of(block_table, torch.arange(start + T), S)
     keys = key_pool.flatten(0, 1).index_select(0, slots).transpose(0, 1)  # (H, start + T, Dh)
     values = value_pool.flatten(0, 1).index_select(0, slots).transpose(0, 1)
     allowed = torch.ones(T, start + T, dtype=torch.bool).tril(diagonal=start)  # query i: positions 0..start + i
@@ -332,18 +332,19 @@ def _chunk_attention(q, key_pool, value_pool, block_table, start: int, S: int):
 
 
 @torch.inference_mode()
-def paged_forward(model, cache: PagedKVCache, chunks: list) -> torch.Tensor:
+def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_attention, slots_of=slot_mapping) -> torch.Tensor:
     """Run a course_lib.gpt.GPT over the chunks of several sequences at once; logits of each chunk's last token.
 
     chunks: list of (block_table (n,) int64, start, tokens (T,) int64): tokens at positions start..start+T-1,
     their blocks already allocated. Every token goes through the linear layers in one (sum T, C) matrix;
     attention reads each sequence's keys and values through its block table: one ``paged_attention`` for
     the chunks of one token (decode), one masked attention per longer chunk (prefill). Returns (len(chunks), V).
+    attention and slots_of: the functions used for paged attention and the slot mapping (the learner's, say).
     """
     tr, S = model.transformer, cache.block_size
     ids = torch.cat([t for _, _, t in chunks])
     positions = torch.cat([torch.arange(s, s + len(t)) for _, s, t in chunks])
-    slots = torch.cat([slot_mapping(bt, torch.arange(s, s + len(t)), S) for bt, s, t in chunks])
+    slots = torch.cat([slots_of(bt, torch.arange(s, s + len(t)), S) for bt, s, t in chunks])
     lengths = [len(t) for _, _, t in chunks]
     ends = torch.tensor(lengths).cumsum(0)
     decode = [i for i, n in enumerate(lengths) if n == 1]
@@ -363,11 +364,11 @@ def paged_forward(model, cache: PagedKVCache, chunks: list) -> torch.Tensor:
         value_pool.view(-1, H, C // H).index_copy_(0, slots, v)
         y = torch.empty_like(q)
         if decode:
-            y[rows] = paged_attention(q[rows], key_pool, value_pool, tables, context)
+            y[rows] = attention(q[rows], key_pool, value_pool, tables, context)
         for i, (table, start, tokens) in enumerate(chunks):
             if len(tokens) > 1:
                 a, b = int(ends[i]) - len(tokens), int(ends[i])
-                y[a:b] = _chunk_attention(q[a:b], key_pool, value_pool, table, start, S)
+                y[a:b] = _chunk_attention(q[a:b], key_pool, value_pool, table, start, S, slots_of)
         x = x + linear(attn.c_proj, y.reshape(N, C))
         x = x + cached_mlp(block.mlp, block.ln_2(x))
     last = tr.ln_f(x[ends - 1])  # (len(chunks), C)
@@ -409,8 +410,8 @@ class Engine:
         self.num_blocks, self.block_size, self.token_budget = num_blocks, block_size, token_budget
         self.share_prefixes = share_prefixes
 
-    def run(self, requests: list, scheduler=None) -> tuple:
-        scheduler = scheduler or schedule_step
+    def run(self, requests: list, *, scheduler=schedule_step, attention=paged_attention, slots_of=slot_mapping) -> tuple:
+        """Serve `requests`; returns ({name: Result}, Trace). scheduler, attention, slots_of: the functions it runs on."""
         cache = PagedKVCache.for_model(self.model, self.num_blocks, self.block_size)
         S, context = self.block_size, self.model.config.block_size
         results = {r.name: Result(r.name, arrival_step=r.arrival) for r in requests}
@@ -454,7 +455,7 @@ class Engine:
                 self._make_room(cache, seq, n)
                 chunks.append((torch.tensor(seq.blocks), seq.n_cached,
                                torch.tensor(seq.tokens[seq.n_cached:seq.n_cached + n])))
-            logits = paged_forward(self.model, cache, chunks) if chunks else None
+            logits = paged_forward(self.model, cache, chunks, attention=attention, slots_of=slots_of) if chunks else None
             now = time.perf_counter() - start_time
             states = {s.request.name: "waiting" for s in waiting}
             for i, (seq, n) in enumerate(scheduled):
