@@ -55,3 +55,35 @@ def bar_distribution(probs, labels, ax=None, title: str | None = None):
     if title:
         ax.set_title(title)
     return ax
+
+
+#: colours of the request states in ``request_timeline`` (chapter 12)
+STATE_COLOURS = {"waiting": "#d9d9d9", "prefill": "#4c72b0", "decode": "#55a868", "idle": "#c44e52",
+                 "preempted": "#dd8452"}
+
+
+def request_timeline(states: list, names: list, ax=None, title: str | None = None):
+    """One row per request, one column per engine step, coloured by the request's state at that step.
+
+    states: per step, a dict {request name: state} (course_lib.serving.Trace.states); names: the rows, in order.
+    States: waiting (arrived, not running), prefill, decode, idle (done, its batch row still occupied), preempted.
+    """
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    ax = _axes(ax)
+    order = list(STATE_COLOURS)
+    grid = torch.full((len(names), len(states)), -1.0)
+    for step, at in enumerate(states):
+        for row, name in enumerate(names):
+            if name in at:
+                grid[row, step] = order.index(at[name])
+    cmap = ListedColormap(["white"] + [STATE_COLOURS[s] for s in order])
+    ax.imshow((grid + 1).numpy(), cmap=cmap, vmin=0, vmax=len(order), aspect="auto", interpolation="nearest")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("request")
+    ax.set_yticks([])
+    ax.legend(handles=[Patch(color=STATE_COLOURS[s], label=s) for s in order], fontsize=7, loc="lower right", ncol=2)
+    if title:
+        ax.set_title(title)
+    return ax

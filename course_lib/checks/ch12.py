@@ -1,0 +1,150 @@
+"""Visible checks of chapter 12 (serving: a paged KV cache and a scheduler), and the oracles they compare against.
+
+Oracles: slots worked out one position at a time from the definition; attention over each sequence's keys laid
+out contiguously, in float64 (``contiguous_attention``); hand-made sequences whose scheduling the policy in the
+docstring decides (``fake_sequence``); never course_lib.serving's reference solutions.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from .core import assert_close, assert_shape, assert_tensor, fail, passed
+
+__all__ = ["check_slot_mapping", "check_paged_attention", "check_schedule_step", "contiguous_attention",
+           "fake_sequence", "paged_example"]
+
+
+def check_slot_mapping(slot_mapping) -> None:
+    """Visible checks for chapter 12, exercise 1: positions -> flat slots through a block table."""
+    table = torch.tensor([5, 2, 7])
+    positions = torch.arange(10)
+    got = slot_mapping(table, positions, 4)
+    got = assert_tensor(got, "slot_mapping(...)")
+    assert_shape(got, (10,), "slot_mapping(table, positions, 4)")
+    expected = [table[p // 4].item() * 4 + p % 4 for p in range(10)]  # the definition, one position at a time
+    got = [int(x) for x in got.tolist()]
+    if got == list(range(10)):
+        fail("you returned the positions themselves: a sequence's blocks are scattered over the pool; position p "
+             "lives in block block_table[p // block_size]")
+    if got[:3] == [table[0].item() * 4, table[1].item() * 4, table[2].item() * 4]:  # positions 0, 1, 2 in blocks 0, 1, 2
+        fail("block and offset are swapped: position p is in the (p // block_size)-th block of the table, at offset "
+             "p % block_size")
+    if got == [table[p // 4].item() + p % 4 for p in range(10)]:
+        fail("block + offset is not a slot: block b's slots are b * block_size .. b * block_size + block_size - 1")
+    if got != expected:
+        fail(f"block table {table.tolist()}, block_size 4, positions 0..9: expected slots {expected}, got {got}")
+    passed("slot_mapping")
+
+
+def contiguous_attention(q, key_pool, value_pool, block_tables, context_lens) -> torch.Tensor:
+    """The oracle: each sequence's keys and values copied out position by position, attention in float64: (B, H, Dh)."""
+    S = key_pool.shape[1]
+    out = []
+    for b in range(q.shape[0]):
+        n = int(context_lens[b])
+        keys = torch.stack([key_pool[block_tables[b, p // S], p % S] for p in range(n)]).double()  # (n, H, Dh)
+        values = torch.stack([value_pool[block_tables[b, p // S], p % S] for p in range(n)]).double()
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), keys) / math.sqrt(q.shape[-1])
+        out.append(torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), values))
+    return torch.stack(out).to(q.dtype)
+
+
+def paged_example(seed: int, lengths, block_size: int, n_blocks: int = 24, H: int = 2, Dh: int = 8, garbage: float = 0.0):
+    """A pool (N, S, H, Dh) with scattered block tables for sequences of the given lengths, queries and lengths.
+
+    Slots past each sequence's length hold `garbage` added to random numbers (a stale, partly filled block).
+    Returns (q (B, H, Dh), key_pool, value_pool, block_tables (B, M), context_lens (B,))."""
+    g = torch.Generator().manual_seed(seed)
+    key_pool = torch.randn(n_blocks, block_size, H, Dh, generator=g) + garbage
+    value_pool = torch.randn(n_blocks, block_size, H, Dh, generator=g) + garbage
+    M = max(math.ceil(n / block_size) for n in lengths)
+    order = torch.randperm(n_blocks, generator=g)
+    tables = torch.full((len(lengths), M), int(order[-1]))  # padding entries: a valid block of other numbers
+    used = 0
+    for b, n in enumerate(lengths):
+        k = math.ceil(n / block_size)
+        tables[b, :k] = order[used:used + k]
+        used += k
+        for p in range(n):  # the real slots: ordinary numbers
+            key_pool[tables[b, p // block_size], p % block_size] -= garbage
+            value_pool[tables[b, p // block_size], p % block_size] -= garbage
+    q = torch.randn(len(lengths), H, Dh, generator=g)
+    return q, key_pool, value_pool, tables, torch.tensor(lengths)
+
+
+def check_paged_attention(paged_attention) -> None:
+    """Visible checks for chapter 12, exercise 2: one decode step through block tables equals contiguous attention."""
+    args = paged_example(0, [5, 8, 1], block_size=4, garbage=0.0)
+    got = assert_tensor(paged_attention(*args), "paged_attention(...)")
+    assert_shape(got, (3, 2, 8), "paged_attention(q (3, 2, 8), ...)")
+    expected = contiguous_attention(*args)
+    q, key_pool, value_pool, tables, lengths = args
+    unscaled = contiguous_attention(q * math.sqrt(8), key_pool, value_pool, tables, lengths)
+    if torch.allclose(got, unscaled, atol=1e-4) and not torch.allclose(got, expected, atol=1e-4):
+        fail("the scores are not scaled: divide q . k by sqrt(Dh)")
+    everything = contiguous_attention(q, key_pool, value_pool, tables, tables.shape[1] * 4 * torch.ones_like(lengths))
+    if torch.allclose(got, everything, atol=1e-4) and not torch.allclose(got, expected, atol=1e-4):
+        fail("you attend to every slot of the blocks: sequence b may see only its positions 0 .. context_lens[b] - 1 "
+             "(the rest of a partly filled block, and the padding entries of its table, hold other numbers)")
+    one_less = contiguous_attention(q, key_pool, value_pool, tables, (lengths - 1).clamp(min=1))
+    if torch.allclose(got[:2], one_less[:2], atol=1e-4) and not torch.allclose(got, expected, atol=1e-4):
+        fail("off by one: context_lens[b] counts the newest token too; sequence b attends to positions 0 .. context_lens[b] - 1")
+    assert_close(got, expected, "paged_attention (against contiguous attention in float64)")
+    passed("paged_attention")
+
+
+def fake_sequence(name: str, n_tokens: int, n_cached: int, held: int, block_size: int = 4, freed: int | None = None):
+    """A hand-made sequence for the scheduler: blocks_needed(n) = ceil((n_cached + n) / block_size) - held
+    (at least 0), blocks_freed() = held (or `freed`)."""
+    return SimpleNamespace(name=name, n_tokens=n_tokens, n_cached=n_cached,
+                           blocks_needed=lambda n: max(0, math.ceil((n_cached + n) / block_size) - held),
+                           blocks_freed=lambda: held if freed is None else freed)
+
+
+def _call(schedule_step, running, waiting, free, budget, what):
+    result = schedule_step(running, waiting, free, budget)
+    if not isinstance(result, tuple) or len(result) != 2:
+        fail(f"schedule_step should return a tuple (scheduled, preempted), got {type(result).__name__} ({what})")
+    scheduled, preempted = result
+    try:
+        pairs = [(s.name, int(n)) for s, n in scheduled]
+        gone = [s.name for s in preempted]
+    except (TypeError, ValueError, AttributeError):
+        fail(f"scheduled should be a list of (sequence, n) pairs and preempted a list of sequences ({what})")
+    return pairs, gone
+
+
+def check_schedule_step(schedule_step) -> None:
+    """Visible checks for chapter 12, exercise 3: one scheduler step under the policy of its docstring."""
+    def state():
+        return ([fake_sequence("a", 9, 8, 2), fake_sequence("b", 5, 4, 1)],
+                [fake_sequence("c", 10, 0, 0), fake_sequence("d", 3, 0, 0)])
+    running, waiting = state()
+    pairs, gone = _call(schedule_step, running, waiting, 10, 8, "two decoding, two waiting, budget 8")
+    if [s.name for s in running] != ["a", "b"] or [s.name for s in waiting] != ["c", "d"]:
+        fail("schedule_step changed the lists it was given: the engine moves sequences itself")
+    if pairs[:2] != [("a", 1), ("b", 1)]:
+        fail(f"the running sequences come first, in order, one token each when they decode: expected [('a', 1), ('b', 1)] "
+             f"first, got {pairs}")
+    if ("c", 10) in pairs:
+        fail("c's prompt of 10 tokens does not fit in what is left of the budget of 8: it gets a chunk of 6 (chunked prefill)")
+    if pairs != [("a", 1), ("b", 1), ("c", 6)] or gone:
+        fail(f"budget 8, 10 free blocks: expected [('a', 1), ('b', 1), ('c', 6)] and nothing preempted, got {pairs}, {gone}")
+    running, waiting = state()
+    pairs, gone = _call(schedule_step, running, waiting, 3, 20, "c needs 3 blocks, 2 are left")
+    if ("d", 3) in pairs:
+        fail("d overtook c: when the first waiting request does not fit, admission stops (first come, first served)")
+    if pairs != [("a", 1), ("b", 1)] or gone:
+        fail(f"3 free blocks, b takes one, c needs 3: expected [('a', 1), ('b', 1)], got {pairs}, preempted {gone}")
+    running = [fake_sequence("a", 9, 8, 2), fake_sequence("b", 5, 4, 1), fake_sequence("c", 13, 12, 3)]
+    pairs, gone = _call(schedule_step, running, [fake_sequence("w", 2, 0, 0)], 0, 50, "no free block")
+    if gone == ["a"] or gone[:1] == ["b"]:
+        fail(f"preempted {gone}: the victim is the most recent running sequence (the last of the list), not the oldest")
+    if ("w", 2) in pairs:
+        fail("a waiting request was admitted in a step that preempted: admit only when nothing was preempted")
+    if gone != ["c"] or pairs != [("a", 1), ("b", 1)]:
+        fail(f"no free block, b and c each need one: expected c preempted and [('a', 1), ('b', 1)], got {pairs}, {gone}")
+    passed("schedule_step")

@@ -1,0 +1,634 @@
+"""Serving many users at once, chapter 12: continuous batching and a paged KV cache.
+
+Requests arrive at different times and want different numbers of tokens. ``static_batching`` runs
+them the simple way (chapter 05's left-padded batch, a cache preallocated at the model's context,
+the batch waits for its longest member). ``Engine`` runs them the way serving engines do (Orca's
+iteration-level scheduling, Yu et al. 2022; vLLM's PagedAttention, Kwon et al. 2023):
+
+* **continuous batching**: at every step requests join and leave the running batch; the prompt of a
+  new request is prefilled in chunks beside the decode steps of the others, under a token budget;
+* **a paged KV cache**: one pool of fixed-size blocks per layer, a block table per sequence, a free
+  list; attention reads keys and values through the block table;
+* **shared prefixes**: a full block whose tokens (and all tokens before them) equal another
+  sequence's is shared, with a reference count; a shared block that would be written is copied first
+  (copy-on-write);
+* **preemption**: when the pool is full, the most recently admitted running sequence gives its blocks
+  back and is recomputed later (vLLM's default); it keeps the tokens it generated;
+* **per-request sampling**: each request carries its own chapter 06 processors and its own
+  ``torch.Generator``, so its tokens do not depend on the batch it ran in.
+
+Shapes: L layers, H heads, Dh head size, C = H * Dh, N blocks in the pool, S block size (slots per
+block), V vocabulary. The pool of one layer holds keys (N, S, H, Dh) and values (N, S, H, Dh); slot
+``b * S + o`` is offset o of block b.
+
+``slot_mapping``, ``paged_attention`` and ``schedule_step`` are the reference solutions of
+chapter 12's exercises (``tests/test_solution_drift.py`` keeps them equal to the notebook's).
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .attention import masked_softmax
+from .decoding import process_logits
+from .kv_cache import KVCache, cached_forward, cached_mlp, linear
+
+# ----------------------------------------------------------------------------------------------------
+# the three exercises
+
+
+def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Where the tokens at `positions` live in the pool: flat slots (T,) int64.
+
+    block_table (n,) int64: the blocks of one sequence, in order (block_table[i] holds positions
+    i * block_size .. (i + 1) * block_size - 1); positions (T,) int64. Position p lives in block
+    block_table[p // block_size] at offset p % block_size, that is in slot
+    block_table[p // block_size] * block_size + p % block_size.
+    """
+    block = block_table[positions // block_size]  # (T,): which block of the pool
+    offset = positions % block_size  # (T,): where inside it
+    return block * block_size + offset
+
+
+def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor) -> torch.Tensor:
+    """One decode step of attention for B sequences whose keys and values live in a paged pool: (B, H, Dh).
+
+    q (B, H, Dh): the query of each sequence's newest token; key_pool, value_pool (N, S, H, Dh);
+    block_tables (B, M) int64: row b lists sequence b's blocks in order (entries past its last block
+    are padding: any valid block index); context_lens (B,) int64: sequence b attends to its positions
+    0 .. context_lens[b] - 1 (its newest token's key included), read through its block table. Slots
+    past context_lens[b] (the rest of a partly filled block, and padding blocks) are never attended to.
+    Scaled by 1 / sqrt(Dh).
+    """
+    B, H, Dh = q.shape
+    M, S = block_tables.shape[1], key_pool.shape[1]
+    blocks = block_tables.reshape(-1)  # (B * M,): every sequence's blocks, in order
+    keys = key_pool.index_select(0, blocks).view(B, M * S, H, Dh)  # row b: its positions 0 .. M * S - 1
+    values = value_pool.index_select(0, blocks).view(B, M * S, H, Dh)
+    scores = (keys * q[:, None]).sum(-1).transpose(1, 2) / math.sqrt(Dh)  # (B, H, M * S): q . k per position
+    valid = torch.arange(M * S, device=q.device)[None, :] < context_lens[:, None]  # (B, M * S)
+    weights = masked_softmax(scores, valid[:, None, :])  # (B, H, M * S): zero past the context
+    return (weights.transpose(1, 2)[..., None] * values).sum(1)  # (B, H, Dh)
+
+
+def schedule_step(running: list, waiting: list, num_free_blocks: int, token_budget: int):
+    """One step of the scheduler: which sequences run, with how many tokens, and which are preempted.
+
+    running: the running sequences, oldest admission first; waiting: the waiting ones, first come first.
+    Each sequence has ``n_tokens`` (its prompt and generated tokens), ``n_cached`` (those whose keys and
+    values are in the cache), ``blocks_needed(n)`` (new blocks it must get to cache n more tokens) and
+    ``blocks_freed()`` (blocks that go back to the free list if it is preempted). The policy:
+
+    1. Running sequences, in order, while tokens of the budget are left: sequence s wants
+       n = min(s.n_tokens - s.n_cached, tokens left) tokens (1 when it decodes, the rest of its prompt, or
+       as much of it as fits, when it prefills) and s.blocks_needed(n) blocks. While fewer blocks are free,
+       preempt the last running sequence not yet scheduled (the most recent; its blocks_freed() become
+       free); if that is s itself, s is preempted and step 1 ends. Otherwise s is scheduled with n tokens.
+    2. Only if nothing was preempted: waiting sequences, in order, while tokens are left: s wants
+       n = min(s.n_tokens - s.n_cached, tokens left) and s.blocks_needed(n) blocks; if they are free, s is
+       scheduled, else admission stops (no later request overtakes it).
+
+    Returns (scheduled: list of (sequence, n) in the order above, preempted: list of sequences in the
+    order they were preempted). Changes neither list.
+    """
+    scheduled, preempted = [], []
+    budget, free = token_budget, num_free_blocks
+    candidates = list(running)  # the running sequences not yet scheduled or preempted
+    while candidates and budget > 0:
+        seq = candidates.pop(0)
+        n = min(seq.n_tokens - seq.n_cached, budget)
+        need = seq.blocks_needed(n)
+        while need > free and candidates:
+            victim = candidates.pop()  # the most recently admitted one
+            preempted.append(victim)
+            free += victim.blocks_freed()
+        if need > free:  # nobody else left to preempt: seq itself goes
+            preempted.append(seq)
+            break
+        scheduled.append((seq, n))
+        budget -= n
+        free -= need
+    if not preempted:
+        for seq in waiting:
+            if budget <= 0:
+                break
+            n = min(seq.n_tokens - seq.n_cached, budget)
+            need = seq.blocks_needed(n)
+            if need > free:
+                break
+            scheduled.append((seq, n))
+            budget -= n
+            free -= need
+    return scheduled, preempted
+
+
+# ----------------------------------------------------------------------------------------------------
+# requests and their results
+
+
+@dataclass
+class Request:
+    """One user's request: a prompt (token ids), how many tokens to generate, when it arrives.
+
+    arrival: the engine step at which it arrives (a logical clock: step 0 is the first). sampling: None
+    for greedy, else chapter 06's processor settings (``process_logits``'s keyword arguments, e.g.
+    ``dict(temperature=0.8, top_k=20)``), drawn with a ``torch.Generator`` seeded with ``seed``.
+    The request always generates max_new_tokens tokens (no end-of-sequence token here).
+    """
+
+    name: str
+    prompt: list
+    max_new_tokens: int
+    arrival: int = 0
+    sampling: dict | None = None
+    seed: int = 0
+
+
+@dataclass
+class Result:
+    """What happened to one request: its generated tokens, or the error that rejected it; when, in steps and seconds."""
+
+    name: str
+    tokens: list = field(default_factory=list)
+    error: str | None = None
+    arrival_step: int = 0
+    first_token_step: int | None = None
+    finish_step: int | None = None
+    arrival_time: float = 0.0  # seconds since the start of the run when its arrival step began
+    token_times: list = field(default_factory=list)  # seconds since the start of the run, one per token
+    preemptions: int = 0
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token, seconds: from the start of its arrival step to its first token."""
+        return self.token_times[0] - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first, seconds (None for a single token)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+def validate(request: Request, block_size_ctx: int, num_blocks: int | None = None, block_size: int | None = None) -> None:
+    """Raise ValueError, naming the argument, if `request` cannot be served (see ``Engine``)."""
+    if len(request.prompt) < 1:
+        raise ValueError(f"request {request.name}: prompt must hold at least 1 token, got an empty prompt")
+    if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
+        raise ValueError(f"request {request.name}: max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
+    total = len(request.prompt) + request.max_new_tokens
+    if total > block_size_ctx:
+        raise ValueError(f"request {request.name}: prompt length + max_new_tokens must be <= the model's context "
+                         f"block_size = {block_size_ctx}, got {len(request.prompt)} + {request.max_new_tokens}")
+    if num_blocks is not None:
+        need = math.ceil(total / block_size)
+        if need > num_blocks:
+            raise ValueError(f"request {request.name}: num_blocks = {num_blocks} is too small: this request needs "
+                             f"{need} blocks of {block_size} tokens")
+
+
+def _choose(logits: torch.Tensor, tokens: list, prompt_len: int, sampling: dict | None, generator) -> int:
+    """The next token from one row of logits (V,): the argmax, or a draw after chapter 06's processors."""
+    if sampling is None:
+        return int(logits.argmax())
+    ids = torch.tensor([tokens])
+    scores = process_logits(logits[None].float(), ids, ids[:, prompt_len:], **sampling)
+    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the paged cache
+
+
+class PagedKVCache:
+    """Keys and values of every layer in one pool of blocks: storage (L, 2, N, S, H, Dh).
+
+    The pool is shared by all sequences. ``allocate()`` takes a block from the free list (reference
+    count 1), ``share(b)`` adds a reference, ``release(b)`` drops one and returns the block to the free
+    list at zero. Full blocks are remembered by the tokens that fill them and every token before
+    (``register``/``lookup``): a new sequence with the same prefix shares them (prefix sharing).
+    """
+
+    def __init__(self, n_layer: int, n_head: int, head_dim: int, num_blocks: int, block_size: int, *,
+                 dtype=torch.float32):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.storage = torch.zeros(n_layer, 2, num_blocks, block_size, n_head, head_dim, dtype=dtype)
+        self.free = list(range(num_blocks))  # the free list
+        self.refs = [0] * num_blocks  # reference counts
+        self.prefix: dict = {}  # tuple of tokens 0 .. end of a full block -> that block
+        self.key_of: dict = {}  # block -> its key in self.prefix
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int) -> "PagedKVCache":
+        c = model.config
+        return cls(c.n_layer, c.n_head, c.n_embd // c.n_head, num_blocks, block_size,
+                   dtype=model.transformer.wte.weight.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in all layers, keys and values."""
+        return self.storage[:, :, 0].numel() * self.storage.element_size()
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise RuntimeError("the pool has no free block (the scheduler should have preempted)")
+        block = self.free.pop()
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        self.refs[block] += 1
+
+    def release(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            key = self.key_of.pop(block, None)
+            if key is not None:
+                del self.prefix[key]
+            self.free.append(block)
+
+    def copy_block(self, source: int) -> int:
+        """Copy-on-write: a fresh block holding `source`'s keys and values; `source` loses one reference."""
+        target = self.allocate()
+        self.storage[:, :, target] = self.storage[:, :, source]
+        self.release(source)
+        return target
+
+    def register(self, tokens: tuple, block: int) -> None:
+        """Remember that `block` holds the last block_size of `tokens` (all of them computed, in order)."""
+        if tokens not in self.prefix and block not in self.key_of:
+            self.prefix[tokens] = block
+            self.key_of[block] = tokens
+
+    def lookup(self, tokens: list) -> list:
+        """The blocks that already hold the longest run of full blocks at the start of `tokens`."""
+        blocks, S = [], self.block_size
+        for end in range(S, len(tokens) + 1, S):
+            block = self.prefix.get(tuple(tokens[:end]))
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+
+class Sequence:
+    """A request inside the engine: its tokens so far, how many are cached, its block table."""
+
+    def __init__(self, request: Request, result: Result, cache: PagedKVCache):
+        self.request, self.result, self.cache = request, result, cache
+        self.tokens = list(request.prompt)
+        self.prompt_len = len(request.prompt)
+        self.n_cached = 0
+        self.blocks: list = []  # the block table
+        self.hit: list = []  # blocks of a shared prefix found while waiting (no reference taken yet)
+        self.generator = torch.Generator().manual_seed(request.seed)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    def find_prefix(self, share: bool) -> None:
+        """While waiting: find the blocks of a shared prefix (references are taken on admission) and start after them.
+
+        The last prompt token is always computed (its logits give the first new token), so a prefix that
+        covers the whole prompt starts one token early, inside its last shared block."""
+        self.hit = self.cache.lookup(self.tokens) if share else []
+        self.n_cached = min(len(self.hit) * self.cache.block_size, self.n_tokens - 1)
+
+    def blocks_needed(self, n: int) -> int:
+        """New blocks to cache n more tokens: one more if the last block is shared and would be written (copy-on-write)."""
+        S = self.cache.block_size
+        table = self.blocks or self.hit  # a waiting sequence's table will be its shared prefix
+        shared_tail = bool(self.n_cached % S) and (not self.blocks or self.cache.refs[table[-1]] > 1)
+        return max(0, math.ceil((self.n_cached + n) / S) - len(table)) + int(shared_tail)
+
+    def blocks_freed(self) -> int:
+        return sum(1 for b in self.blocks if self.cache.refs[b] == 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# one forward pass over the scheduled chunks of many sequences
+
+
+def _chunk_attention(q, key_pool, value_pool, block_table, start: int, S: int, slots_of=slot_mapping):
+    """Attention of a chunk of T new queries (T, H, Dh) at positions start.. against its cached keys: (T, H, Dh)."""
+    T = q.shape[0]
+    slots = slots_of(block_table, torch.arange(start + T), S)
+    keys = key_pool.flatten(0, 1).index_select(0, slots).transpose(0, 1)  # (H, start + T, Dh)
+    values = value_pool.flatten(0, 1).index_select(0, slots).transpose(0, 1)
+    allowed = torch.ones(T, start + T, dtype=torch.bool).tril(diagonal=start)  # query i: positions 0..start + i
+    weights = masked_softmax(q.transpose(0, 1) @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1]), allowed)
+    return (weights @ values).transpose(0, 1)
+
+
+@torch.inference_mode()
+def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_attention, slots_of=slot_mapping) -> torch.Tensor:
+    """Run a course_lib.gpt.GPT over the chunks of several sequences at once; logits of each chunk's last token.
+
+    chunks: list of (block_table (n,) int64, start, tokens (T,) int64): tokens at positions start..start+T-1,
+    their blocks already allocated. Every token goes through the linear layers in one (sum T, C) matrix;
+    attention reads each sequence's keys and values through its block table: one ``paged_attention`` for
+    the chunks of one token (decode), one masked attention per longer chunk (prefill). Returns (len(chunks), V).
+    attention and slots_of: the functions used for paged attention and the slot mapping (the learner's, say).
+    """
+    tr, S = model.transformer, cache.block_size
+    ids = torch.cat([t for _, _, t in chunks])
+    positions = torch.cat([torch.arange(s, s + len(t)) for _, s, t in chunks])
+    slots = torch.cat([slots_of(bt, torch.arange(s, s + len(t)), S) for bt, s, t in chunks])
+    lengths = [len(t) for _, _, t in chunks]
+    ends = torch.tensor(lengths).cumsum(0)
+    decode = [i for i, n in enumerate(lengths) if n == 1]
+    rows = ends[decode] - 1  # rows of the decode tokens
+    if decode:
+        width = max(len(chunks[i][0]) for i in decode)
+        tables = torch.stack([F.pad(chunks[i][0], (0, width - len(chunks[i][0]))) for i in decode])  # (B_d, M)
+        context = torch.tensor([chunks[i][1] + 1 for i in decode])
+    x = tr.wte(ids) + tr.wpe(positions)  # (N, C)
+    N, C = x.shape
+    for layer, block in enumerate(tr.h):
+        attn, H = block.attn, block.attn.n_head
+        q, k, v = linear(attn.c_attn, block.ln_1(x)).split(C, dim=1)
+        q, k, v = (t.view(N, H, C // H) for t in (q, k, v))
+        key_pool, value_pool = cache.storage[layer, 0], cache.storage[layer, 1]  # (N_blocks, S, H, Dh)
+        key_pool.view(-1, H, C // H).index_copy_(0, slots, k)  # each new key into its slot
+        value_pool.view(-1, H, C // H).index_copy_(0, slots, v)
+        y = torch.empty_like(q)
+        if decode:
+            y[rows] = attention(q[rows], key_pool, value_pool, tables, context)
+        for i, (table, start, tokens) in enumerate(chunks):
+            if len(tokens) > 1:
+                a, b = int(ends[i]) - len(tokens), int(ends[i])
+                y[a:b] = _chunk_attention(q[a:b], key_pool, value_pool, table, start, S, slots_of)
+        x = x + linear(attn.c_proj, y.reshape(N, C))
+        x = x + cached_mlp(block.mlp, block.ln_2(x))
+    last = tr.ln_f(x[ends - 1])  # (len(chunks), C)
+    return linear(model.lm_head, last)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the engine
+
+
+@dataclass
+class Trace:
+    """What a run did, step by step: for the pictures and the memory accounting."""
+
+    states: list = field(default_factory=list)  # per step: {request name: state}
+    allocated: list = field(default_factory=list)  # per step: KV bytes allocated
+    used: list = field(default_factory=list)  # per step: KV bytes holding a cached token
+    batch: list = field(default_factory=list)  # per step: sequences in the forward pass
+    seconds: float = 0.0
+    steps: int = 0
+
+
+class Engine:
+    """Continuous batching over a paged KV cache, for a course_lib.gpt.GPT.
+
+    num_blocks: blocks in the pool; block_size: token slots per block (>= 1); token_budget: most tokens
+    computed per step, prefill chunks and decode tokens together (>= 1). ``run(requests)`` serves a list of
+    ``Request``s and returns ({name: Result}, Trace). A request that cannot be served (an empty prompt,
+    prompt + max_new_tokens beyond the model's context, more blocks than the pool has) gets a Result whose
+    ``error`` names the argument; the others are served.
+    """
+
+    def __init__(self, model, num_blocks: int, block_size: int = 8, token_budget: int = 64, *,
+                 share_prefixes: bool = True):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("token_budget", token_budget)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.model = model.eval()
+        self.num_blocks, self.block_size, self.token_budget = num_blocks, block_size, token_budget
+        self.share_prefixes = share_prefixes
+
+    def run(self, requests: list, *, scheduler=schedule_step, attention=paged_attention, slots_of=slot_mapping) -> tuple:
+        """Serve `requests`; returns ({name: Result}, Trace). scheduler, attention, slots_of: the functions it runs on."""
+        cache = PagedKVCache.for_model(self.model, self.num_blocks, self.block_size)
+        S, context = self.block_size, self.model.config.block_size
+        results = {r.name: Result(r.name, arrival_step=r.arrival) for r in requests}
+        pending = sorted(requests, key=lambda r: r.arrival)  # stable: equal arrivals keep their order
+        waiting, running, trace = [], [], Trace()
+        start_time = time.perf_counter()
+        step = 0
+        while pending or waiting or running:
+            now = time.perf_counter() - start_time
+            while pending and pending[0].arrival <= step:
+                request = pending.pop(0)
+                result = results[request.name]
+                result.arrival_time = now
+                try:
+                    validate(request, context, self.num_blocks, S)
+                except ValueError as error:
+                    result.error = str(error)
+                    continue
+                waiting.append(Sequence(request, result, cache))
+            if not waiting and not running:
+                step += 1
+                continue
+            for seq in waiting:
+                seq.find_prefix(self.share_prefixes)
+            scheduled, preempted = scheduler(running, waiting, len(cache.free), self.token_budget)
+            for seq in preempted:  # give the blocks back; recompute later, keeping the tokens generated
+                for b in seq.blocks:
+                    cache.release(b)
+                seq.blocks, seq.n_cached = [], 0
+                seq.result.preemptions += 1
+                running.remove(seq)
+            waiting = sorted(preempted, key=lambda s: s.request.arrival) + waiting
+            chunks = []
+            for seq, n in scheduled:
+                if seq in waiting:  # admitted: take the shared prefix
+                    waiting.remove(seq)
+                    running.append(seq)
+                    for b in seq.hit:
+                        cache.share(b)
+                    seq.blocks, seq.hit = seq.hit, []
+                self._make_room(cache, seq, n)
+                chunks.append((torch.tensor(seq.blocks), seq.n_cached,
+                               torch.tensor(seq.tokens[seq.n_cached:seq.n_cached + n])))
+            logits = paged_forward(self.model, cache, chunks, attention=attention, slots_of=slots_of) if chunks else None
+            now = time.perf_counter() - start_time
+            states = {s.request.name: "waiting" for s in waiting}
+            for i, (seq, n) in enumerate(scheduled):
+                states[seq.request.name] = "decode" if seq.n_cached >= seq.prompt_len else "prefill"
+                seq.n_cached += n
+                self._register_full_blocks(cache, seq, seq.n_cached - n)
+                if seq.n_cached == seq.n_tokens:  # the chunk reached the end: a new token
+                    token = _choose(logits[i], seq.tokens, seq.prompt_len, seq.request.sampling, seq.generator)
+                    seq.tokens.append(token)
+                    seq.result.tokens.append(token)
+                    seq.result.token_times.append(now)
+                    if seq.result.first_token_step is None:
+                        seq.result.first_token_step = step
+                    if len(seq.result.tokens) == seq.request.max_new_tokens:
+                        seq.result.finish_step = step
+                        for b in seq.blocks:
+                            cache.release(b)
+                        seq.blocks = []
+                        running.remove(seq)
+            for seq in preempted:
+                states[seq.request.name] = "preempted"
+            trace.states.append(states)
+            held = cache.num_blocks - len(cache.free)
+            trace.allocated.append(held * cache.block_bytes)
+            trace.used.append(self._used_slots(cache, running) * cache.block_bytes // S)
+            trace.batch.append(len(scheduled))
+            step += 1
+        trace.seconds, trace.steps = time.perf_counter() - start_time, step
+        return results, trace
+
+    @staticmethod
+    def _make_room(cache: PagedKVCache, seq: Sequence, n: int) -> None:
+        """Blocks for positions n_cached .. n_cached + n - 1: copy a shared last block first, then append new ones."""
+        S = cache.block_size
+        if seq.n_cached % S and cache.refs[seq.blocks[-1]] > 1:  # it would write into a shared block
+            seq.blocks[-1] = cache.copy_block(seq.blocks[-1])
+        while len(seq.blocks) * S < seq.n_cached + n:
+            seq.blocks.append(cache.allocate())
+
+    @staticmethod
+    def _register_full_blocks(cache: PagedKVCache, seq: Sequence, before: int) -> None:
+        """Offer for sharing every block this step filled."""
+        S = cache.block_size
+        for i in range(before // S, seq.n_cached // S):
+            cache.register(tuple(seq.tokens[:(i + 1) * S]), seq.blocks[i])
+
+    @staticmethod
+    def _used_slots(cache: PagedKVCache, running: list) -> int:
+        """Slots holding a cached token, each shared block counted once."""
+        filled: dict = {}
+        S = cache.block_size
+        for seq in running:
+            for i, b in enumerate(seq.blocks):
+                filled[b] = max(filled.get(b, 0), min(S, seq.n_cached - i * S))
+        return sum(max(0, f) for f in filled.values())
+
+
+# ----------------------------------------------------------------------------------------------------
+# the baseline: static batching
+
+
+@torch.inference_mode()
+def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
+    """Serve `requests` in static batches: chapter 05's left-padded batch, one at a time.
+
+    At each step with no batch running, the requests that have arrived (first come, first served, at most
+    max_batch_size) form a batch: prompts left-padded to the longest, a ``KVCache`` preallocated for the
+    longest prompt plus the longest output in every row (as ``generate_cached`` does), one prefill step, then one decode step per token until
+    the row with the most tokens to generate is done; a row that is done idles until then. Returns
+    ({name: Result}, Trace) like ``Engine.run``.
+    """
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+    model.eval()
+    context = model.config.block_size
+    results = {r.name: Result(r.name, arrival_step=r.arrival) for r in requests}
+    pending = sorted(requests, key=lambda r: r.arrival)
+    arrived, trace = [], Trace()
+    start_time = time.perf_counter()
+    step = 0
+    while pending or arrived:
+        now = time.perf_counter() - start_time
+        while pending and pending[0].arrival <= step:
+            request = pending.pop(0)
+            results[request.name].arrival_time = now
+            try:
+                validate(request, context)
+                arrived.append(request)
+            except ValueError as error:
+                results[request.name].error = str(error)
+        if not arrived:
+            step += 1
+            continue
+        batch, arrived = arrived[:max_batch_size], arrived[max_batch_size:]
+        B, width = len(batch), max(len(r.prompt) for r in batch)
+        longest = max(r.max_new_tokens for r in batch)
+        idx = torch.zeros(B, width, dtype=torch.long)
+        mask = torch.zeros(B, width, dtype=torch.long)  # 1: a real token; grows by a column per step
+        for row, r in enumerate(batch):
+            idx[row, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[row, width - len(r.prompt):] = 1
+        cache = KVCache.for_model(model, B, width + longest)  # every row: the longest prompt + the longest output
+        generators = [torch.Generator().manual_seed(r.seed) for r in batch]
+        tokens = [list(r.prompt) for r in batch]
+        new = idx
+        for t in range(longest):
+            states = {r.name: "waiting" for r in arrived}
+            for r in pending:
+                if r.arrival <= step:
+                    states[r.name] = "waiting"
+            logits = cached_forward(model, new, cache, mask)[:, -1]
+            now = time.perf_counter() - start_time
+            column = torch.zeros(B, 1, dtype=torch.long)
+            for row, r in enumerate(batch):
+                done = len(tokens[row]) - len(r.prompt) >= r.max_new_tokens
+                states[r.name] = "idle" if done else ("prefill" if t == 0 else "decode")
+                if done:
+                    continue
+                token = _choose(logits[row], tokens[row], len(r.prompt), r.sampling, generators[row])
+                tokens[row].append(token)
+                column[row, 0] = token
+                result = results[r.name]
+                result.tokens.append(token)
+                result.token_times.append(now)
+                if result.first_token_step is None:
+                    result.first_token_step = step
+                if len(result.tokens) == r.max_new_tokens:
+                    result.finish_step = step
+            new = column
+            busy = [len(tk) - len(r.prompt) < r.max_new_tokens for tk, r in zip(tokens, batch)]
+            mask = torch.cat([mask, torch.tensor(busy, dtype=torch.long)[:, None]], dim=1)  # an idle row feeds padding
+            trace.states.append(states)
+            trace.allocated.append(cache.nbytes)
+            per_token = cache.nbytes // (B * cache.capacity)
+            trace.used.append(per_token * sum(min(len(tk), len(r.prompt) + r.max_new_tokens - 1)
+                                              for tk, r in zip(tokens, batch)))
+            trace.batch.append(B)
+            step += 1
+            while pending and pending[0].arrival <= step:  # arrivals during the batch wait for the next one
+                request = pending.pop(0)
+                results[request.name].arrival_time = time.perf_counter() - start_time
+                try:
+                    validate(request, context)
+                    arrived.append(request)
+                except ValueError as error:
+                    results[request.name].error = str(error)
+    trace.seconds, trace.steps = time.perf_counter() - start_time, step
+    return results, trace
+
+
+# ----------------------------------------------------------------------------------------------------
+# a request trace
+
+
+def make_trace(n_requests: int, seed: int = 0, *, context: int = 128, mean_gap: float = 1.0,
+               prompt_range: tuple = (4, 48), output_median: float = 12.0, output_sigma: float = 0.9,
+               vocab: list | None = None, prefix: list | None = None) -> list:
+    """A seeded list of n_requests ``Request``s: arrivals, prompt and output lengths.
+
+    Gaps between arrivals are exponential (mean mean_gap steps; a Poisson process; 0: all at step 0), prompt lengths uniform
+    in prompt_range, output lengths log-normal (median output_median, sigma output_sigma: a long tail of
+    long answers), each cut so that prompt + output fits the context. Prompt tokens are drawn from `vocab`
+    (default: ids 0..63); `prefix` (a shared system prompt) is put in front of every prompt.
+    """
+    rng = random.Random(seed)
+    vocab = list(range(64)) if vocab is None else vocab
+    prefix = [] if prefix is None else list(prefix)
+    requests, clock = [], 0.0
+    for i in range(n_requests):
+        n_prompt = rng.randint(*prompt_range)
+        prompt = prefix + [rng.choice(vocab) for _ in range(n_prompt)]
+        room = context - len(prompt)
+        n_out = max(1, min(room, round(rng.lognormvariate(math.log(output_median), output_sigma))))
+        requests.append(Request(f"r{i:02d}", prompt, n_out, arrival=int(clock)))
+        clock += rng.expovariate(1.0 / mean_gap) if mean_gap > 0 else 0.0
+    return requests

@@ -1,0 +1,33 @@
+"""Chapter 12's learner-facing checks: the reference passes; each classic bug gets a specific message."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from course_lib import checks
+from course_lib.serving import paged_attention, schedule_step, slot_mapping
+
+def test_reference_implementations_pass_every_visible_check(capsys):
+    checks.check_slot_mapping(slot_mapping)
+    checks.check_paged_attention(paged_attention)
+    checks.check_schedule_step(schedule_step)
+    assert capsys.readouterr().out.count("all visible checks passed") == 3
+
+def unscaled(q, key_pool, value_pool, block_tables, context_lens):
+    return paged_attention(q * math.sqrt(q.shape[-1]), key_pool, value_pool, block_tables, context_lens)
+
+def unmasked(q, key_pool, value_pool, block_tables, context_lens):
+    return paged_attention(q, key_pool, value_pool, block_tables, torch.full_like(context_lens, block_tables.shape[1] * key_pool.shape[1]))
+
+@pytest.mark.parametrize("check,buggy,message", [
+    (checks.check_slot_mapping, lambda table, positions, S: positions, "you returned the positions themselves"),
+    (checks.check_slot_mapping, lambda table, positions, S: table[positions // S] + positions % S, "block \\+ offset is not a slot"),
+    (checks.check_paged_attention, unscaled, "not scaled"),
+    (checks.check_paged_attention, unmasked, "you attend to every slot of the blocks"),
+    (checks.check_schedule_step, lambda r, w, f, b: ([(s, s.n_tokens - s.n_cached) for s in r + w], []), "does not fit in what is left"),
+])
+def test_each_classic_bug_gets_its_message(check, buggy, message):
+    with pytest.raises(checks.CheckFailed, match=message):
+        check(buggy)
