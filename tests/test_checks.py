@@ -48,14 +48,45 @@ def additive_without_tanh(query, keys, values, W_q, W_k, v, mask=None):
     return weights @ values, weights
 
 
+def softmax_nan_on_fully_masked(scores, mask=None):
+    if mask is None:
+        return torch.softmax(scores, dim=-1)
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def softmax_uniform_on_fully_masked(scores, mask=None):
+    if mask is None:
+        return torch.softmax(scores, dim=-1)
+    return torch.softmax(scores.masked_fill(~mask, -1e9), dim=-1)
+
+
+def sdpa_inverted_mask(q, k, v, mask=None):
+    return attention.scaled_dot_product_attention(q, k, v, None if mask is None else ~mask)
+
+
+def sdpa_mask_ignored(q, k, v, mask=None):
+    return attention.scaled_dot_product_attention(q, k, v)
+
+
+def additive_tanh_each(query, keys, values, W_q, W_k, v, mask=None):
+    energies = ((query @ W_q).tanh().unsqueeze(-2) + (keys @ W_k).tanh().unsqueeze(-3)) @ v
+    weights = attention.masked_softmax(energies, mask)
+    return weights @ values, weights
+
+
 @pytest.mark.parametrize("check,buggy,message", [
+    (checks.check_masked_softmax, softmax_nan_on_fully_masked, r"fully masked row .* nan.*0/0 = NaN"),
+    (checks.check_masked_softmax, softmax_uniform_on_fully_masked, r"fully masked row .* expected all zeros \(no key may get weight"),
+    (checks.check_scaled_dot_product_attention, sdpa_inverted_mask, r"with a padding mask \(True = keep\) gives weight .* masked position"),
+    (checks.check_scaled_dot_product_attention, sdpa_mask_ignored, r"with a padding mask \(True = keep\) gives weight .* masked position"),
+    (checks.check_additive_attention, additive_tanh_each, r"tanh applied to each projection alone"),
     (checks.check_masked_softmax, softmax_wrong_axis, r"row 0 of your weights \(no mask\) sums to 1\.\d+, expected 1 \(is the softmax taken over the last axis"),
     (checks.check_masked_softmax, softmax_ignoring_mask, r"gives weight 0\.\d+ to a masked position \(0, 3\).*ignored or inverted"),
     (checks.check_masked_softmax, softmax_inverted_mask, r"masked position .*ignored or inverted"),
     (checks.check_scaled_dot_product_attention, sdpa_unscaled, rf"scores scaled by 1; the expected scale is 1/sqrt\(d_k\) = 1/sqrt\(8\) = {1 / math.sqrt(8):.4f}"),
     (checks.check_scaled_dot_product_attention, sdpa_scaled_by_d, rf"scores scaled by {1 / 8:.4g}; the expected scale"),
     (checks.check_scaled_dot_product_attention, sdpa_output_only, r"should return a tuple \(out, weights\), got Tensor"),
-    (checks.check_additive_attention, additive_without_tanh, r"your attention weights differs from the expected values in \d+ of 8 entries; the worst is at index"),
+    (checks.check_additive_attention, additive_without_tanh, r"softmax\(v \. \(W_q q \+ W_k k\), without the tanh\)"),
 ])
 def test_classic_bugs_get_specific_messages(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):

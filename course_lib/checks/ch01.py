@@ -36,7 +36,24 @@ def check_masked_softmax(masked_softmax) -> None:
     assert_masked_are_zero(out, mask)
     assert_rows_sum_to_one(out, "your weights (with a padding mask)", mask)
     assert_close(out, _softmax64(scores, mask), "masked_softmax(scores, mask)")
+    _check_fully_masked_row(masked_softmax(scores, _WITH_A_FULLY_MASKED_ROW), "masked_softmax(scores, mask)")
     passed("masked_softmax")
+
+
+#: Row 1 has no key to attend to (a sequence whose keys are all padding): its weights must be all zero.
+_WITH_A_FULLY_MASKED_ROW = torch.tensor([[True, True, False, False, False], [False] * 5, [True] * 5])
+
+
+def _check_fully_masked_row(weights, name: str) -> None:
+    """Row 1 of ``weights`` (under ``_WITH_A_FULLY_MASKED_ROW``) is all zeros: not NaN, not uniform."""
+    row = weights[1]
+    if not torch.isfinite(row).all():
+        fail(f"{name} with a fully masked row (row 1: every key masked) gives {row.tolist()}; expected all zeros. "
+             "A row of -inf scores has softmax 0/0 = NaN: fill masked scores with a large finite negative number "
+             "and set the masked weights to 0")
+    if (row != 0).any():
+        fail(f"{name} with a fully masked row (row 1: every key masked) gives {row.tolist()}; expected all zeros "
+             "(no key may get weight, so the row sums to 0, not 1): set the masked weights to 0 after the softmax")
 
 
 def additive_attention_oracle(query, keys, values, W_q, W_k, v, mask=None):
@@ -51,6 +68,24 @@ def additive_attention_oracle(query, keys, values, W_q, W_k, v, mask=None):
     return weights @ v64, weights
 
 
+def _name_the_wrong_formula(weights, query, keys, W_q, W_k, v) -> None:
+    """If ``weights`` are those of a classic wrong score formula, fail naming it (float64 oracles of each)."""
+    q, k = (query.double() @ W_q.double()).unsqueeze(-2), (keys.double() @ W_k.double()).unsqueeze(-3)
+    wrong = {
+        "v . (W_q q + W_k k), without the tanh": (q + k) @ v.double(),
+        "v . (tanh(W_q q) + tanh(W_k k)), the tanh applied to each projection alone": (q.tanh() + k.tanh()) @ v.double(),
+        "tanh(W_q q) . tanh(W_k k) summed without v": (q.tanh() * k.tanh()).sum(-1),
+    }
+    for formula, energies in wrong.items():
+        if torch.allclose(weights.double(), torch.softmax(energies, dim=-1), rtol=1e-4, atol=1e-6):
+            fail(f"your attention weights are softmax({formula}); additive attention scores each pair (query i, key j) "
+                 "with v . tanh(W_q q_i + W_k k_j): add the two projections, then tanh, then the dot product with v")
+    columns = torch.softmax(((q + k).tanh() @ v.double()), dim=0)
+    if torch.allclose(weights.double(), columns, rtol=1e-4, atol=1e-6):
+        fail("your attention weights are normalised over the queries (each column sums to 1); each query's weights "
+             "over the keys must sum to 1: softmax over the last axis")
+
+
 def check_additive_attention(additive_attention) -> None:
     """Visible checks for chapter 01, exercise 2 (no mask; the hidden tests add masks and batches)."""
     gen = torch.Generator().manual_seed(102)
@@ -61,6 +96,7 @@ def check_additive_attention(additive_attention) -> None:
     assert_shape(context, (2, 6), "context for 2 queries and values of size 6")
     assert_rows_sum_to_one(weights)
     expected_context, expected_weights = additive_attention_oracle(query, keys, values, W_q, W_k, v)
+    _name_the_wrong_formula(weights, query, keys, W_q, W_k, v)
     assert_close(weights, expected_weights, "your attention weights")
     assert_close(context, expected_context, "your context vectors")
     passed("additive_attention")
@@ -85,4 +121,9 @@ def check_scaled_dot_product_attention(scaled_dot_product_attention) -> None:
         )
     assert_close(weights, expected_weights, "your attention weights")
     assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v), "your output")
+    mask = torch.tensor([True, True, True, False, False, False])  # keys 3, 4, 5 are padding; True = keep
+    out, weights = unpack_pair(scaled_dot_product_attention(q, k, v, mask), "scaled_dot_product_attention", ("out", "weights"))
+    assert_masked_are_zero(weights, mask.expand(4, 6), "your attention weights with a padding mask (True = keep)")
+    assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                 "your output with a padding mask")
     passed("scaled_dot_product_attention")
