@@ -3,8 +3,8 @@
 A language model gives, at every step, logits (B, V) over the vocabulary for the next token. A
 *decoding strategy* turns them into a choice. This module follows Hugging Face's
 ``generation/logits_process.py``: one small function per processor, composed in one documented order
-(``PROCESSOR_ORDER``), and a ``generate`` whose arguments mean what they mean in Hugging Face's
-``model.generate``.
+(``PROCESSOR_ORDER``), and a ``generate`` whose shared arguments mean what they mean in Hugging Face's
+``model.generate`` (``generate``'s docstring lists where the two differ).
 
 Shapes: B batch, T tokens, V vocabulary, K beams. Logits are float tensors (B, V); token ids int64.
 A filtered token has logit -inf (probability exactly 0 after softmax).
@@ -82,11 +82,12 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, input_ids: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's repetition penalty (Keskar et al., 2019) on every token in input_ids: (B, V), (B, T) -> (B, V).
+    """The repetition penalty on every token in input_ids, sign-aware as Hugging Face's: (B, V), (B, T) -> (B, V).
 
     A token that already occurs (prompt included) becomes less likely: a positive logit is divided by
-    the penalty, a negative one multiplied by it (dividing a negative logit would *raise* it). A token
-    is penalised once, however often it occurs. penalty > 1 discourages repetition, < 1 encourages it.
+    the penalty, a negative one multiplied by it. (CTRL's paper, Keskar et al., 2019, divides every
+    logit; dividing a negative logit would *raise* it.) A token is penalised once, however often it
+    occurs. penalty > 1 discourages repetition, < 1 encourages it.
     """
     if not penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0 (1 means no penalty), got {penalty}")
@@ -404,13 +405,20 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: 
              streamer: Callable | None = None, length_penalty_style: str = "hf") -> torch.Tensor:
     """Generate up to max_new_tokens after input_ids (B, T) with a course_lib.gpt.GPT: -> (B, T + n).
 
-    The arguments mean what they mean in Hugging Face's ``generate``: greedy (default), sampling
-    (``do_sample``; processors in PROCESSOR_ORDER, the penalties also apply to greedy), or beam search
-    (``num_beams`` > 1; num_beams = 1 is greedy). eos_token_id: an id or a list of ids; a finished row
-    emits pad_token_id (default: the first EOS id) and generation stops when every row has finished.
-    attention_mask (B, T): 0 marks left padding. Extras: stop_sequences (lists of token ids that finish
-    a row like an EOS), streamer (called with the new tokens (B,) after every step), and
-    length_penalty_style ("hf" or "gnmt", beam search only).
+    Greedy (default), sampling (``do_sample``; processors in PROCESSOR_ORDER, the penalties also apply
+    to greedy), or beam search (``num_beams`` > 1; num_beams = 1 is greedy). eos_token_id: an id or a
+    list of ids; a finished row emits pad_token_id (default: the first EOS id) and generation stops when
+    every row has finished. attention_mask (B, T): 0 marks left padding.
+
+    Same meaning as in Hugging Face's ``generate`` (tests/test_decoding.py checks it token for token):
+    max_new_tokens, do_sample, temperature > 0, top_k, top_p, min_p, repetition_penalty, num_beams,
+    length_penalty, early_stopping, eos_token_id, pad_token_id, attention_mask. Different: only the
+    processors asked for apply (Hugging Face's do_sample=True also applies its default top_k=50);
+    temperature=0 is greedy (Hugging Face refuses it); frequency_penalty and presence_penalty are
+    OpenAI's (Hugging Face has neither); stop_sequences are lists of token ids that finish a row like an
+    EOS (Hugging Face's stop_strings are text); streamer is a function called with the new tokens (B,)
+    after every step (Hugging Face's is an object with put and end); generator and length_penalty_style
+    ("hf" or "gnmt", beam search only) are ours only.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must have shape (B, T), got {tuple(input_ids.shape)}")
