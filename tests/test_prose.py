@@ -22,9 +22,12 @@ CITED: dict[str, dict[str, str]] = {
     },
 
     "04-gpt": {
+        "0.01": "OpenAI's released GPT-2 code, github.com/openai/gpt-2 src/model.py: wpe drawn with "
+                "tf.random_normal_initializer(stddev=0.01)",
     },
 
     "05-kv-cache": {
+        "4096": "Jiang et al. (2023), Mistral 7B, arXiv:2310.06825, section 2 and table 1: window size W = 4096",
     },
 
     "06-decoding": {
