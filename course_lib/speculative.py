@@ -71,8 +71,11 @@ def speculative_step(target, draft, tokens, target_cache, draft_cache, num_draft
     Each cache holds the keys and values of (at most) the first n - 1 committed tokens; what it lacks
     is fed first. The draft proposes K = num_draft_tokens tokens (K cached forward passes), the target
     scores them in ONE cached forward pass, ``accept`` keeps a of them and gives the distribution of one
-    more token. Then both caches are rolled back (cropped) to n + a slots: every committed token except
-    the newest, which the next round feeds. Returns the extended tokens and a.
+    more token. Rollback: afterwards the target cache holds exactly n + a slots, every committed token
+    but the newest (which the next round feeds), and the draft cache min(its length, n + a): it never
+    fed its last proposal, so it is one slot short when all K are accepted, and crop can only forget.
+    Neither cache keeps a rejected proposal. K = 0 is plain decoding with the target: no draft pass,
+    a = 0, one token drawn from the target's distribution. Returns the extended tokens and a.
     """
     n, K = tokens.shape[1], num_draft_tokens
     # 1. draft K tokens, one at a time (its first pass also feeds the committed tokens its cache lacks)
