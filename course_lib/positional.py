@@ -94,8 +94,10 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     """ALiBi's head slopes (Press et al., 2022), (H,) float32.
 
     For H a power of two: m_h = 2^(-8 (h+1) / H), h = 0 ... H-1 (a geometric sequence from 2^(-8/H) to 2^-8).
-    Otherwise the paper's interpolation: the slopes of the largest power of two n < H, followed by every
-    other slope of 2n (the odd-numbered ones, 2^(-8 (2k+1) / (2n))), until there are H.
+    Otherwise the rule of the ALiBi authors' code, not of the paper (which trains only powers of two):
+    ``get_slopes`` in github.com/ofirpress/attention_with_linear_biases takes the slopes of the largest
+    power of two n < H, followed by every other slope of 2n (the odd-numbered ones, 2^(-8 (2k+1) / (2n))),
+    until there are H. Hugging Face's BLOOM code does the same (tests/test_positional.py compares them).
     """
     if n_heads < 1:
         raise ValueError(f"n_heads must be >= 1, got {n_heads}")
