@@ -8,10 +8,12 @@ from course_lib.attention import masked_softmax as reference
 from course_lib.yours import passes, yours
 
 
-def learners_masked_softmax(scores, mask=None):
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1)
+def learners_masked_softmax(scores, mask=None):  # correct, written differently from the course's
+    if mask is None:
+        return torch.softmax(scores, dim=-1)
+    exp = (scores - scores.amax(-1, keepdim=True)).exp() * mask
+    total = exp.sum(-1, keepdim=True)
+    return torch.where(total > 0, exp / total.clamp_min(1e-30), 0.0)
 
 
 def unfinished(scores, mask=None):
@@ -22,6 +24,10 @@ def no_mask(scores, mask=None):  # the classic mistake: the padding mask is igno
     return torch.softmax(scores, dim=-1)
 
 
+def nan_on_fully_masked(scores, mask=None):  # the other classic mistake: -inf fill, NaN on a fully masked row
+    return torch.softmax(scores if mask is None else scores.masked_fill(~mask, float("-inf")), dim=-1)
+
+
 def test_a_passing_function_is_used_and_said(capsys):
     chosen = yours(learners_masked_softmax, checks.check_masked_softmax, reference)
     assert chosen is learners_masked_softmax
@@ -29,7 +35,7 @@ def test_a_passing_function_is_used_and_said(capsys):
 
 
 def test_an_unfinished_or_wrong_function_gives_way_to_the_course(capsys):
-    for learners in (unfinished, no_mask):
+    for learners in (unfinished, no_mask, nan_on_fully_masked):
         assert yours(learners, checks.check_masked_softmax, reference) is reference
         assert capsys.readouterr().out == "your masked_softmax does not pass its check yet: the course's version runs below\n"
     assert not passes(no_mask, checks.check_masked_softmax) and passes(reference, checks.check_masked_softmax)
