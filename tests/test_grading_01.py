@@ -111,7 +111,8 @@ STUDENTS = {
     "unscaled": (lambda: CH.solved({SDPA: UNSCALED}),
                  {"scaled_dot_product_attention-visible", "scaled_dot_product_attention-scale"}),
     # scaled_dot_product_attention calls masked_softmax, but is tested with the reference one: one bug, one exercise
-    "nan_on_fully_masked": (lambda: CH.solved({"masked_softmax-solution": NAIVE_MASKED_SOFTMAX}), {"masked_softmax-fully_masked"}),
+    "nan_on_fully_masked": (lambda: CH.solved({"masked_softmax-solution": NAIVE_MASKED_SOFTMAX}),
+                            {"masked_softmax-visible", "masked_softmax-fully_masked"}),
     "mask_ignored": (lambda: CH.solved({"additive_attention-solution": CH.mutate(
         "additive_attention-solution", "masked_softmax(energies, mask)", "masked_softmax(energies)")}),
         {"additive_attention-mask"}),
