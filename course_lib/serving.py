@@ -1,9 +1,11 @@
 """Serving many users at once, chapter 12: continuous batching and a paged KV cache.
 
 Requests arrive at different times and want different numbers of tokens. ``static_batching`` runs
-them the simple way (chapter 05's left-padded batch, a cache preallocated at the model's context,
-the batch waits for its longest member). ``Engine`` runs them the way serving engines do (Orca's
-iteration-level scheduling, Yu et al. 2022; vLLM's PagedAttention, Kwon et al. 2023):
+them the simple way (chapter 05's left-padded batch, a cache preallocated for the batch's longest
+prompt plus its longest output in every row, the batch waits for its longest member). ``Engine`` runs
+them the way serving engines do (Orca's iteration-level scheduling, Yu et al. 2022; vLLM's
+PagedAttention, Kwon et al. 2023; chunked prefill under a token budget as in Sarathi and Sarathi-Serve,
+Agrawal et al. 2023 and 2024, and vLLM):
 
 * **continuous batching**: at every step requests join and leave the running batch; the prompt of a
   new request is prefilled in chunks beside the decode steps of the others, under a token budget;
@@ -15,7 +17,8 @@ iteration-level scheduling, Yu et al. 2022; vLLM's PagedAttention, Kwon et al. 2
 * **preemption**: when the pool is full, the most recently admitted running sequence gives its blocks
   back and is recomputed later (vLLM's default); it keeps the tokens it generated;
 * **per-request sampling**: each request carries its own chapter 06 processors and its own
-  ``torch.Generator``, so its tokens do not depend on the batch it ran in.
+  ``torch.Generator``, so its random stream does not depend on the batch it ran in (its logits may,
+  by float rounding: the tests check that its tokens do not, on their models and traces).
 
 Shapes: L layers, H heads, Dh head size, C = H * Dh, N blocks in the pool, S block size (slots per
 block), V vocabulary. The pool of one layer holds keys (N, S, H, Dh) and values (N, S, H, Dh); slot
@@ -64,7 +67,7 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     are padding: any valid block index); context_lens (B,) int64: sequence b attends to its positions
     0 .. context_lens[b] - 1 (its newest token's key included), read through its block table. Slots
     past context_lens[b] (the rest of a partly filled block, and padding blocks) are never attended to.
-    Scaled by 1 / sqrt(Dh).
+    Scaled by 1 / sqrt(Dh). Returns the same dtype as q.
     """
     B, H, Dh = q.shape
     M, S = block_tables.shape[1], key_pool.shape[1]
@@ -83,7 +86,9 @@ def schedule_step(running: list, waiting: list, num_free_blocks: int, token_budg
     running: the running sequences, oldest admission first; waiting: the waiting ones, first come first.
     Each sequence has ``n_tokens`` (its prompt and generated tokens), ``n_cached`` (those whose keys and
     values are in the cache), ``blocks_needed(n)`` (new blocks it must get to cache n more tokens) and
-    ``blocks_freed()`` (blocks that go back to the free list if it is preempted). The policy:
+    ``blocks_freed()`` (blocks that go back to the free list if it is preempted: those it alone holds; a
+    block shared only among sequences preempted in the same step is freed too but counted by none, so
+    the policy may preempt more than it needs, never less). The policy:
 
     1. Running sequences, in order, while tokens of the budget are left: sequence s wants
        n = min(s.n_tokens - s.n_cached, tokens left) tokens (1 when it decodes, the rest of its prompt, or
@@ -309,10 +314,15 @@ class Sequence:
         """New blocks to cache n more tokens: one more if the last block is shared and would be written (copy-on-write)."""
         S = self.cache.block_size
         table = self.blocks or self.hit  # a waiting sequence's table will be its shared prefix
-        shared_tail = bool(self.n_cached % S) and (not self.blocks or self.cache.refs[table[-1]] > 1)
+        writes_held = self.n_cached < len(table) * S  # the next token goes into a block already in the table
+        shared_tail = writes_held and (not self.blocks or self.cache.refs[table[self.n_cached // S]] > 1)
         return max(0, math.ceil((self.n_cached + n) / S) - len(table)) + int(shared_tail)
 
     def blocks_freed(self) -> int:
+        """Blocks only this sequence holds (reference count 1): they go back to the free list if it is preempted.
+
+        A block it shares only with other sequences preempted in the same step is freed too but not counted
+        here, so the scheduler may then preempt more than it needs (never less)."""
         return sum(1 for b in self.blocks if self.cache.refs[b] == 1)
 
 
@@ -475,6 +485,8 @@ class Engine:
                             cache.release(b)
                         seq.blocks = []
                         running.remove(seq)
+            for seq in running:  # running but not scheduled (the token budget ran out): ready, waiting its turn
+                states.setdefault(seq.request.name, "waiting")
             for seq in preempted:
                 states[seq.request.name] = "preempted"
             trace.states.append(states)
@@ -488,10 +500,11 @@ class Engine:
 
     @staticmethod
     def _make_room(cache: PagedKVCache, seq: Sequence, n: int) -> None:
-        """Blocks for positions n_cached .. n_cached + n - 1: copy a shared last block first, then append new ones."""
+        """Blocks for positions n_cached .. n_cached + n - 1: copy a shared block first, then append new ones."""
         S = cache.block_size
-        if seq.n_cached % S and cache.refs[seq.blocks[-1]] > 1:  # it would write into a shared block
-            seq.blocks[-1] = cache.copy_block(seq.blocks[-1])
+        i = seq.n_cached // S  # the block the next token goes into
+        if seq.n_cached < len(seq.blocks) * S and cache.refs[seq.blocks[i]] > 1:  # it would write into a shared block
+            seq.blocks[i] = cache.copy_block(seq.blocks[i])
         while len(seq.blocks) * S < seq.n_cached + n:
             seq.blocks.append(cache.allocate())
 
@@ -590,8 +603,8 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
             trace.states.append(states)
             trace.allocated.append(cache.nbytes)
             per_token = cache.nbytes // (B * cache.capacity)
-            trace.used.append(per_token * sum(min(len(tk), len(r.prompt) + r.max_new_tokens - 1)
-                                              for tk, r in zip(tokens, batch)))
+            # tokens cached: all but the one just sampled (fed next step), as the engine counts n_cached
+            trace.used.append(per_token * sum(len(tk) - 1 for tk in tokens))
             trace.batch.append(B)
             step += 1
             while pending and pending[0].arrival <= step:  # arrivals during the batch wait for the next one

@@ -21,10 +21,17 @@ def unscaled(q, key_pool, value_pool, block_tables, context_lens):
 def unmasked(q, key_pool, value_pool, block_tables, context_lens):
     return paged_attention(q, key_pool, value_pool, block_tables, torch.full_like(context_lens, block_tables.shape[1] * key_pool.shape[1]))
 
+def resumed_from_zero(running, waiting, free, budget):  # a waiting sequence's n_cached ignored
+    scheduled, preempted = schedule_step(running, waiting, free, budget)
+    return [(s, n + s.n_cached if s in waiting else n) for s, n in scheduled], preempted
+
 @pytest.mark.parametrize("check,buggy,message", [
     (checks.check_slot_mapping, lambda table, positions, S: positions, "you returned the positions themselves"),
     (checks.check_slot_mapping, lambda table, positions, S: table[positions // S] + positions % S, "block \\+ offset is not a slot"),
+    (checks.check_slot_mapping, lambda table, positions, S: table[positions % S] * S + positions // S, "block and offset swapped"),
     (checks.check_paged_attention, unscaled, "not scaled"),
+    (checks.check_paged_attention, lambda *args: paged_attention(*args).double(), "should return q's dtype"),
+    (checks.check_schedule_step, resumed_from_zero, "wants its 12 uncached tokens"),
     (checks.check_paged_attention, unmasked, "you attend to every slot of the blocks"),
     (checks.check_schedule_step, lambda r, w, f, b: ([(s, s.n_tokens - s.n_cached) for s in r + w], []), "does not fit in what is left"),
 ])

@@ -66,6 +66,9 @@ def paged_attention(q, key_pool, value_pool, block_tables, context_lens):
                                                             ("            n = min(seq.n_tokens - seq.n_cached, budget)",
                                                              "            n = seq.n_tokens - seq.n_cached")),
      {f"{SCHED}-visible", f"{SCHED}-budget"}),
+    (SCHED, "a waiting sequence's n_cached ignored", mutate(SCHED, ("            n = min(seq.n_tokens - seq.n_cached, budget)",
+                                                                   "            n = min(seq.n_tokens, budget)")),
+     {f"{SCHED}-visible", f"{SCHED}-budget"}),
 ]
 
 

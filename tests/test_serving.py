@@ -267,3 +267,27 @@ def test_scheduler_changes_neither_list():
     running, waiting = [seq("a", 5, 4, 1)], [seq("b", 3, 0, 0)]
     schedule_step(running, waiting, 0, 10)
     assert [s.name for s in running] == ["a"] and [s.name for s in waiting] == ["b"]
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+def test_no_write_lands_in_a_shared_block_when_a_whole_prompt_is_shared(small, block_size, monkeypatch):
+    # Two identical prompts, the second arriving once the first has cached its prompt: the second shares every
+    # prompt block and recomputes its last prompt token, which must go into a copy (copy-on-write), whatever
+    # block_size (with block_size 1 the block to write is a full one, not a partly filled last block).
+    import course_lib.serving as serving
+    written = []
+
+    def spy(model, cache, chunks, **kwargs):
+        for table, start, tokens in chunks:  # the blocks this step writes, and their reference counts
+            for p in range(start, start + len(tokens)):
+                block = int(table[p // cache.block_size])
+                written.append((block, cache.refs[block]))
+        return paged_forward(model, cache, chunks, **kwargs)
+
+    monkeypatch.setattr(serving, "paged_forward", spy)
+    prompt = [3, 14, 15, 9, 26, 5, 35, 8]
+    requests = [Request("first", prompt, 6, arrival=0), Request("second", prompt, 6, arrival=3)]
+    results, _ = Engine(small, num_blocks=40, block_size=block_size, token_budget=16).run(requests)
+    assert written and all(refs == 1 for _, refs in written), [w for w in written if w[1] != 1]
+    for r in requests:
+        assert results[r.name].tokens == alone(small, r), r.name

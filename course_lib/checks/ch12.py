@@ -21,7 +21,11 @@ def check_slot_mapping(slot_mapping) -> None:
     """Visible checks for chapter 12, exercise 1: positions -> flat slots through a block table."""
     table = torch.tensor([5, 2, 7])
     positions = torch.arange(10)
-    got = slot_mapping(table, positions, 4)
+    try:
+        got = slot_mapping(table, positions, 4)
+    except IndexError as error:  # e.g. block_table[positions % block_size] on a table shorter than block_size
+        fail(f"an index past the end of the block table ({error}): are block and offset swapped? Position p is in "
+             "the (p // block_size)-th block of the table, at offset p % block_size")
     got = assert_tensor(got, "slot_mapping(...)")
     assert_shape(got, (10,), "slot_mapping(table, positions, 4)")
     expected = [table[p // 4].item() * 4 + p % 4 for p in range(10)]  # the definition, one position at a time
@@ -80,6 +84,9 @@ def check_paged_attention(paged_attention) -> None:
     args = paged_example(0, [5, 8, 1], block_size=4, garbage=0.0)
     got = assert_tensor(paged_attention(*args), "paged_attention(...)")
     assert_shape(got, (3, 2, 8), "paged_attention(q (3, 2, 8), ...)")
+    if got.dtype != args[0].dtype:
+        fail(f"paged_attention should return q's dtype ({args[0].dtype}), got {got.dtype}: compute in q's dtype "
+             "(or convert the result back); the engine and the tests compare with float32 results")
     expected = contiguous_attention(*args)
     q, key_pool, value_pool, tables, lengths = args
     unscaled = contiguous_attention(q * math.sqrt(8), key_pool, value_pool, tables, lengths)
@@ -134,11 +141,12 @@ def check_schedule_step(schedule_step) -> None:
     if pairs != [("a", 1), ("b", 1), ("c", 6)] or gone:
         fail(f"budget 8, 10 free blocks: expected [('a', 1), ('b', 1), ('c', 6)] and nothing preempted, got {pairs}, {gone}")
     running, waiting = state()
-    pairs, gone = _call(schedule_step, running, waiting, 3, 20, "c needs 3 blocks, 2 are left")
+    pairs, gone = _call(schedule_step, running, waiting, 3, 20, "a and b take one block each, c needs 3, 1 is left")
     if ("d", 3) in pairs:
         fail("d overtook c: when the first waiting request does not fit, admission stops (first come, first served)")
     if pairs != [("a", 1), ("b", 1)] or gone:
-        fail(f"3 free blocks, b takes one, c needs 3: expected [('a', 1), ('b', 1)], got {pairs}, preempted {gone}")
+        fail(f"3 free blocks, a and b take one each, c needs 3 and 1 is left: expected [('a', 1), ('b', 1)], got {pairs}, "
+             f"preempted {gone}")
     running = [fake_sequence("a", 9, 8, 2), fake_sequence("b", 5, 4, 1), fake_sequence("c", 13, 12, 3)]
     pairs, gone = _call(schedule_step, running, [fake_sequence("w", 2, 0, 0)], 0, 50, "no free block")
     if gone == ["a"] or gone[:1] == ["b"]:
@@ -146,5 +154,11 @@ def check_schedule_step(schedule_step) -> None:
     if ("w", 2) in pairs:
         fail("a waiting request was admitted in a step that preempted: admit only when nothing was preempted")
     if gone != ["c"] or pairs != [("a", 1), ("b", 1)]:
-        fail(f"no free block, b and c each need one: expected c preempted and [('a', 1), ('b', 1)], got {pairs}, {gone}")
+        fail(f"no free block and a needs one: c (the most recent) is preempted, its 3 blocks are enough for a and b: "
+             f"expected c preempted and [('a', 1), ('b', 1)], got {pairs}, {gone}")
+    resumed = fake_sequence("p", 20, 8, 2)  # waiting, 8 of its 20 tokens already cached (a shared prefix found)
+    pairs, gone = _call(schedule_step, [], [resumed], 10, 16, "a waiting sequence with 8 tokens cached")
+    if pairs != [("p", 12)] or gone:
+        fail(f"a waiting sequence with n_tokens 20 and n_cached 8 wants its 12 uncached tokens (budget 16): expected "
+             f"[('p', 12)], got {pairs}, preempted {gone}")
     passed("schedule_step")
