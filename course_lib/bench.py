@@ -336,7 +336,7 @@ def _percentile(values: list, q: float) -> float:
 
 
 def bench_serve(models=SERVE_MODELS, n_requests: dict | int | None = None, block_size: int = 8, token_budget: int = 64,
-                max_batch_size: int = 8, mean_gap: float = 0.5, threads: int = 2, warmup: int = 1, repeats: int = 3,
+                max_batch_size: int = 8, mean_gap: float = 0.5, threads: int = 1, warmup: int = 1, repeats: int = 3,
                 seed: int = 0) -> dict:
     """Serving speed and KV memory of our continuous batching over a paged cache, our static batching and Hugging
     Face's continuous batching, on the same seeded trace and the same weights.
@@ -353,7 +353,8 @@ def bench_serve(models=SERVE_MODELS, n_requests: dict | int | None = None, block
     runs, alternating between the systems. Per system: generated tokens/s (median of the runs), time to first token
     and time per output token (every request of every run: median and 95th percentile), KV bytes allocated per byte
     holding a cached token (summed over the steps of the last run), and whether its tokens equal ours continuous.
-    Returns {"rows": [...], ...}.
+    threads: torch threads of all three (1 by default: a serving step is many small ops, and on a machine shared
+    with other work a 2-thread op waits whenever its second thread is descheduled). Returns {"rows": [...], ...}.
     """
     from .hf import to_hf
     from .serving import Engine, make_trace, static_batching
@@ -479,7 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed repeats; the median is reported (default: 7 for train, 5 for decode, 3 for serve)")
     parser.add_argument("--steps", type=int, default=10, help="train: training steps per repeat (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: 2; serve: 1, because a serving step is many small ops, and on a "
+                             "shared machine each 2-thread op waits for a descheduled thread: measured 10 to 100 times "
+                             "slower for ours at 2 threads under load, 0.15 s vs 1 to 24 s for the same char-gpt run)")
     parser.add_argument("--tokens", type=int, default=256, help="decode: new tokens of the cached rows (default: %(default)s)")
     shapes = sorted(set(DECODE_SHAPES) | set(SERVE_MODELS))
     parser.add_argument("--shapes", nargs="+", default=None, choices=shapes,
@@ -496,14 +500,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.shapes and any(s not in allowed for s in args.shapes):
         parser.error(f"--shapes for {args.what} must be among {list(allowed)}, got {args.shapes}")
     if args.what == "serve":
-        models = args.shapes or list(SERVE_MODELS)
+        models, threads = args.shapes or list(SERVE_MODELS), args.threads or 1
         if args.quick:
-            result = bench_serve(models=models, n_requests=args.requests or 8, threads=args.threads, warmup=0,
+            result = bench_serve(models=models, n_requests=args.requests or 8, threads=threads, warmup=0,
                                  repeats=args.repeats or 1)
         else:
-            result = bench_serve(models=models, n_requests=args.requests, threads=args.threads, repeats=args.repeats or 3)
+            result = bench_serve(models=models, n_requests=args.requests, threads=threads, repeats=args.repeats or 3)
         print(format_serve(result))
         return 0
+    args.threads = args.threads or 2
     if args.what == "decode":
         shapes = args.shapes or list(DECODE_SHAPES)
         if args.quick:
