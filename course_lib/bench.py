@@ -11,6 +11,12 @@ the median of the repeats is reported. A benchmark, not a test: it prints, it as
 with float32, int8 and bfloat16 weights (``course_lib.quantize``), our uncached decoding (a full forward
 pass per token), and Hugging Face's ``generate`` with ``use_cache`` True and False, on the same weights;
 beside them the memory-bandwidth bound of each weight format; see ``bench_decode``.
+
+``serve``: many requests at once (chapter 12). On the same seeded request trace
+(``course_lib.serving.make_trace``) and the same weights: our continuous batching over a paged KV cache
+(``serving.Engine``), our static batching (``serving.static_batching``) and Hugging Face's continuous
+batching (the manager behind ``generate_batch``, with its paged cache); throughput, time to first token,
+time per output token, KV bytes allocated per byte used; see ``bench_serve``.
 """
 from __future__ import annotations
 
@@ -235,6 +241,230 @@ def format_decode(result: dict) -> str:
     return "\n".join(lines)
 
 
+#: Models of ``course bench serve``: the course's model (chapter 04's shipped char-gpt checkpoint) and the
+#: GPT-2-small shape of ``DECODE_SHAPES`` with seeded random weights
+SERVE_MODELS = ("char-gpt", "gpt2-small")
+#: Requests in the trace of each model by default (the GPT-2-small shape costs about 40 times more per token)
+SERVE_REQUESTS = {"char-gpt": 32, "gpt2-small": 16}
+#: The systems of ``course bench serve``, in the order they are printed
+SERVE_SYSTEMS = ("ours continuous + paged", "ours static batching", "HF continuous + paged")
+
+
+def serve_model(name: str, seed: int = 0) -> GPT:
+    """Our GPT for ``bench_serve``: the shipped char-gpt checkpoint, or a shape of ``DECODE_SHAPES`` with seeded random weights."""
+    if name == "char-gpt":
+        from . import assets
+
+        return assets.load("char-gpt")
+    if name not in DECODE_SHAPES:
+        raise ValueError(f"models must be among {list(SERVE_MODELS)}, got {name!r}")
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**DECODE_SHAPES[name])).eval()
+
+
+def _ours_run(results: dict, trace) -> dict:
+    """One run of ours (``Engine.run`` or ``static_batching``) in the form ``bench_serve`` compares."""
+    served = [r for r in results.values() if r.error is None]
+    return {"tokens": {r.name: list(r.tokens) for r in served}, "seconds": trace.seconds,
+            "ttft": [r.ttft for r in served], "tpot": [r.tpot for r in served if r.tpot is not None],
+            "allocated": sum(trace.allocated), "used": sum(trace.used), "errors": len(results) - len(served)}
+
+
+def hf_serve(hf_model, requests: list, num_blocks: int, block_size: int, token_budget: int) -> dict:
+    """Serve `requests` greedily with Hugging Face's continuous batching over its paged cache; every request is
+    added at once (Hugging Face has no arrival times: ``Request.arrival`` is ignored).
+
+    It drives the manager that ``generate_batch`` wraps (``continuous_batching_context_manager``) and adds each
+    request with its own max_new_tokens (``generate_batch`` takes one max_new_tokens for all). Its cache: pages of
+    block_size tokens, num_blocks of them, at most token_budget tokens per forward pass, block sharing off (so that
+    no finished request's blocks are kept for reuse and every block held belongs to a live request). After every
+    step it records the KV bytes held (the distinct blocks in its allocators' block tables) and the bytes holding a
+    cached token (each live request's position_offset). Returns the dict ``_ours_run`` returns, plus the attention
+    implementation and the torch threads of the generation thread.
+    """
+    from .hf import _transformers
+
+    transformers = _transformers()
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    generation_config = transformers.GenerationConfig(do_sample=False, eos_token_id=-1,
+                                                      max_new_tokens=max(r.max_new_tokens for r in requests))
+    cb_config = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=token_budget,
+                                         allow_block_sharing=False, use_async_batching=False)
+    allocated, used, threads = [], [], []
+    outputs = {}
+    with hf_model.continuous_batching_context_manager(generation_config=generation_config, warmup=True,
+                                                      continuous_batching_config=cb_config) as manager:
+        processor = manager.batch_processor  # made by the warm-up, reused by the generation thread
+        cache, update_batch = processor.cache, processor.update_batch
+
+        def update_and_count():  # runs in the generation thread, after each forward pass
+            update_batch()
+            held = cached = 0
+            for allocator in cache.cache_allocators.values():
+                blocks = {b for table in allocator.block_table.values() for b in table}
+                held += len(blocks) * allocator.bytes_per_block
+                per_token = allocator.bytes_per_block // allocator.tokens_per_page  # one token, every layer
+                cached += per_token * sum(s.position_offset for s in processor.scheduler.active_requests.values())
+            allocated.append(held)
+            used.append(cached)
+            threads.append(torch.get_num_threads())
+
+        processor.update_batch = update_and_count
+        start = time.perf_counter()
+        for r in requests:
+            manager.add_request(r.prompt, request_id=r.name, max_new_tokens=r.max_new_tokens, record_timestamps=True)
+        while len(outputs) < len(requests):
+            output = manager.get_result(timeout=60)
+            if output is None:
+                raise RuntimeError(f"Hugging Face's continuous batching returned {len(outputs)} of {len(requests)} requests")
+            if output.is_finished():
+                outputs[output.request_id] = output
+    served = [o for o in outputs.values() if o.error is None]
+    ttft = [o.timestamps[0] - o.created_time for o in served]
+    tpot = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in served if len(o.timestamps) > 1]
+    return {"tokens": {o.request_id: list(o.generated_tokens) for o in served},
+            "seconds": max(o.timestamps[-1] for o in served) - start, "ttft": ttft, "tpot": tpot,
+            "allocated": sum(allocated), "used": sum(used), "errors": len(outputs) - len(served),
+            "attn_implementation": hf_model.config._attn_implementation, "threads": sorted(set(threads))}
+
+
+def _percentile(values: list, q: float) -> float:
+    """The q-quantile (0 < q <= 1) of values by the nearest-rank rule: the smallest value with a fraction q at or below it."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def bench_serve(models=SERVE_MODELS, n_requests: dict | int | None = None, block_size: int = 8, token_budget: int = 64,
+                max_batch_size: int = 8, mean_gap: float = 0.5, threads: int = 1, warmup: int = 1, repeats: int = 3,
+                seed: int = 0) -> dict:
+    """Serving speed and KV memory of our continuous batching over a paged cache, our static batching and Hugging
+    Face's continuous batching, on the same seeded trace and the same weights.
+
+    For each model (``serve_model``): a trace of n_requests[model] requests (``make_trace``: prompts of 4..48
+    tokens, log-normal output lengths of median 12, the notebook's settings), served greedily two ways:
+
+    * "all at 0": every request arrives at step 0, by all three systems (Hugging Face has no arrival times);
+    * "trace": the trace's arrivals (exponential gaps of mean mean_gap engine steps), by our two systems only.
+
+    Ours continuous: ``Engine`` with a pool that holds every request at once (no preemption), blocks of block_size
+    tokens, token_budget tokens per step; static: ``static_batching`` with batches of max_batch_size; Hugging Face:
+    ``hf_serve`` with the same pool, page size and budget. warmup untimed runs on the first 4 requests, then repeats
+    runs, alternating between the systems. Per system: generated tokens/s (median of the runs), time to first token
+    and time per output token (every request of every run: median and 95th percentile), KV bytes allocated per byte
+    holding a cached token (summed over the steps of the last run), and whether its tokens equal ours continuous.
+    threads: torch threads of all three (1 by default: a serving step is many small ops, and on a machine shared
+    with other work a 2-thread op waits whenever its second thread is descheduled). Returns {"rows": [...], ...}.
+    """
+    from .hf import to_hf
+    from .serving import Engine, make_trace, static_batching
+
+    unknown = sorted(set(models) - set(SERVE_MODELS))
+    if unknown:
+        raise ValueError(f"models must be among {list(SERVE_MODELS)}, got {unknown}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1, warmup >= 0; got {repeats}, {warmup}")
+    counts = dict(SERVE_REQUESTS) if n_requests is None else (
+        {m: n_requests for m in SERVE_MODELS} if isinstance(n_requests, int) else {**SERVE_REQUESTS, **n_requests})
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rows = []
+    try:
+        for name in models:
+            ours = serve_model(name, seed)
+            theirs = to_hf(ours)
+            V, context = ours.config.vocab_size, ours.config.block_size
+            trace = make_trace(counts[name], seed=seed, context=context, vocab=list(range(V)), mean_gap=mean_gap)
+            at_once = make_trace(counts[name], seed=seed, context=context, vocab=list(range(V)), mean_gap=mean_gap)
+            for r in at_once:
+                r.arrival = 0
+            num_blocks = sum(math.ceil((len(r.prompt) + r.max_new_tokens) / block_size) for r in trace)
+            engine = Engine(ours, num_blocks=num_blocks, block_size=block_size, token_budget=token_budget)
+            for arrivals, requests in (("all at 0", at_once), ("trace", trace)):
+                systems = {
+                    SERVE_SYSTEMS[0]: lambda reqs: _ours_run(*engine.run(reqs)),
+                    SERVE_SYSTEMS[1]: lambda reqs: _ours_run(*static_batching(ours, reqs, max_batch_size)),
+                }
+                if arrivals == "all at 0":
+                    systems[SERVE_SYSTEMS[2]] = lambda reqs: hf_serve(theirs, reqs, num_blocks, block_size, token_budget)
+                for run in systems.values():  # warm-up: allocator, first-call overheads
+                    for _ in range(warmup):
+                        run(requests[:4])
+                runs: dict[str, list] = {system: [] for system in systems}
+                for _ in range(repeats):
+                    for system, run in systems.items():  # alternate, so that background load hits all alike
+                        runs[system].append(run(requests))
+                reference = runs[SERVE_SYSTEMS[0]][-1]["tokens"]
+                for system, these in runs.items():
+                    last = these[-1]
+                    ttft = [t for run in these for t in run["ttft"]]
+                    tpot = [t for run in these for t in run["tpot"]]
+                    per_s = [sum(len(t) for t in run["tokens"].values()) / run["seconds"] for run in these]
+                    rows.append({
+                        "model": name, "arrivals": arrivals, "system": system, "requests": len(requests),
+                        "tokens": sum(len(t) for t in last["tokens"].values()), "errors": last["errors"],
+                        "tokens_per_s": statistics.median(per_s), "runs_tokens_per_s": per_s,
+                        "ttft_median": statistics.median(ttft), "ttft_p95": _percentile(ttft, 0.95),
+                        "tpot_median": statistics.median(tpot), "tpot_p95": _percentile(tpot, 0.95),
+                        "kv_ratio": last["allocated"] / last["used"], "same_tokens": last["tokens"] == reference,
+                        "attn_implementation": last.get("attn_implementation"), "hf_threads": last.get("threads"),
+                    })
+    finally:
+        torch.set_num_threads(previous_threads)
+    return {"rows": rows, "threads": threads, "repeats": repeats, "warmup": warmup, "block_size": block_size,
+            "token_budget": token_budget, "max_batch_size": max_batch_size, "mean_gap": mean_gap}
+
+
+def serve_ratios(rows: list) -> list:
+    """Ours continuous / each other system, per model and arrivals: throughput and the median latencies."""
+    ratios = []
+    for row in rows:
+        if row["system"] == SERVE_SYSTEMS[0]:
+            continue
+        ours = next(r for r in rows if r["model"] == row["model"] and r["arrivals"] == row["arrivals"]
+                    and r["system"] == SERVE_SYSTEMS[0])
+        ratios.append({"model": row["model"], "arrivals": row["arrivals"], "versus": row["system"],
+                       "tokens_per_s": ours["tokens_per_s"] / row["tokens_per_s"],
+                       "ttft_median": ours["ttft_median"] / row["ttft_median"],
+                       "tpot_median": ours["tpot_median"] / row["tpot_median"],
+                       "kv_ratio": ours["kv_ratio"] / row["kv_ratio"]})
+    return ratios
+
+
+def format_serve(result: dict) -> str:
+    """The table `course bench serve` prints."""
+    r = result
+    lines = [f"serving a seeded request trace (course_lib.serving.make_trace: prompts 4..48 tokens, output lengths "
+             f"log-normal, median 12), greedy, float32, {r['threads']} threads; tokens/s: median of {r['repeats']} runs "
+             f"after {r['warmup']} warm-up run(s); TTFT, TPOT: every request of every run",
+             f"ours continuous: Engine, blocks of {r['block_size']} tokens, a pool that holds every request at once (no "
+             f"preemption), {r['token_budget']} tokens per step; static: batches of {r['max_batch_size']}, cache "
+             f"preallocated for the longest prompt + longest output; HF: the same pool, page size and token budget",
+             f"{'model':10s} {'arrivals':8s}  {'system':24s} {'req':>3s} {'tokens':>6s} {'tokens/s':>8s} "
+             f"{'TTFT ms med':>11s} {'p95':>6s} {'TPOT ms med':>11s} {'p95':>6s} {'KV alloc/used':>13s} {'same':>4s}"]
+    for row in r["rows"]:
+        lines.append(f"{row['model']:10s} {row['arrivals']:8s}  {row['system']:24s} {row['requests']:>3d} {row['tokens']:>6d} "
+                     f"{row['tokens_per_s']:>8.1f} {row['ttft_median'] * 1e3:>11.1f} {row['ttft_p95'] * 1e3:>6.1f} "
+                     f"{row['tpot_median'] * 1e3:>11.2f} {row['tpot_p95'] * 1e3:>6.2f} {row['kv_ratio']:>13.2f} "
+                     f"{'yes' if row['same_tokens'] else 'NO':>4s}")
+    lines.append("ratios, ours continuous / the other (throughput > 1: ours faster; TTFT, TPOT, KV < 1: ours lower):")
+    for q in serve_ratios(r["rows"]):
+        lines.append(f"  {q['model']:10s} {q['arrivals']:8s} / {q['versus']:24s} tokens/s {q['tokens_per_s']:5.2f}x  "
+                     f"TTFT median {q['ttft_median']:5.2f}x  TPOT median {q['tpot_median']:5.2f}x  KV alloc/used {q['kv_ratio']:5.2f}x")
+    hf = [row for row in r["rows"] if row["system"] == SERVE_SYSTEMS[2]]
+    if hf:
+        lines.append(f"HF: transformers' continuous batching (the manager behind generate_batch; attention "
+                     f"{hf[0]['attn_implementation']}, torch threads in its generation thread {hf[0]['hf_threads']}), each "
+                     "request added with its own max_new_tokens (generate_batch takes one for all), block sharing off.")
+        lines.append("HF has no notion of arrival time (requests are added, then served), so the HF rows, and ours beside "
+                     "them, have every request arriving at step 0 ('all at 0'); the 'trace' rows use the trace's arrivals "
+                     f"(exponential gaps of mean {r['mean_gap']} engine steps), for ours only.")
+        lines.append("KV alloc/used: bytes of the blocks held / bytes holding a cached token, summed over the steps; HF's: "
+                     "the distinct blocks in its allocators' block tables / each live request's cached tokens (position_offset).")
+    lines.append("same: every request's tokens equal ours continuous's (greedy, so they should; float rounding may flip a near tie)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["grade"]:  # grading speed: its own options
@@ -243,23 +473,49 @@ def main(argv: list[str] | None = None) -> int:
         return bench_grade_main(argv[1:])
     parser = argparse.ArgumentParser(prog="course bench", description="benchmarks (they print; they assert nothing); "
                                                                       "`course bench grade --help` for grading speed")
-    parser.add_argument("what", choices=["train", "decode"],
+    parser.add_argument("what", choices=["train", "decode", "serve"],
                         help="train: a training step of our GPT vs Hugging Face's GPT-2; decode: greedy decoding speed, "
-                             "cached and uncached, vs Hugging Face's generate")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats; the median is reported (default: 7 for train, 5 for decode)")
+                             "cached and uncached, vs Hugging Face's generate; serve: many requests at once, our continuous "
+                             "batching with a paged cache vs our static batching and Hugging Face's continuous batching")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed repeats; the median is reported (default: 7 for train, 5 for decode, 3 for serve)")
     parser.add_argument("--steps", type=int, default=10, help="train: training steps per repeat (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: 2; serve: 1, because a serving step is many small ops, and on a "
+                             "shared machine each 2-thread op waits for a descheduled thread: measured 10 to 100 times "
+                             "slower for ours at 2 threads under load, 0.15 s vs 1 to 24 s for the same char-gpt run)")
     parser.add_argument("--tokens", type=int, default=256, help="decode: new tokens of the cached rows (default: %(default)s)")
-    parser.add_argument("--shapes", nargs="+", default=list(DECODE_SHAPES), choices=list(DECODE_SHAPES), help="decode: model shapes")
+    shapes = sorted(set(DECODE_SHAPES) | set(SERVE_MODELS))
+    parser.add_argument("--shapes", nargs="+", default=None, choices=shapes,
+                        help=f"models: decode {list(DECODE_SHAPES)} (default: both), serve {list(SERVE_MODELS)} (default: both)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="decode: batch sizes (default: 1 8)")
-    parser.add_argument("--quick", action="store_true", help="decode: 32 new tokens (8 uncached), 1 run, no warm-up (a smoke run)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="serve: requests in the trace of every model (default: "
+                             + ", ".join(f"{m} {n}" for m, n in SERVE_REQUESTS.items()) + ")")
+    parser.add_argument("--quick", action="store_true",
+                        help="decode: 32 new tokens (8 uncached), 1 run, no warm-up; serve: 8 requests, 1 run, no warm-up "
+                             "(a smoke run)")
     args = parser.parse_args(argv)
-    if args.what == "decode":
+    allowed = {"decode": DECODE_SHAPES, "serve": SERVE_MODELS}.get(args.what, ())
+    if args.shapes and any(s not in allowed for s in args.shapes):
+        parser.error(f"--shapes for {args.what} must be among {list(allowed)}, got {args.shapes}")
+    if args.what == "serve":
+        models, threads = args.shapes or list(SERVE_MODELS), args.threads or 1
         if args.quick:
-            result = bench_decode(shapes=args.shapes, new_tokens=32, uncached_tokens={s: 8 for s in DECODE_SHAPES},
+            result = bench_serve(models=models, n_requests=args.requests or 8, threads=threads, warmup=0,
+                                 repeats=args.repeats or 1)
+        else:
+            result = bench_serve(models=models, n_requests=args.requests, threads=threads, repeats=args.repeats or 3)
+        print(format_serve(result))
+        return 0
+    args.threads = args.threads or 2
+    if args.what == "decode":
+        shapes = args.shapes or list(DECODE_SHAPES)
+        if args.quick:
+            result = bench_decode(shapes=shapes, new_tokens=32, uncached_tokens={s: 8 for s in DECODE_SHAPES},
                                   threads=args.threads, warmup=0, repeats=args.repeats or 1)
         else:
-            result = bench_decode(shapes=args.shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=args.tokens,
+            result = bench_decode(shapes=shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=args.tokens,
                                   threads=args.threads, repeats=args.repeats or 5)
         print(format_decode(result))
         return 0

@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: _tool("scaling", a.args))
 
-    p = sub.add_parser("bench", help="benchmarks: `course bench train`, `course bench decode` (against Hugging Face), "
-                                     "`course bench grade` (grading speed)", add_help=False)
+    p = sub.add_parser("bench", help="benchmarks: `course bench train`, `course bench decode`, `course bench serve` "
+                                     "(against Hugging Face), `course bench grade` (grading speed)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: _tool("bench", a.args))
 

@@ -66,3 +66,48 @@ def test_bench_grade_prints_every_row(capsys):
     for row in ("nbgrader templates", "01-attention", "chapters at once", "--jobs 1:", "--jobs 2:", "peak memory",
                 "a class of 200"):
         assert row in out, out
+
+
+def test_bench_serve_tiny_run_has_every_system_and_sane_figures():
+    """`course bench serve` on 4 requests of the course model, one run: structure and sanity, never speed."""
+    from course_lib.bench import SERVE_SYSTEMS, bench_serve, format_serve, serve_ratios
+
+    threads = torch.get_num_threads()
+    result = bench_serve(models=("char-gpt",), n_requests=4, warmup=0, repeats=1)
+    assert torch.get_num_threads() == threads
+    rows = result["rows"]
+    assert [(r["arrivals"], r["system"]) for r in rows] == [("all at 0", s) for s in SERVE_SYSTEMS] + [
+        ("trace", s) for s in SERVE_SYSTEMS[:2]]  # Hugging Face has no arrival times: all at 0 only
+    for arrivals in ("all at 0", "trace"):
+        these = [r for r in rows if r["arrivals"] == arrivals]
+        assert len({r["tokens"] for r in these}) == 1 and these[0]["tokens"] > 0  # every system generated the same count
+    for row in rows:
+        assert row["requests"] == 4 and row["errors"] == 0 and row["same_tokens"] in (True, False)
+        assert row["tokens_per_s"] > 0 and 0 < row["ttft_median"] <= row["ttft_p95"] and 0 < row["tpot_median"] <= row["tpot_p95"]
+        assert row["kv_ratio"] >= 1  # never fewer bytes allocated than holding a cached token
+    assert next(r for r in rows if r["system"] == SERVE_SYSTEMS[0])["same_tokens"]  # the reference itself
+    ratios = serve_ratios(rows)
+    assert [(q["arrivals"], q["versus"]) for q in ratios] == [("all at 0", SERVE_SYSTEMS[1]), ("all at 0", SERVE_SYSTEMS[2]),
+                                                              ("trace", SERVE_SYSTEMS[1])]
+    assert all(q["tokens_per_s"] > 0 for q in ratios)
+    table = format_serve(result)
+    for text in (*SERVE_SYSTEMS, "tokens/s", "TTFT", "TPOT", "KV alloc/used", "no notion of arrival", "ours continuous / the other"):
+        assert text in table, text
+
+
+def test_bench_main_serve_quick_prints_the_table(capsys, monkeypatch):
+    import course_lib.bench as bench
+
+    original = bench.bench_serve
+    monkeypatch.setattr(bench, "bench_serve", lambda **kw: original(**{**kw, "n_requests": 3}))
+    assert main(["serve", "--quick", "--shapes", "char-gpt"]) == 0
+    out = capsys.readouterr().out
+    assert "char-gpt" in out and "HF continuous + paged" in out and "ours static batching" in out and "gpt2-small" not in out
+
+
+def test_bench_main_serve_refuses_a_decode_shape(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--shapes", "tiny"])
+    assert "--shapes for serve must be among ['char-gpt', 'gpt2-small']" in capsys.readouterr().err
