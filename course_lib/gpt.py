@@ -119,8 +119,9 @@ class GPT(nn.Module):
 
     targets[b, t] is the token that *follows* idx[b, t] (the batch is shifted once, by the data
     pipeline, never again in here); targets equal to -100 (IGNORE_INDEX) are padding and are left
-    out of the mean. The LM head shares its weight with the token embedding (weight tying), and
-    the weights follow GPT-2's initialisation: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 n_layer)).
+    out of the mean. The LM head shares its weight with the token embedding (weight tying), and the
+    weights follow the GPT-2 paper's initialisation as nanoGPT and Hugging Face implement it:
+    N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2 n_layer)).
     """
 
     def __init__(self, config: GPTConfig):
@@ -171,12 +172,12 @@ def gpt_param_count(config: GPTConfig, tied: bool = True) -> int:
     biases and LayerNorm parameters with bias (2 C without); the final LayerNorm 2 C (C without
     bias); the LM head adds V*C only if it is not tied to the token embedding.
     """
-    V, T, L, C = config.vocab_size, config.block_size, config.n_layer, config.n_embd
+    V, block_size, L, C = config.vocab_size, config.block_size, config.n_layer, config.n_embd
     b = 1 if config.bias else 0
     # per layer: ln_1 and ln_2 (C weight + C bias each), c_attn (3C^2 + 3C), attn c_proj (C^2 + C),
     # c_fc (4C^2 + 4C), mlp c_proj (4C^2 + C)
     per_layer = 12 * C * C + 2 * C + b * (2 * C + 3 * C + C + 4 * C + C)
-    embeddings = V * C + T * C
+    embeddings = V * C + block_size * C
     final_norm = C + b * C
     head = 0 if tied else V * C  # the head has no bias
     return embeddings + L * per_layer + final_norm + head

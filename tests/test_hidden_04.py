@@ -83,7 +83,7 @@ CASES = [
         "(torch.log_softmax(logits.view(B * T, -1), dim=-1), targets.reshape(B * T))"))), set()),
     # parameter count
     (CNT, "bias flag ignored", mutate(CNT, ("b = 1 if config.bias else 0", "b = 1")), {f"{CNT}-bias"}),
-    (CNT, "position embedding forgotten", mutate(CNT, ("embeddings = V * C + T * C", "embeddings = V * C")),
+    (CNT, "position embedding forgotten", mutate(CNT, ("embeddings = V * C + block_size * C", "embeddings = V * C")),
      {f"{CNT}-visible", f"{CNT}-gpt2"}),
     (CNT, "head counted despite tying", mutate(CNT, ("head = 0 if tied else V * C", "head = V * C")),
      {f"{CNT}-visible", f"{CNT}-gpt2", f"{CNT}-untied"}),
