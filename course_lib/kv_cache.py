@@ -228,8 +228,8 @@ def linear(module, x):
 
     A large float32 ``nn.Linear`` on the CPU runs through oneDNN's inner product instead of ``F.linear``:
     for the few rows of a decode step, ``F.linear`` calls MKL's sgemm, which on some CPUs (AMD's, with
-    AVX2) reads the weights at half the memory bandwidth; oneDNN's kernel reads them at nearly all of it
-    (chapter 08 measures both). Small weights, other dtypes and devices, and any other module (a quantized
+    AVX2) reads the weights at about half the speed of oneDNN's kernel with two threads (chapter 08
+    measures both, with one thread and two, against the bandwidth bound). Small weights, other dtypes and devices, and any other module (a quantized
     one, say) run as themselves. The results agree within float32 rounding.
     """
     weight = getattr(module, "weight", None)
