@@ -9,7 +9,7 @@ types). One cycle of chapter 01, then each check is a test of its own:
 
 * ``reference`` submits the reference solution: full marks;
 * ``planted`` first submits the reference, then resubmits with two problems: the NaN-producing
-  masked_softmax (costs ``masked_softmax-fully_masked``) and an additive_attention that answers
+  masked_softmax (costs ``masked_softmax-visible`` and ``-fully_masked``) and an additive_attention that answers
   correctly only if it can reach the hub (its port, the instructor's token in its environment or
   in any process's): the box is closed, so it costs that exercise's 3 tests;
 * ``untouched`` submits the release as fetched (zero), and tries to read the others' submissions
@@ -208,7 +208,7 @@ def test_release_is_listed_and_fetched(cycle):
 
 def test_scores_are_what_each_learner_earned(cycle):
     total = sum(CH.points.values())
-    lost_by_planted = CH.points["masked_softmax-fully_masked"] + sum(CH.points[g] for g in CH.tests_of("additive_attention"))
+    lost_by_planted = CH.points["masked_softmax-visible"] + CH.points["masked_softmax-fully_masked"] + sum(CH.points[g] for g in CH.tests_of("additive_attention"))
     assert score(cycle, "reference")[:2] == (total, total)
     assert score(cycle, "untouched")[:2] == (0, total)
     # the resubmission is the one graded: the first (reference) submission would have had full marks
