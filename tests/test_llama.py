@@ -12,6 +12,7 @@ from course_lib.layers import RMSNorm, SwiGLU, rms_norm, swiglu, swiglu_width
 from course_lib.llama import Llama, LlamaConfig, generate_llama, llama_cached_forward, llama_param_count, new_cache
 from course_lib.positional import apply_rope, apply_rope_half, rope_permutation, rope_to_half, rope_to_interleaved
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks: tiny models crawl on several busy threads
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
