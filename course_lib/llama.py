@@ -23,6 +23,8 @@ model uses the interleaved RoPE layout::
     lm_head                                  (C -> V), its own weight
 
 Shapes: B batch, T time, C = n_embd, H = n_head, H_kv = n_kv_head, Dh = C / H, F = intermediate_size, V vocabulary.
+``expand_kv_heads`` is the reference solution of chapter 11's fourth exercise (the attention itself lets
+``F.scaled_dot_product_attention(enable_gqa=True)`` group the heads the same way, without copying them).
 ``forward(idx, targets)`` is GPT's, so chapter 04's training loop trains it; ``llama_cached_forward`` and
 ``generate_llama`` decode with chapter 05's ``KVCache`` (a ring buffer when the model has a window) and
 chapter 05's ``linear`` for every matrix product of a decode step.
@@ -86,6 +88,15 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+
+def expand_kv_heads(kv, n_rep):
+    """Grouped-query attention's key/value heads, expanded to one per query head: (B, H_kv, T, Dh) -> (B, H_kv * n_rep, T, Dh).
+
+    Head h of the result is key/value head h // n_rep: each key/value head serves a group of n_rep consecutive
+    query heads (grouped, k0 k0 k1 k1, as Hugging Face's repeat_kv), not the whole set tiled (k0 k1 k0 k1).
+    """
+    return kv.repeat_interleave(n_rep, dim=1)  # (B, H_kv * n_rep, T, Dh)
 
 
 def _rotate(config: LlamaConfig):

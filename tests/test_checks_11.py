@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from course_lib import checks
 from course_lib.layers import rms_norm, swiglu
+from course_lib.llama import expand_kv_heads
 from course_lib.positional import rope_to_half
 
 
@@ -14,7 +15,8 @@ def test_reference_implementations_pass_every_visible_check(capsys):
     checks.check_rms_norm(rms_norm)
     checks.check_swiglu(swiglu)
     checks.check_rope_to_half(rope_to_half)
-    assert capsys.readouterr().out.count("all visible checks passed") == 3
+    checks.check_expand_kv_heads(expand_kv_heads)
+    assert capsys.readouterr().out.count("all visible checks passed") == 4
 
 
 def torch_rms_norm(x, weight, eps=1e-5):
@@ -35,10 +37,24 @@ def rope_by_index(weight, n_heads):
     return torch.cat([weight[h * d:(h + 1) * d][order] for h in range(n_heads)])
 
 
+def expand_like_hugging_face(kv, n_rep):  # transformers' repeat_kv
+    B, H_kv, T, Dh = kv.shape
+    return kv[:, :, None].expand(B, H_kv, n_rep, T, Dh).reshape(B, H_kv * n_rep, T, Dh)
+
+
 @pytest.mark.parametrize("check,correct", [(checks.check_rms_norm, torch_rms_norm), (checks.check_rms_norm, divided_by_sqrt),
-                                           (checks.check_swiglu, swiglu_with_modules), (checks.check_rope_to_half, rope_by_index)])
+                                           (checks.check_swiglu, swiglu_with_modules), (checks.check_rope_to_half, rope_by_index),
+                                           (checks.check_expand_kv_heads, expand_like_hugging_face)])
 def test_correct_alternatives_pass(check, correct):
     check(correct)
+
+
+def tiled(kv, n_rep):
+    return kv.repeat(1, n_rep, 1, 1)
+
+
+def time_axis(kv, n_rep):
+    return kv.repeat_interleave(n_rep, dim=2)
 
 
 def mean_subtracted(x, weight, eps=1e-5):
@@ -102,6 +118,8 @@ def unchanged(weight, n_heads):
     (checks.check_rope_to_half, whole_matrix, r"permutes the rows of the whole matrix as one head"),
     (checks.check_rope_to_half, inverse, r"applies the inverse permutation"),
     (checks.check_rope_to_half, unchanged, r"returns the rows in their old order"),
+    (checks.check_expand_kv_heads, tiled, r"tiles the heads \(k0 k1 k2 k0 k1 k2\)"),
+    (checks.check_expand_kv_heads, time_axis, r"repeats along the time axis"),
 ])
 def test_classic_bugs_get_specific_messages(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):

@@ -9,7 +9,7 @@ import torch
 
 from .core import assert_shape, assert_tensor, fail, passed
 
-__all__ = ["check_rms_norm", "check_swiglu", "check_rope_to_half", "rms_norm_oracle", "swiglu_oracle", "half_rows"]
+__all__ = ["check_rms_norm", "check_swiglu", "check_rope_to_half", "check_expand_kv_heads", "rms_norm_oracle", "swiglu_oracle", "half_rows"]
 
 
 def rms_norm_oracle(x, weight, eps):
@@ -120,3 +120,22 @@ def check_rope_to_half(rope_to_half) -> None:
         fail(f"rope_to_half(weight, 2) for a (16, 3) weight (two heads of 8 rows): expected the rows in the order "
              f"{half_rows(n_heads, d_head)}, got {rows if rows is not None else 'other values'}")
     passed("rope_to_half")
+
+
+def check_expand_kv_heads(expand_kv_heads) -> None:
+    """Visible checks for chapter 11, exercise 4: head h of the result is key/value head h // n_rep (grouped)."""
+    kv = torch.arange(2 * 3 * 4 * 2, dtype=torch.float32).reshape(2, 3, 4, 2)  # (B, H_kv, T, Dh) = (2, 3, 4, 2)
+    got = assert_tensor(expand_kv_heads(kv, 2), "expand_kv_heads(kv, 2)")
+    if tuple(got.shape) == (2, 3, 8, 2):
+        fail("expand_kv_heads(kv, 2) for kv of shape (B, H_kv, T, Dh) = (2, 3, 4, 2) repeats along the time axis: "
+             "the heads are axis 1, the result is (2, 6, 4, 2)")
+    assert_shape(got, (2, 6, 4, 2), "expand_kv_heads(kv, 2) for kv of shape (2, 3, 4, 2)")
+    expected = torch.stack([kv[:, h // 2] for h in range(6)], dim=1)
+    if not torch.equal(got, expected):
+        if torch.equal(got, kv.repeat(1, 2, 1, 1)):
+            fail("expand_kv_heads tiles the heads (k0 k1 k2 k0 k1 k2): each key/value head serves a GROUP of "
+                 "consecutive query heads, so head h of the result must be key/value head h // n_rep (k0 k0 k1 k1 k2 k2)")
+        fail("expand_kv_heads(kv, 2): head h of the result should be key/value head h // 2, for h = 0 .. 5")
+    if not torch.equal(expand_kv_heads(kv, 1), kv):
+        fail("expand_kv_heads(kv, 1) should return the heads unchanged (multi-head attention: one key/value head per query head)")
+    passed("expand_kv_heads")
