@@ -244,6 +244,8 @@ LLAMA_DECODE_SHAPES = {
     "llama-small": dict(vocab_size=32000, block_size=1024, n_layer=12, n_head=12, n_embd=768, n_kv_head=4,
                         intermediate_size=2048),
 }
+#: the Llama shape that `--shapes` runs for each GPT shape (the same width and depth)
+LLAMA_FOR_GPT_SHAPE = {"tiny": "tiny", "gpt2-small": "llama-small"}
 
 
 def bench_llama_decode(shapes=("tiny", "llama-small"), batch_sizes=(1, 8), new_tokens: int = 128, prompt_len: int = 16,
@@ -314,11 +316,13 @@ def format_llama_decode(result: dict) -> str:
 
 
 def _llama_rows(args) -> dict:
-    """bench_llama_decode with the command line's options (--shapes names GPT shapes: the Llama shapes are both run)."""
+    """bench_llama_decode with the command line's options (each GPT shape of --shapes stands for the Llama shape of its
+    width and depth, LLAMA_FOR_GPT_SHAPE)."""
+    shapes = tuple(LLAMA_FOR_GPT_SHAPE[s] for s in args.shapes)
     if args.quick:
-        return bench_llama_decode(new_tokens=32, threads=args.threads, warmup=0, repeats=args.repeats or 1)
-    return bench_llama_decode(batch_sizes=tuple(args.batch_sizes), new_tokens=min(args.tokens, 128), threads=args.threads,
-                              repeats=args.repeats or 5)
+        return bench_llama_decode(shapes=shapes, new_tokens=32, threads=args.threads, warmup=0, repeats=args.repeats or 1)
+    return bench_llama_decode(shapes=shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=min(args.tokens, 128),
+                              threads=args.threads, repeats=args.repeats or 5)
 
 
 def main(argv: list[str] | None = None) -> int:
