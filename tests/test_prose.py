@@ -42,6 +42,9 @@ CITED: dict[str, dict[str, str]] = {
     "10-scaling-laws": {
     },
 
+    "11-modern-decoder": {
+    },
+
 }
 
 CHAPTERS = grading.chapters(ROOT)
