@@ -10,6 +10,7 @@ from tests.prose import prose_numbers, unshown_numbers
 #: Per chapter: numbers the prose cites rather than computes, each with its source.
 CITED: dict[str, dict[str, str]] = {
     "00-orientation": {
+        "11": "a chapter number in the table of chapters (11 from GPT-2 to Llama), not a measured figure",
     },
 
     "01-attention": {
