@@ -10,7 +10,9 @@ the median of the repeats is reported. A benchmark, not a test: it prints, it as
 ``decode``: greedy tokens per second of our cached decoding (``course_lib.kv_cache.generate_cached``)
 with float32, int8 and bfloat16 weights (``course_lib.quantize``), our uncached decoding (a full forward
 pass per token), and Hugging Face's ``generate`` with ``use_cache`` True and False, on the same weights;
-beside them the memory-bandwidth bound of each weight format; see ``bench_decode``.
+beside them the memory-bandwidth bound of each weight format; see ``bench_decode``. Then chapter 11's
+Llama-style model (``course_lib.llama.generate_llama``) against Hugging Face's ``LlamaForCausalLM`` with the
+same weights; see ``bench_llama_decode``.
 
 ``serve``: many requests at once (chapter 12). On the same seeded request trace
 (``course_lib.serving.make_trace``) and the same weights: our continuous batching over a paged KV cache
@@ -503,6 +505,94 @@ def format_serve(result: dict) -> str:
     return "\n".join(lines)
 
 
+#: Llama-style shapes of ``course bench decode`` (random weights): char-llama's, and a 12-layer model of GPT-2 small's
+#: width with 4 key/value heads and a 32,000-token vocabulary (Llama's)
+LLAMA_DECODE_SHAPES = {
+    "tiny": dict(vocab_size=103, block_size=1024, n_layer=4, n_head=4, n_embd=128, n_kv_head=2, intermediate_size=352),
+    "llama-small": dict(vocab_size=32000, block_size=1024, n_layer=12, n_head=12, n_embd=768, n_kv_head=4,
+                        intermediate_size=2048),
+}
+#: the Llama shape that `--shapes` runs for each GPT shape (the same width and depth)
+LLAMA_FOR_GPT_SHAPE = {"tiny": "tiny", "gpt2-small": "llama-small"}
+
+
+def bench_llama_decode(shapes=("tiny", "llama-small"), batch_sizes=(1, 8), new_tokens: int = 128, prompt_len: int = 16,
+                       threads: int = 2, warmup: int = 1, repeats: int = 5, seed: int = 0) -> dict:
+    """Greedy decoding speed of our Llama-style model (``generate_llama``, KV cache) and of Hugging Face's
+    LlamaForCausalLM ``generate`` (use_cache=True) with the same weights (``llama_to_hf``), float32.
+
+    For each shape and batch size: random weights (seeded), a random prompt of prompt_len tokens, new_tokens new
+    tokens, warmup untimed runs, then repeats timed runs alternating between the two; the median gives
+    tokens/s = B * new_tokens / seconds, and "vs HF" = ours / HF. Returns {"rows": [...], ...}.
+    """
+    from .hf import llama_to_hf
+    from .llama import Llama, LlamaConfig, generate_llama
+
+    unknown = sorted(set(shapes) - set(LLAMA_DECODE_SHAPES))
+    if unknown:
+        raise ValueError(f"shapes must be among {sorted(LLAMA_DECODE_SHAPES)}, got {unknown}")
+    if repeats < 1 or warmup < 0 or new_tokens < 1:
+        raise ValueError(f"need repeats >= 1, warmup >= 0, new_tokens >= 1; got {repeats}, {warmup}, {new_tokens}")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rows = []
+    try:
+        for shape in shapes:
+            torch.manual_seed(seed)
+            config = LlamaConfig(**LLAMA_DECODE_SHAPES[shape])
+            ours = Llama(config).eval()
+            theirs = llama_to_hf(ours)
+            for B in batch_sizes:
+                prompt = torch.randint(0, config.vocab_size, (B, prompt_len), generator=torch.Generator().manual_seed(seed + B))
+                runs = {"ours (generate_llama)": lambda n: generate_llama(ours, prompt, n),
+                        "HF LlamaForCausalLM generate": lambda n: hf_generate(theirs, prompt, n, True)}
+                outputs, times = {}, {name: [] for name in runs}
+                for name, run in runs.items():
+                    for _ in range(warmup):
+                        run(min(new_tokens, 8))
+                for _ in range(repeats):
+                    for name, run in runs.items():
+                        start = time.perf_counter()
+                        outputs[name] = run(new_tokens)
+                        times[name].append(time.perf_counter() - start)
+                same = torch.equal(*outputs.values())
+                these = [{"shape": shape, "batch_size": B, "impl": name, "new_tokens": new_tokens,
+                          "seconds": statistics.median(times[name]), "times": times[name], "same_tokens_as_hf": same}
+                         for name in runs]
+                for row in these:
+                    row["tokens_per_s"] = B * new_tokens / row["seconds"]
+                for row in these:
+                    row["ratio_to_hf"] = row["tokens_per_s"] / these[-1]["tokens_per_s"]
+                rows.extend(these)
+    finally:
+        torch.set_num_threads(previous_threads)
+    return {"rows": rows, "threads": threads, "repeats": repeats, "warmup": warmup, "prompt_len": prompt_len}
+
+
+def format_llama_decode(result: dict) -> str:
+    """The Llama table `course bench decode` prints."""
+    lines = [f"Llama-style (chapter 11): greedy decoding from a {result['prompt_len']}-token prompt, random weights, "
+             f"{result['threads']} threads, median of {result['repeats']} runs after {result['warmup']} warm-up run(s)",
+             f"{'shape':11s} {'B':>2s}  {'implementation':29s} {'new':>4s} {'ms/step':>8s} {'tokens/s':>9s} {'vs HF':>6s}"]
+    for row in result["rows"]:
+        lines.append(f"{row['shape']:11s} {row['batch_size']:>2d}  {row['impl']:29s} {row['new_tokens']:>4d} "
+                     f"{row['seconds'] / row['new_tokens'] * 1e3:>8.2f} {row['tokens_per_s']:>9.1f} {row['ratio_to_hf']:>5.2f}x")
+    agree = {(r["shape"], r["batch_size"]): r["same_tokens_as_hf"] for r in result["rows"]}
+    lines.append("ours == HF, same tokens: " + ", ".join(f"{s} B={b}: {'yes' if v else 'NO'}" for (s, b), v in agree.items()))
+    lines.append("(vs HF: ours / Hugging Face's LlamaForCausalLM.generate, same weights, use_cache=True; floor >= 1.0x)")
+    return "\n".join(lines)
+
+
+def _llama_rows(args) -> dict:
+    """bench_llama_decode with the command line's options (each GPT shape of --shapes stands for the Llama shape of its
+    width and depth, LLAMA_FOR_GPT_SHAPE)."""
+    shapes = tuple(LLAMA_FOR_GPT_SHAPE[s] for s in args.shapes)
+    if args.quick:
+        return bench_llama_decode(shapes=shapes, new_tokens=32, threads=args.threads, warmup=0, repeats=args.repeats or 1)
+    return bench_llama_decode(shapes=shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=min(args.tokens, 128),
+                              threads=args.threads, repeats=args.repeats or 5)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["grade"]:  # grading speed: its own options
@@ -533,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="decode: 32 new tokens (8 uncached), 1 run, no warm-up; serve: 8 requests, 1 run, no warm-up "
                              "(a smoke run)")
+    parser.add_argument("--family", choices=["all", "gpt", "llama"], default="all",
+                        help="decode: GPT-2-style rows (chapters 05 and 08), Llama-style rows (chapter 11), or both (default)")
     args = parser.parse_args(argv)
     allowed = {"decode": DECODE_SHAPES, "serve": SERVE_MODELS}.get(args.what, ())
     if args.shapes and any(s not in allowed for s in args.shapes):
@@ -548,7 +640,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.threads = args.threads or 2
     if args.what == "decode":
-        shapes = args.shapes or list(DECODE_SHAPES)
+        shapes = args.shapes = args.shapes or list(DECODE_SHAPES)
+        if args.family == "llama":
+            print(format_llama_decode(_llama_rows(args)))
+            return 0
         if args.quick:
             result = bench_decode(shapes=shapes, new_tokens=32, uncached_tokens={s: 8 for s in DECODE_SHAPES},
                                   threads=args.threads, warmup=0, repeats=args.repeats or 1)
@@ -556,6 +651,9 @@ def main(argv: list[str] | None = None) -> int:
             result = bench_decode(shapes=shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=args.tokens,
                                   threads=args.threads, repeats=args.repeats or 5)
         print(format_decode(result))
+        if args.family == "all":
+            print()
+            print(format_llama_decode(_llama_rows(args)))
         return 0
     repeats = args.repeats or 7
     result = bench_train(threads=args.threads, repeats=repeats, steps_per_repeat=args.steps)

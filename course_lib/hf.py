@@ -1,4 +1,5 @@
-"""Conversion between course_lib.gpt.GPT and Hugging Face's GPT2LMHeadModel, both ways.
+"""Conversion between course_lib.gpt.GPT and Hugging Face's GPT2LMHeadModel, both ways; and (chapter 11) between
+course_lib.llama.Llama and Hugging Face's LlamaForCausalLM / MistralForCausalLM, both ways.
 
 Nothing is downloaded: ``to_hf`` builds a ``GPT2Config`` from our config and a randomly
 initialised ``GPT2LMHeadModel``, then copies our weights in. The parameter names are the same
@@ -18,6 +19,8 @@ import os
 import torch
 
 from .gpt import GPT, GPTConfig
+from .llama import Llama, LlamaConfig
+from .positional import rope_to_half, rope_to_interleaved
 
 #: Conv1D weights of GPT-2, stored (in, out): transposed relative to nn.Linear
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -92,5 +95,89 @@ def from_hf(hf_model) -> GPT:
                        n_embd=c.n_embd, dropout=0.0, bias=True)
     model = GPT(config)
     state = _converted({k: v for k, v in hf_model.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))})
+    model.load_state_dict(state)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- Llama and Mistral (chapter 11)
+#
+# Our Llama uses Hugging Face's parameter names, so the state dicts match name for name. The one difference
+# can be the RoPE layout: Hugging Face pairs feature i with i + Dh/2 ("half"); a model of ours built with
+# rope_layout="interleaved" pairs 2i with 2i + 1, and converts by permuting the rows of every W_q and W_k
+# within each head (``rope_to_half``; back: ``rope_to_interleaved``). A model with a sliding window converts
+# to MistralForCausalLM (``sliding_window=W``), one without to LlamaForCausalLM.
+
+
+def llama_hf_config(config: LlamaConfig):
+    """The LlamaConfig (MistralConfig if config.window) of Hugging Face with our sizes: no biases, untied head,
+    no dropout, no special tokens (so that generate never stops early)."""
+    transformers = _transformers()
+    common = dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.intermediate_size,
+                  num_hidden_layers=config.n_layer, num_attention_heads=config.n_head, num_key_value_heads=config.n_kv_head,
+                  head_dim=config.head_dim, max_position_embeddings=config.block_size, rms_norm_eps=config.eps,
+                  rope_parameters={"rope_type": "default", "rope_theta": config.rope_base}, hidden_act="silu",
+                  attention_dropout=0.0, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if config.window is not None:
+        return transformers.MistralConfig(sliding_window=config.window, **common)
+    return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+
+
+def _rope_rows(state: dict, config: LlamaConfig, permute) -> dict:
+    """A copy of the state dict with permute(weight, heads) applied to every W_q (H heads) and W_k (H_kv heads)."""
+    out = {}
+    for name, value in state.items():
+        if name.endswith("self_attn.q_proj.weight"):
+            value = permute(value, config.n_head)
+        elif name.endswith("self_attn.k_proj.weight"):
+            value = permute(value, config.n_kv_head)
+        out[name] = value.clone()
+    return out
+
+
+def llama_to_hf(model: Llama):
+    """A LlamaForCausalLM (MistralForCausalLM if the model has a window), eval mode, with our weights; its logits equal ours."""
+    transformers = _transformers()
+    config = model.config
+    hf_config = llama_hf_config(config)
+    hf_class = transformers.MistralForCausalLM if config.window is not None else transformers.LlamaForCausalLM
+    hf_model = hf_class(hf_config)
+    state = model.state_dict()
+    if config.rope_layout == "interleaved":
+        state = _rope_rows(state, config, rope_to_half)
+    theirs = hf_model.state_dict()
+    if set(theirs) != set(state):
+        raise RuntimeError(f"parameter names differ: {sorted(set(theirs) ^ set(state))[:3]}")
+    with torch.no_grad():
+        for name, value in theirs.items():
+            if value.shape != state[name].shape:
+                raise RuntimeError(f"{name}: Hugging Face expects {tuple(value.shape)}, ours is {tuple(state[name].shape)}")
+            value.copy_(state[name])
+    return hf_model.eval()
+
+
+def llama_from_hf(hf_model, rope_layout: str = "half") -> Llama:
+    """Our Llama (eval mode) with the weights of a LlamaForCausalLM or MistralForCausalLM with default RoPE, SiLU,
+    no biases and an untied head; rope_layout "interleaved" permutes W_q and W_k for chapter 02's RoPE."""
+    c = hf_model.config
+    rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"hf_model must use the default RoPE (no scaling), got rope_type={rope.get('rope_type')!r}")
+    if c.hidden_act != "silu":
+        raise ValueError(f"hf_model.config.hidden_act must be 'silu' (SwiGLU), got {c.hidden_act!r}")
+    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        raise ValueError("hf_model must have no biases (attention_bias=False, mlp_bias=False)")
+    if c.tie_word_embeddings:
+        raise ValueError("hf_model's lm_head must be untied (tie_word_embeddings=False)")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if head_dim * c.num_attention_heads != c.hidden_size:
+        raise ValueError(f"hf_model's head_dim x heads must equal hidden_size, got {head_dim} x {c.num_attention_heads}")
+    config = LlamaConfig(vocab_size=c.vocab_size, block_size=c.max_position_embeddings, n_layer=c.num_hidden_layers,
+                         n_head=c.num_attention_heads, n_embd=c.hidden_size, n_kv_head=c.num_key_value_heads,
+                         intermediate_size=c.intermediate_size, rope_base=float(rope["rope_theta"]), eps=c.rms_norm_eps,
+                         window=getattr(c, "sliding_window", None), rope_layout=rope_layout)
+    model = Llama(config)
+    state = hf_model.state_dict()
+    if rope_layout == "interleaved":
+        state = _rope_rows(state, config, rope_to_interleaved)
     model.load_state_dict(state)
     return model.eval()

@@ -1,11 +1,12 @@
-"""Building blocks of a transformer layer, chapter 03: the position-wise feed-forward network and LayerNorm.
+"""Building blocks of a transformer layer: the position-wise feed-forward network and LayerNorm (chapter 03),
+RMSNorm and the SwiGLU MLP of Llama-style models (chapter 11).
 
 Both act on the last axis only: a tensor of shape ``(..., D)`` (usually ``(B, T, D)``) is
 transformed vector by vector, the same way at every position, and no information moves
 between positions. Mixing positions is attention's job.
 
-``layer_norm`` is the reference solution of chapter 03's first exercise; the notebook's
-solution cell is the same code (``tests/test_solution_drift.py`` checks).
+``layer_norm`` is the reference solution of chapter 03's first exercise, ``rms_norm`` and ``swiglu`` those of
+chapter 11; the notebooks' solution cells are the same code (``tests/test_solution_drift.py`` checks).
 """
 from __future__ import annotations
 
@@ -78,3 +79,69 @@ class LayerNorm(nn.Module):
         if x.shape[-1] != self.weight.shape[0]:
             raise ValueError(f"x must have size {self.weight.shape[0]} in its last axis, got shape {tuple(x.shape)}")
         return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def rms_norm(x, weight, eps=1e-5):
+    """Root-mean-square normalisation over the last axis (Zhang and Sennrich, 2019): x / sqrt(mean(x^2) + eps) * weight.
+
+    x: (..., D)   weight: (D,)   Returns (..., D).
+    Unlike LayerNorm, no mean is subtracted and there is no bias: each vector is only rescaled to a
+    root mean square of 1, then multiplied by the learned gain. eps goes inside the square root.
+    """
+    mean_square = x.pow(2).mean(dim=-1, keepdim=True)  # (..., 1): the mean of the squares, not the variance
+    return x * torch.rsqrt(mean_square + eps) * weight
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis with a learned gain (ones) and no bias, like Hugging Face's LlamaRMSNorm."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5):
+        super().__init__()
+        _check_size("d_model", d_model)
+        if not eps >= 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., D) -> (..., D)."""
+        return rms_norm(x, self.weight, self.eps)
+
+
+def swiglu(x, w_gate, w_up, w_down):
+    """The SwiGLU MLP (Shazeer, 2020): (SiLU(x W_gate^T) * (x W_up^T)) W_down^T.
+
+    x: (..., C)   w_gate, w_up: (F, C)   w_down: (C, F)   Returns (..., C).
+    The gate goes through SiLU (x * sigmoid(x)) and multiplies the up projection element by element;
+    the product is projected back down. No biases.
+    """
+    gate = F.silu(F.linear(x, w_gate))  # (..., F): the gate, through the nonlinearity
+    up = F.linear(x, w_up)  # (..., F): the values it gates, linear
+    return F.linear(gate * up, w_down)  # (..., C)
+
+
+def swiglu_width(n_embd: int, multiple_of: int = 32) -> int:
+    """The hidden width F of a SwiGLU MLP that costs what a 4C GELU MLP costs: 3 C F ~ 8 C^2, F ~ 8C/3.
+
+    As in Meta's Llama code: int(8 C / 3) rounded up to a multiple of multiple_of (Llama: 256).
+    """
+    _check_size("n_embd", n_embd)
+    _check_size("multiple_of", multiple_of)
+    hidden = int(8 * n_embd / 3)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+class SwiGLU(nn.Module):
+    """The MLP of a Llama block: gate_proj, up_proj (C -> F) and down_proj (F -> C), no biases. (..., C) -> (..., C)."""
+
+    def __init__(self, n_embd: int, hidden: int):
+        super().__init__()
+        _check_size("n_embd", n_embd)
+        _check_size("hidden", hidden)
+        self.gate_proj = nn.Linear(n_embd, hidden, bias=False)
+        self.up_proj = nn.Linear(n_embd, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., C) -> (..., C)."""
+        return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)

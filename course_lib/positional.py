@@ -8,8 +8,13 @@ below tells it where a token is, in one of the four ways in use today:
 * ``apply_rope`` — rotates query and key vectors by position-dependent angles (Su et al., RoFormer);
 * ``alibi_bias`` — a per-head linear penalty on the attention scores (Press et al., 2022).
 
-The functions below are the reference solutions of chapter 02's exercises; the notebook's
-solution cells are the same code (``tests/test_solution_drift.py`` checks).
+RoPE comes in two layouts that pair the features of a head differently: ``apply_rope`` pairs (2i, 2i+1)
+(interleaved, RoFormer and Meta's Llama code), ``apply_rope_half`` pairs (i, i + Dh/2) (Hugging Face's
+``rotate_half``). ``rope_to_half`` / ``rope_to_interleaved`` permute the rows of a query or key projection
+so that a model of one layout computes exactly what the other computes (chapter 11).
+
+``sinusoidal_encoding`` and ``apply_rope`` are reference solutions of chapter 02's exercises, ``rope_to_half``
+of chapter 11's; the notebooks' solution cells are the same code (``tests/test_solution_drift.py`` checks).
 """
 from __future__ import annotations
 
@@ -120,3 +125,79 @@ def alibi_bias(n_heads: int, T_q: int, T_k: int | None = None) -> torch.Tensor:
     query_position = torch.arange(T_k - T_q, T_k)[:, None]  # (Tq, 1)
     distance = (query_position - torch.arange(T_k)[None, :]).abs()  # (Tq, Tk)
     return -alibi_slopes(n_heads)[:, None, None] * distance  # (H, Tq, Tk)
+
+
+def rope_cos_sin(positions: torch.Tensor, d_head: int, base: float = 10000.0, dtype=torch.float32):
+    """cos and sin of RoPE's angles pos * theta_i, theta_i = base^(-2i / Dh), i = 0 .. Dh/2 - 1.
+
+    positions: any shape (...,) -> (cos, sin), each (..., Dh/2) in dtype; the angles are computed in float64.
+    """
+    if d_head < 2 or d_head % 2 != 0:
+        raise ValueError(f"d_head must be a positive even number (RoPE rotates pairs of features), got {d_head}")
+    theta = base ** (-torch.arange(0, d_head, 2, dtype=torch.float64, device=positions.device) / d_head)  # (Dh/2,)
+    angle = positions.to(torch.float64)[..., None] * theta  # (..., Dh/2)
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def rotate_half_layout(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (i, i + Dh/2) of x (..., Dh) by the angles whose cos, sin (broadcastable to (..., Dh/2)) are given."""
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]  # (..., Dh/2): the two coordinates of each pair
+    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
+def rotate_interleaved_layout(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (2i, 2i + 1) of x (..., Dh) by the angles whose cos, sin (broadcastable to (..., Dh/2)) are given."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+def apply_rope_half(x: torch.Tensor, positions: torch.Tensor | None = None, base: float = 10000.0) -> torch.Tensor:
+    """RoPE in Hugging Face's layout: feature i is paired with feature i + Dh/2 (``rotate_half``).
+
+    x: (..., T, Dh) with Dh even; positions as for ``apply_rope`` (default 0 .. T-1). Returns a tensor like x.
+    Pair i turns by pos * theta_i with theta_i = base^(-2i / Dh), the same angles as ``apply_rope``'s pair
+    (2i, 2i+1): apply_rope_half(x[..., p]) == apply_rope(x)[..., p] for p = ``rope_permutation(Dh)``.
+    """
+    d_head, time = x.shape[-1], x.shape[-2]
+    if d_head % 2 != 0:
+        raise ValueError(f"the last dimension of x must be even (RoPE rotates pairs of features), got {d_head}")
+    if positions is None:
+        positions = torch.arange(time, device=x.device)
+    if positions.shape[-1] != time:
+        raise ValueError(f"positions must have T={time} entries in its last dimension, got shape {tuple(positions.shape)}")
+    cos, sin = rope_cos_sin(positions, d_head, base, x.dtype)
+    return rotate_half_layout(x, cos, sin)
+
+
+def rope_permutation(d_head: int) -> torch.Tensor:
+    """The feature order that turns the interleaved layout into the half layout: (Dh,) int64, [0, 2, 4, ..., 1, 3, 5, ...].
+
+    Half-layout feature j < Dh/2 is interleaved feature 2j, and half-layout feature Dh/2 + j is interleaved 2j + 1.
+    """
+    if d_head < 2 or d_head % 2 != 0:
+        raise ValueError(f"d_head must be a positive even number, got {d_head}")
+    return torch.cat((torch.arange(0, d_head, 2), torch.arange(1, d_head, 2)))
+
+
+def rope_to_half(weight, n_heads):
+    """Rows of a query or key projection for interleaved RoPE -> the same model for half-split RoPE.
+
+    weight: (n_heads * Dh, C), the nn.Linear weight of W_q (n_heads = H) or W_k (n_heads = H_kv), head after
+    head. Returns a new (n_heads * Dh, C) tensor: within each head, the rows 0, 2, 4, ..., Dh-2 first, then
+    1, 3, ..., Dh-1 (the permutation of Hugging Face's convert_llama_weights_to_hf.py). Queries and keys are
+    both permuted the same way, so their dot products, and the model's outputs, do not change.
+    """
+    rows, columns = weight.shape
+    d_head = rows // n_heads
+    # (H, Dh/2, 2, C): row 2j + a of a head is pair j, coordinate a; put coordinate a first: row a * Dh/2 + j
+    return weight.reshape(n_heads, d_head // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
+
+
+def rope_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of ``rope_to_half``: rows of W_q or W_k (n_heads * Dh, C) for half-split RoPE -> interleaved."""
+    rows, columns = weight.shape
+    if n_heads < 1 or rows % n_heads != 0 or (rows // n_heads) % 2 != 0:
+        raise ValueError(f"n_heads must divide the {rows} rows into heads of even size, got n_heads={n_heads}")
+    d_head = rows // n_heads
+    return weight.reshape(n_heads, 2, d_head // 2, columns).transpose(1, 2).reshape(rows, columns)

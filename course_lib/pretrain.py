@@ -8,6 +8,7 @@ the per-step losses and the figures the model reached, which ``tests/test_assets
 
     char-gpt, char-gpt-draft   character GPTs of the default corpus (chapters 04-07), 2 threads
     bpe-gpt                    char-gpt's model and training on byte-level BPE tokens of the same text (chapter 09)
+    char-llama                 a Llama-style model of char-gpt's width, depth and context, char-gpt's training (chapter 11)
     gru-reversal-baseline      chapter 01's GRU encoder-decoder without attention, 1 thread
     gru-reversal-attention     the same with additive attention, 1 thread
     transformer-reversal       chapter 03's 2 + 2-layer post-LN encoder-decoder transformer, 1 thread
@@ -210,6 +211,11 @@ RECIPES: dict[str, Recipe] = {
     # chapter 09: char-gpt's model and training, on 512 byte-level BPE tokens (256 bytes + 256 merges) instead of characters
     "bpe-gpt": Recipe("GPT", dict(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=True), seed=0,
                       train=train_bpe_gpt, train_args=_CHAR_GPT_TRAINING, threads=2, bpe=True),
+    # chapter 11: char-gpt's width, depth, context and training, with Llama's block: RMSNorm, SwiGLU (8C/3 wide, rounded
+    # up to a multiple of 32), RoPE, grouped-query attention with 2 key/value heads, no biases, an untied head
+    "char-llama": Recipe("Llama", dict(block_size=128, n_layer=4, n_head=4, n_embd=128, n_kv_head=2, intermediate_size=352,
+                                       rope_base=10000.0, eps=1e-5, window=None, rope_layout="half"), seed=0,
+                         train=train_char_gpt, train_args=_CHAR_GPT_TRAINING, threads=2, corpus=True),
     # chapter 01: the seq2seq bottleneck, and the same model with additive attention; the same training for both
     "gru-reversal-baseline": Recipe("GRUSeq2Seq", dict(use_attention=False), seed=0, train=train_gru_reversal,
                                     train_args=dict(steps=400, batch_size=64, seed=1, lr=3e-3), threads=1,
@@ -244,8 +250,8 @@ def save_checkpoint(path: Path, model: nn.Module, config: dict, vocab: str | Non
     vocabulary or a BPE model's merges ([[a, b], ...] in the order learned), and the float32 weights (a tied LM
     head is stored once)."""
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
-    if "lm_head.weight" in state:
-        state["lm_head.weight"] = state["transformer.wte.weight"]  # tied: stored once
+    if "lm_head.weight" in state and "transformer.wte.weight" in state:
+        state["lm_head.weight"] = state["transformer.wte.weight"]  # a GPT's head is tied: stored once
     payload = {"config": config, **({"vocab": vocab} if vocab is not None else {}),
                **({"merges": merges} if merges is not None else {}), "state_dict": state}
     torch.save(payload, path)

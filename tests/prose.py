@@ -14,7 +14,7 @@ machine is not a fact the prose can state. The code of every cell counts.
 
 What is not a claim and is skipped: the header's estimate of a learner's time ("**Time:** about 75
 minutes", which no cell can show), years (1950-2030, as in "Vaswani et al., 2017"), chapter and
-exercise numbers ("chapter 05"), numbers inside words or identifiers (``float32``, ``GPT-2``, ``top_k``),
+exercise numbers ("chapter 05", a row "| 11 from GPT-2 to Llama |" of a table of chapters), numbers inside words or identifiers (``float32``, ``GPT-2``, ``top_k``),
 link targets, and arXiv identifiers.
 """
 from __future__ import annotations
@@ -39,6 +39,7 @@ _SKIP = [
     re.compile(r"arXiv:\s*\d{4}\.\d{4,5}", re.I),
     re.compile(r"\b(?:chapters?|ch\.|exercises?|sections?|steps?)\s+\d+(?:\s*(?:[-–,]|and|to)\s*\d+)*", re.I),
     re.compile(r"\b\d{2}-[a-z]+"),                   # chapter folders: 05-kv-cache
+    re.compile(r"^\|\s*\d{2}\s", re.M),               # a chapter number opening a row of a table of chapters
     re.compile(r"\bc\d+\b"),                         # cell references
     re.compile(r"\*\*Time:\*\*\s*about\s+\d+\s+minutes"),  # the header's estimate of a learner's time
 ]

@@ -11,6 +11,7 @@ import torch
 from course_lib import assets
 from course_lib.data import CharTokenizer, Seq2SeqBatch, default_corpus, reversal_batch
 from course_lib.gpt import GPT, estimate_loss
+from course_lib.llama import Llama
 from course_lib.bpe import text_nats, train_bpe
 from course_lib.pretrain import RECIPES, VAL_FRACTION, bpe_corpus_splits, corpus_splits, pretrain, save_checkpoint
 from course_lib.seq2seq import GRUSeq2Seq
@@ -66,8 +67,11 @@ def test_char_model_validation_loss_is_the_recorded_one(name, splits):
     _, _, val = splits
     model = assets.load(name)
     record = assets.info(name)
-    assert isinstance(model, GPT)
-    assert model.lm_head.weight is model.transformer.wte.weight
+    assert isinstance(model, (GPT, Llama))
+    if isinstance(model, GPT):
+        assert model.lm_head.weight is model.transformer.wte.weight
+    else:  # Llama-style: an untied head
+        assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
     assert record["config"] == {**vars(model.config)}
     e = record["eval"]
     batches = fixed_batches(val, model.config.block_size, e["batch_size"], e["batches"], e["val_seed"])
@@ -175,7 +179,7 @@ def test_attention_alignment_is_the_recorded_one():
 # ----------------------------------------------------------------------------- course pretrain
 
 
-@pytest.mark.parametrize("name", ["char-gpt-draft", "bpe-gpt", "gru-reversal-attention", "transformer-reversal"])
+@pytest.mark.parametrize("name", ["char-gpt-draft", "char-llama", "bpe-gpt", "gru-reversal-attention", "transformer-reversal"])
 def test_pretrain_is_deterministic(name, tmp_path):
     first = pretrain(name, tmp_path / "a", steps=3, progress=False)
     second = pretrain(name, tmp_path / "b", steps=3, progress=False)

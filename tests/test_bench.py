@@ -59,6 +59,21 @@ def test_bench_main_decode_quick_prints_the_table(capsys, monkeypatch):
     assert main(["decode", "--quick", "--shapes", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "tiny" in out and "ours, uncached" in out and "HF generate, use_cache=True" in out and "tokens/s" in out
+    assert "HF LlamaForCausalLM generate" in out and "llama-small" not in out  # --shapes tiny: the tiny Llama shape only
+
+
+def test_bench_llama_decode_quick_on_the_tiny_shape_returns_sane_rows_and_the_same_tokens_as_hf():
+    from course_lib.bench import bench_llama_decode, format_llama_decode
+
+    result = bench_llama_decode(shapes=("tiny",), batch_sizes=(1, 2), new_tokens=6, warmup=0, repeats=1)
+    rows = result["rows"]
+    assert [(r["batch_size"], r["impl"]) for r in rows] == [(b, impl) for b in (1, 2) for impl in (
+        "ours (generate_llama)", "HF LlamaForCausalLM generate")]
+    for row in rows:
+        assert row["seconds"] > 0 and row["tokens_per_s"] == row["batch_size"] * 6 / row["seconds"]
+        assert row["same_tokens_as_hf"] is True  # greedy, same weights: the same tokens
+    assert rows[1]["ratio_to_hf"] == 1.0 and rows[0]["ratio_to_hf"] == rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+    assert "vs HF" in format_llama_decode(result) and "ours (generate_llama)" in format_llama_decode(result)
 
 
 def test_bench_grade_prints_every_row(capsys):

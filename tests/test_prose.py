@@ -46,6 +46,9 @@ CITED: dict[str, dict[str, str]] = {
         "0.076": "Kaplan et al. (2020), Scaling Laws for Neural Language Models, equation (1.1): alpha_N = 0.076",
     },
 
+    "11-modern-decoder": {
+    },
+
 }
 
 CHAPTERS = grading.chapters(ROOT)

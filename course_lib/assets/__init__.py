@@ -6,6 +6,8 @@
     gru-reversal-attention   GRUSeq2Seq with additive attention, the same training (chapter 01)
     transformer-reversal     Transformer, 2 + 2 post-LN layers, trained on digit reversal (chapter 03)
     bpe-gpt                  char-gpt's shape and training on 512 byte-level BPE tokens of the same text (chapter 09)
+    char-llama               Llama-style (RMSNorm, SwiGLU, RoPE, 2 key/value heads, untied head), char-gpt's width,
+                             depth, context and training (chapter 11)
 
 The char-* models are character-level models of the default corpus (``course_lib.data.default_corpus()``).
 ``<name>.pt`` holds the constructor arguments and the float32 weights (and a character model's
@@ -22,12 +24,13 @@ from torch import nn
 from ..bpe import BPETokenizer
 from ..data import CharTokenizer
 from ..gpt import GPT, GPTConfig
+from ..llama import Llama, LlamaConfig
 from ..seq2seq import GRUSeq2Seq
 from ..transformer import Transformer
 
 FOLDER = Path(__file__).resolve().parent
 #: the model classes a checkpoint may hold, by the name its record gives
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"GPT": GPT, "GRUSeq2Seq": GRUSeq2Seq, "Transformer": Transformer}
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"GPT": GPT, "Llama": Llama, "GRUSeq2Seq": GRUSeq2Seq, "Transformer": Transformer}
 
 
 def names() -> list[str]:
@@ -52,16 +55,18 @@ def _checkpoint(name: str) -> dict:
 
 
 def build(model: str, config: dict) -> nn.Module:
-    """A freshly initialised model: MODEL_CLASSES[model](**config) (a GPT takes GPTConfig(**config))."""
+    """A freshly initialised model: MODEL_CLASSES[model](**config) (a GPT takes GPTConfig(**config), a Llama LlamaConfig(**config))."""
     if model not in MODEL_CLASSES:
         raise ValueError(f"model must be one of {sorted(MODEL_CLASSES)}, got {model!r}")
     if model == "GPT":
         return GPT(GPTConfig(**config))
+    if model == "Llama":
+        return Llama(LlamaConfig(**config))
     return MODEL_CLASSES[model](**config)
 
 
 def load(name: str) -> nn.Module:
-    """The pretrained model called name (a GPT, GRUSeq2Seq or Transformer, as its record says), in eval mode."""
+    """The pretrained model called name (a GPT, Llama, GRUSeq2Seq or Transformer, as its record says), in eval mode."""
     checkpoint = _checkpoint(name)
     model = build(info(name)["model"], checkpoint["config"])
     model.load_state_dict(checkpoint["state_dict"])

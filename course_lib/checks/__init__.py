@@ -17,4 +17,5 @@ from .ch07 import *  # noqa: F401,F403
 from .ch08 import *  # noqa: F401,F403
 from .ch09 import *  # noqa: F401,F403
 from .ch10 import *  # noqa: F401,F403
+from .ch11 import *  # noqa: F401,F403
 from .ch12 import *  # noqa: F401,F403

@@ -1,0 +1,141 @@
+"""Visible checks of chapter 11 (from GPT-2 to Llama), and the independent oracles they compare against.
+
+Oracles: float64 formulas written out here (the root mean square, SiLU as x * sigmoid(x)), and the row order
+of the RoPE permutation spelled out index by index; never course_lib's reference solutions.
+"""
+from __future__ import annotations
+
+import torch
+
+from .core import assert_shape, assert_tensor, fail, passed
+
+__all__ = ["check_rms_norm", "check_swiglu", "check_rope_to_half", "check_expand_kv_heads", "rms_norm_oracle", "swiglu_oracle", "half_rows"]
+
+
+def rms_norm_oracle(x, weight, eps):
+    """x / sqrt(mean(x^2) + eps) * weight in float64."""
+    x, weight = x.double(), weight.double()
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
+
+
+def swiglu_oracle(x, w_gate, w_up, w_down):
+    """(SiLU(x W_gate^T) * (x W_up^T)) W_down^T in float64, SiLU(a) = a * sigmoid(a)."""
+    x, w_gate, w_up, w_down = x.double(), w_gate.double(), w_up.double(), w_down.double()
+    a = x @ w_gate.T
+    return (a * torch.sigmoid(a) * (x @ w_up.T)) @ w_down.T
+
+
+def half_rows(n_heads: int, d_head: int) -> list[int]:
+    """The rows of W_q or W_k, in the order the half layout wants them: per head, the even rows, then the odd rows."""
+    return [h * d_head + r for h in range(n_heads) for r in list(range(0, d_head, 2)) + list(range(1, d_head, 2))]
+
+
+def _differs(got, expected, tol: float = 1e-4) -> bool:
+    return not torch.allclose(got.double(), expected, rtol=tol, atol=tol)
+
+
+def check_rms_norm(rms_norm) -> None:
+    """Visible checks for chapter 11, exercise 1: the root mean square, no mean subtracted, eps inside the root."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 3, 8, generator=generator) + 2.0  # a mean far from 0: subtracting it shows
+    weight = torch.rand(8, generator=generator) + 0.5
+    got = assert_tensor(rms_norm(x, weight, 1e-5), "rms_norm(x, weight, 1e-5)")
+    assert_shape(got, x.shape, "rms_norm(x, weight, 1e-5)")
+    expected = rms_norm_oracle(x, weight, 1e-5)
+    if _differs(got, expected):
+        centred = x - x.mean(-1, keepdim=True)
+        if not _differs(got, rms_norm_oracle(centred, weight, 1e-5)) or not _differs(
+                got, (centred / torch.sqrt(centred.var(-1, unbiased=False, keepdim=True) + 1e-5) * weight).double()):
+            fail("your rms_norm subtracts the mean first: that is LayerNorm (without its bias). RMSNorm divides x itself "
+                 "by its root mean square, sqrt(mean(x^2) + eps), and subtracts nothing")
+        if not _differs(got, rms_norm_oracle(x, torch.ones(8), 1e-5)):
+            fail("your rms_norm ignores weight: multiply the normalised x by the learned gain")
+        worst = (got.double() - expected).abs().max().item()
+        fail(f"rms_norm(x, weight, 1e-5) differs from x / sqrt(mean(x^2) + eps) * weight by up to {worst:.3g} "
+             "(the mean of the squares over the last axis only)")
+    small = 1e-3 * torch.randn(4, 16, generator=generator)  # root mean square ~1e-3: eps = 1e-5 matters here
+    got = rms_norm(small, torch.ones(16), 1e-5)
+    expected = rms_norm_oracle(small, torch.ones(16), 1e-5)
+    if _differs(got, expected, 1e-3):
+        outside = small.double() / (torch.sqrt((small.double() ** 2).mean(-1, keepdim=True)) + 1e-5)
+        if not _differs(got, outside, 1e-3):
+            fail("for inputs of root mean square ~1e-3 your rms_norm adds eps outside the square root: "
+                 "x / (sqrt(mean(x^2)) + eps). eps goes inside: x / sqrt(mean(x^2) + eps), as in Hugging Face's LlamaRMSNorm")
+        if not _differs(got, small.double() / torch.sqrt((small.double() ** 2).mean(-1, keepdim=True)), 1e-3):
+            fail("for inputs of root mean square ~1e-3 your rms_norm ignores eps: x / sqrt(mean(x^2) + eps), with eps "
+                 "inside the square root (it also keeps an all-zero vector finite)")
+        fail(f"for inputs of root mean square ~1e-3 your rms_norm differs from x / sqrt(mean(x^2) + eps) by up to "
+             f"{(got.double() - expected).abs().max().item():.3g}: is eps used, and inside the square root?")
+    zero = rms_norm(torch.zeros(2, 4), torch.ones(4), 1e-5)
+    if not torch.isfinite(zero).all():
+        fail("rms_norm of an all-zero vector gives NaN or infinity: eps inside the square root keeps it finite (0)")
+    passed("rms_norm")
+
+
+def check_swiglu(swiglu) -> None:
+    """Visible checks for chapter 11, exercise 2: SiLU on the gate, times the up projection, projected down."""
+    generator = torch.Generator().manual_seed(12)
+    C, F_ = 6, 10
+    x = torch.randn(2, 3, C, generator=generator)
+    w_gate, w_up = torch.randn(F_, C, generator=generator), torch.randn(F_, C, generator=generator)
+    w_down = torch.randn(C, F_, generator=generator)
+    got = assert_tensor(swiglu(x, w_gate, w_up, w_down), "swiglu(x, w_gate, w_up, w_down)")
+    assert_shape(got, x.shape, "swiglu(x, w_gate, w_up, w_down)")
+    expected = swiglu_oracle(x, w_gate, w_up, w_down)
+    if _differs(got, expected):
+        if not _differs(got, swiglu_oracle(x, w_up, w_gate, w_down)):
+            fail("your swiglu swaps the gate and up projections: SiLU goes on x W_gate^T, and the result multiplies "
+                 "x W_up^T (which stays linear). The two are not interchangeable for given weights")
+        xd = x.double()
+        gelu = (torch.nn.functional.gelu(xd @ w_gate.double().T) * (xd @ w_up.double().T)) @ w_down.double().T
+        if not _differs(got, gelu):
+            fail("your swiglu uses GELU on the gate (that is GEGLU); SwiGLU uses SiLU, a * sigmoid(a)")
+        sig = (torch.sigmoid(xd @ w_gate.double().T) * (xd @ w_up.double().T)) @ w_down.double().T
+        if not _differs(got, sig):
+            fail("your swiglu uses sigmoid(a) on the gate (that is GLU); SwiGLU uses SiLU, a * sigmoid(a)")
+        a = xd @ w_gate.double().T
+        if not _differs(got, (a * torch.sigmoid(a)) @ w_down.double().T):
+            fail("your swiglu leaves out the up projection: SiLU(x W_gate^T) must be multiplied, element by element, by x W_up^T")
+        fail(f"swiglu differs from (SiLU(x W_gate^T) * (x W_up^T)) W_down^T by up to {(got.double() - expected).abs().max().item():.3g}")
+    passed("swiglu")
+
+
+def check_rope_to_half(rope_to_half) -> None:
+    """Visible checks for chapter 11, exercise 3: within each head, the even rows first, then the odd rows."""
+    n_heads, d_head, C = 2, 8, 3
+    weight = torch.arange(n_heads * d_head * C, dtype=torch.float32).reshape(n_heads * d_head, C)  # row r holds 3r, 3r+1, 3r+2
+    got = assert_tensor(rope_to_half(weight, n_heads), "rope_to_half(weight, 2)")
+    assert_shape(got, weight.shape, "rope_to_half(weight, 2) for a (16, 3) weight")
+    expected = weight[half_rows(n_heads, d_head)]
+    if not torch.equal(got, expected):
+        rows = [int(r) // C for r in got[:, 0].tolist()] if torch.equal(got[:, 0] % C, torch.zeros(len(got))) else None
+        if rows == half_rows(1, n_heads * d_head):
+            fail("rope_to_half permutes the rows of the whole matrix as one head: the pairs live inside each head. "
+                 "Reorder rows 0..7 of head 0, then rows 8..15 of head 1, each on its own")
+        if rows == [h * d_head + r for h in range(n_heads) for r in [0, 4, 1, 5, 2, 6, 3, 7]]:
+            fail("rope_to_half applies the inverse permutation (half -> interleaved): row j of a head's result must be "
+                 "row 2j for j < Dh/2, and row Dh/2 + j must be row 2j + 1")
+        if rows == list(range(n_heads * d_head)):
+            fail("rope_to_half returns the rows in their old order: with those weights, half-split RoPE pairs the wrong features")
+        fail(f"rope_to_half(weight, 2) for a (16, 3) weight (two heads of 8 rows): expected the rows in the order "
+             f"{half_rows(n_heads, d_head)}, got {rows if rows is not None else 'other values'}")
+    passed("rope_to_half")
+
+
+def check_expand_kv_heads(expand_kv_heads) -> None:
+    """Visible checks for chapter 11, exercise 4: head h of the result is key/value head h // n_rep (grouped)."""
+    kv = torch.arange(2 * 3 * 4 * 2, dtype=torch.float32).reshape(2, 3, 4, 2)  # (B, H_kv, T, Dh) = (2, 3, 4, 2)
+    got = assert_tensor(expand_kv_heads(kv, 2), "expand_kv_heads(kv, 2)")
+    if tuple(got.shape) == (2, 3, 8, 2):
+        fail("expand_kv_heads(kv, 2) for kv of shape (B, H_kv, T, Dh) = (2, 3, 4, 2) repeats along the time axis: "
+             "the heads are axis 1, the result is (2, 6, 4, 2)")
+    assert_shape(got, (2, 6, 4, 2), "expand_kv_heads(kv, 2) for kv of shape (2, 3, 4, 2)")
+    expected = torch.stack([kv[:, h // 2] for h in range(6)], dim=1)
+    if not torch.equal(got, expected):
+        if torch.equal(got, kv.repeat(1, 2, 1, 1)):
+            fail("expand_kv_heads tiles the heads (k0 k1 k2 k0 k1 k2): each key/value head serves a GROUP of "
+                 "consecutive query heads, so head h of the result must be key/value head h // n_rep (k0 k0 k1 k1 k2 k2)")
+        fail("expand_kv_heads(kv, 2): head h of the result should be key/value head h // 2, for h = 0 .. 5")
+    if not torch.equal(expand_kv_heads(kv, 1), kv):
+        fail("expand_kv_heads(kv, 1) should return the heads unchanged (multi-head attention: one key/value head per query head)")
+    passed("expand_kv_heads")
