@@ -77,7 +77,12 @@ def rope_clockwise(x, positions=None, base=10000.0):
     return positional.apply_rope(x, -torch.arange(x.shape[-2]), base)
 
 
+def rope_ignoring_positions(x, positions=None, base=10000.0):
+    return positional.apply_rope(x, None, base)
+
+
 @pytest.mark.parametrize("call,message", [
+    (lambda: checks.check_apply_rope(rope_ignoring_positions), r"ignores `positions`"),
     (lambda: checks.check_heads(split_without_transpose, attention.merge_heads), r"looks like x\.view\(B, H, T, Dh\): that mixes positions and heads"),
     (lambda: checks.check_heads(attention.split_heads, merge_view_without_contiguous),
      r"merge_heads raised RuntimeError: view size is not compatible.*call \.contiguous\(\) first, or use \.reshape\(\)"),

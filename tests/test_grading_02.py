@@ -25,7 +25,7 @@ def planted_a() -> dict:
         # sin in the odd columns, cos in the even ones -> visible and layout (frequencies compares pairs, unordered)
         SIN: CH.mutate(SIN, "table[:, 0::2] = torch.sin(angle)\n    table[:, 1::2] = torch.cos(angle)",
                        "table[:, 0::2] = torch.cos(angle)\n    table[:, 1::2] = torch.sin(angle)"),
-        # positions argument ignored -> positions only (every other test uses the default positions)
+        # positions argument ignored -> visible (it passes explicit positions) and positions
         ROPE: CH.mutate(ROPE, "if positions is None:", "if True:"),
     })
 
@@ -50,7 +50,8 @@ STUDENTS = {
     "reference": (CH.solved, set()),
     "untouched": (CH.untouched, set(CH.points)),
     "planted_a": (planted_a, {"multi_head_attention-visible", "multi_head_attention-scale",
-                              "sinusoidal_encoding-visible", "sinusoidal_encoding-layout", "apply_rope-positions"}),
+                              "sinusoidal_encoding-visible", "sinusoidal_encoding-layout", "apply_rope-visible",
+                              "apply_rope-positions"}),
     "planted_b": (planted_b, {"heads-visible", "heads-batch", "multi_head_attention-cross", "sinusoidal_encoding-visible", "sinusoidal_encoding-frequencies",
                               "apply_rope-visible", "apply_rope-pairing"}),
 }

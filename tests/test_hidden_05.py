@@ -60,7 +60,7 @@ CASES = [
      {f"{STEP}-visible", f"{STEP}-chunk", f"{STEP}-cache"}),  # one query (decode) attends to all keys in any order; P = 0 is unaffected
     (STEP, "key/value heads repeated instead of interleaved", mutate(STEP, ("keys.repeat_interleave(group, dim=1)", "keys.repeat(1, group, 1, 1)"),
                                                                      ("values.repeat_interleave(group, dim=1)", "values.repeat(1, group, 1, 1)")),
-     {f"{STEP}-gqa"}),  # the only test with H_kv < H ... and 1 < H_kv
+     {f"{STEP}-visible", f"{STEP}-gqa"}),  # the tests with H_kv < H ... and 1 < H_kv
     (STEP, "scaled by sqrt(H * Dh)", mutate(STEP, ("math.sqrt(Dh)", "math.sqrt(q.shape[1] * Dh)")),
      {f"{STEP}-visible", f"{STEP}-decode", f"{STEP}-chunk", f"{STEP}-prefill", f"{STEP}-gqa"}),
     (STEP, "returns the repeated keys as the cache", mutate(STEP, ("return weights @ v_all, keys, values", "return weights @ v_all, k_all, v_all")),

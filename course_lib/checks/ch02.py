@@ -174,4 +174,11 @@ def check_apply_rope(apply_rope) -> None:
         fail("your rotation goes the wrong way: position p turns the pair (a, b) counter-clockwise, to "
              "(a cos t - b sin t, a sin t + b cos t) with t = p * theta_i")
     assert_close(out, expected.float(), "apply_rope(x) (vs the complex-number formula)")
+    positions = torch.tensor([7, 3, 0, 12, 5])  # not 0..T-1: as for tokens after a cache, or in another order
+    moved = assert_tensor(apply_rope(x, positions), "apply_rope(x, positions)")
+    if _close(moved, out) and not _close(moved, rope_oracle(x, positions)):
+        fail("apply_rope(x, positions) gives the same result as apply_rope(x): your function ignores `positions` and "
+             "rotates by 0, 1, ..., T-1 always; token t must turn by positions[t] * theta_i (a cached decode step's "
+             "token sits at position P, not 0)")
+    assert_close(moved, rope_oracle(x, positions).float(), "apply_rope(x, positions) for positions 7, 3, 0, 12, 5")
     passed("apply_rope")

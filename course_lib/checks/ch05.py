@@ -80,7 +80,27 @@ def check_cached_attention_step(cached_attention_step) -> None:
              "may attend to every cached slot and to slots P..P + i of the chunk. Is the causal mask offset by the "
              "P cached tokens (tril(diagonal=P))? Is the scale 1/sqrt(Dh)?")
     assert_close(y, expected.float(), "y compared with causal F.scaled_dot_product_attention over all 7 tokens (float64)")
+    _check_grouped_heads(cached_attention_step, g)
     passed("cached_attention_step")
+
+
+def _check_grouped_heads(cached_attention_step, g) -> None:
+    """4 query heads over 2 key/value heads: heads 0, 1 read key/value head 0 and heads 2, 3 head 1 (grouped)."""
+    B, H, H_kv, P, T, Dh = 1, 4, 2, 3, 2, 8
+    past_k, past_v = torch.randn(B, H_kv, P, Dh, generator=g), torch.randn(B, H_kv, P, Dh, generator=g)
+    q = torch.randn(B, H, T, Dh, generator=g)
+    k, v = torch.randn(B, H_kv, T, Dh, generator=g), torch.randn(B, H_kv, T, Dh, generator=g)
+    y, _, _ = _unpack_step(cached_attention_step(q, k, v, past_k, past_v),
+                           "cached_attention_step with 4 query heads and 2 key/value heads")
+    assert_shape(y, (B, H, T, Dh), "y for 4 query heads over 2 key/value heads (B, H, T, Dh) = (1, 4, 2, 8)")
+    expected = attention_rows_oracle(q, k, v, past_k, past_v)
+    tile = lambda t: t.repeat(1, H // H_kv, 1, 1)  # noqa: E731 - head h reads key/value head h % H_kv
+    tiled = attention_rows_oracle(q, tile(k), tile(v), tile(past_k), tile(past_v))
+    if torch.allclose(y.double(), tiled, rtol=1e-4, atol=1e-5) and not torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-5):
+        fail("with 4 query heads and 2 key/value heads, your query head h reads key/value head h % 2 (the heads are "
+             "tiled, as .repeat does); grouped-query attention groups consecutive heads: head h reads key/value head "
+             "h // (H / H_kv), as repeat_interleave does")
+    assert_close(y, expected.float(), "y with 4 query heads over 2 key/value heads (grouped: head h reads h // 2)")
 
 
 def check_generate_cached(generate_cached) -> None:
