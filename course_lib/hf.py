@@ -52,6 +52,18 @@ def hf_config(config: GPTConfig, activation: str = "gelu_new"):
     )
 
 
+def _copy_into(theirs: dict, ours: dict, who: str) -> None:
+    """Copy our converted tensors into Hugging Face's state dict in place; names and shapes must match exactly."""
+    missing, unexpected = sorted(set(theirs) - set(ours)), sorted(set(ours) - set(theirs))
+    if missing or unexpected:
+        raise RuntimeError(f"parameter names differ: missing in ours {missing[:3]}, not in {who} {unexpected[:3]}")
+    with torch.no_grad():
+        for name, value in theirs.items():
+            if value.shape != ours[name].shape:
+                raise RuntimeError(f"{name}: {who} expects {tuple(value.shape)}, ours converts to {tuple(ours[name].shape)}")
+            value.copy_(ours[name])
+
+
 def _converted(state: dict) -> dict:
     """Transpose the Conv1D/Linear weights (the operation is its own inverse)."""
     return {name: (value.t().contiguous() if name.endswith(TRANSPOSED) else value.clone()) for name, value in state.items()}
@@ -63,15 +75,7 @@ def to_hf(model: GPT, activation: str = "gelu_new"):
     hf_model = transformers.GPT2LMHeadModel(hf_config(model.config, activation))
     ours = _converted(model.state_dict())
     theirs = hf_model.state_dict()
-    missing = sorted(set(theirs) - set(ours))
-    unexpected = sorted(set(ours) - set(theirs))
-    if missing or unexpected:
-        raise RuntimeError(f"parameter names differ: missing in ours {missing[:3]}, not in GPT-2 {unexpected[:3]}")
-    with torch.no_grad():
-        for name, value in theirs.items():
-            if value.shape != ours[name].shape:
-                raise RuntimeError(f"{name}: GPT-2 expects {tuple(value.shape)}, ours converts to {tuple(ours[name].shape)}")
-            value.copy_(ours[name])
+    _copy_into(theirs, ours, "GPT-2")
     if hf_model.lm_head.weight.data_ptr() != hf_model.transformer.wte.weight.data_ptr():
         raise RuntimeError("the converted model's lm_head is not tied to its token embedding")
     return hf_model.eval()
@@ -144,14 +148,7 @@ def llama_to_hf(model: Llama):
     state = model.state_dict()
     if config.rope_layout == "interleaved":
         state = _rope_rows(state, config, rope_to_half)
-    theirs = hf_model.state_dict()
-    if set(theirs) != set(state):
-        raise RuntimeError(f"parameter names differ: {sorted(set(theirs) ^ set(state))[:3]}")
-    with torch.no_grad():
-        for name, value in theirs.items():
-            if value.shape != state[name].shape:
-                raise RuntimeError(f"{name}: Hugging Face expects {tuple(value.shape)}, ours is {tuple(state[name].shape)}")
-            value.copy_(state[name])
+    _copy_into(hf_model.state_dict(), state, "Hugging Face's model")
     return hf_model.eval()
 
 
