@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from .data import CharTokenizer, default_corpus, get_batch
 from .gpt import GPT, GPTConfig
-from .kv_cache import _ONEDNN, generate_cached
+from .kernels import ONEDNN_AVAILABLE, chosen_kernels, onednn_linear, use_fastest_kernels
+from .kv_cache import generate_cached
 from .quantize import decode_weight_bytes, quantize_weights
 
 
@@ -132,8 +133,8 @@ def read_bandwidths(nbytes: int, repeats: int = 3, threads=(1, 2), widths=READ_W
     """Read bandwidth in bytes/s of each way this machine can read the same float32 tensor of about nbytes bytes.
 
     The ways: its sum (``tensor.sum()``), and a matrix-vector product with it as a weight (nbytes / 4 / width,
-    width), for each width, through ``F.linear`` (MKL's sgemm) and through oneDNN's inner product (the kernel of
-    ``course_lib.kv_cache.linear``); each at each thread count: the best of `repeats` timed reads after one
+    width), for each width, through ``F.linear`` (MKL's sgemm) and through oneDNN's inner product (the two kernels
+    ``course_lib.kernels.linear`` chooses from); each at each thread count: the best of `repeats` timed reads after one
     warm-up. Which way is fastest depends on the CPU and its libraries: on an AMD EPYC with AVX2 a one-thread
     sum outran sgemm, on an Intel Xeon with AVX-512 sgemm outran the sum. Returns {(way, threads): bytes/s};
     the thread count is restored.
@@ -144,9 +145,8 @@ def read_bandwidths(nbytes: int, repeats: int = 3, threads=(1, 2), widths=READ_W
         rows = max(1, buffer.numel() // width)
         weight, x = buffer[:rows * width].view(rows, width), torch.ones(1, width)
         ways[f"F.linear, width {width}"] = (lambda weight=weight, x=x: F.linear(x, weight)), weight.numel() * 4
-        if _ONEDNN:
-            ways[f"oneDNN, width {width}"] = (lambda weight=weight, x=x: torch.ops.mkldnn._linear_pointwise(
-                x, weight, None, "none", [], "")), weight.numel() * 4
+        if ONEDNN_AVAILABLE:
+            ways[f"oneDNN, width {width}"] = (lambda weight=weight, x=x: onednn_linear(x, weight)), weight.numel() * 4
     previous_threads = torch.get_num_threads()
     rates = {}
     try:
@@ -208,6 +208,7 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
             ours = GPT(config).eval()
             theirs = to_hf(ours)
             ours_int8, ours_bf16 = quantize_weights(ours, "int8"), quantize_weights(ours, "bfloat16")
+            use_fastest_kernels(ours, rows=batch_sizes)  # float32: the faster kernel per weight, measured here
             n_uncached = min(uncached_tokens[shape], new_tokens)
             for B in batch_sizes:
                 prompt = torch.randint(0, config.vocab_size, (B, prompt_len), generator=torch.Generator().manual_seed(seed + B))
@@ -254,7 +255,8 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
                                                      "fraction": row["tokens_per_s"] * weight_bytes / bandwidth}
     finally:
         torch.set_num_threads(previous_threads)
-    return {"rows": rows, "bound": bound, "threads": threads, "repeats": repeats, "warmup": warmup, "prompt_len": prompt_len}
+    return {"rows": rows, "bound": bound, "threads": threads, "repeats": repeats, "warmup": warmup, "prompt_len": prompt_len,
+            "kernels": chosen_kernels()}
 
 
 def format_decode(result: dict) -> str:
@@ -278,7 +280,19 @@ def format_decode(result: dict) -> str:
         for weights, b in bound["formats"].items():
             lines.append(f"  {weights:8s} {b['weight_bytes'] / 1e6:6.1f} MB -> {b['tokens_per_s']:6.1f} tokens/s; "
                          f"ours cached reaches {b['fraction']:.0%} of it" + (" (target >= 50%)" if weights == "float32" else ""))
+    lines.append(format_kernels(result.get("kernels", {})))
     return "\n".join(lines)
+
+
+def format_kernels(kernels: dict) -> str:
+    """One line: which kernel ``course_lib.kernels`` chose for our float32 weights, per number of rows."""
+    by_rows: dict[int, dict[str, int]] = {}
+    for (_, _, _, rows, _), name in sorted(kernels.items()):
+        by_rows.setdefault(rows, {}).setdefault(name, 0)
+        by_rows[rows][name] += 1
+    return ("kernels chosen for our float32 weights (course_lib.kernels, measured on this machine): " +
+            "; ".join(f"{rows} row(s): " + ", ".join(f"{name} x{count}" for name, count in names.items())
+                      for rows, names in by_rows.items()))
 
 
 #: Models of ``course bench serve``: the course's model (chapter 04's shipped char-gpt checkpoint) and the
@@ -413,6 +427,7 @@ def bench_serve(models=SERVE_MODELS, n_requests: dict | int | None = None, block
         for name in models:
             ours = serve_model(name, seed)
             theirs = to_hf(ours)
+            use_fastest_kernels(ours, rows=[1 << i for i in range(7)])  # a step's rows: 1 .. token_budget
             V, context = ours.config.vocab_size, ours.config.block_size
             trace = make_trace(counts[name], seed=seed, context=context, vocab=list(range(V)), mean_gap=mean_gap)
             at_once = make_trace(counts[name], seed=seed, context=context, vocab=list(range(V)), mean_gap=mean_gap)
@@ -542,6 +557,7 @@ def bench_llama_decode(shapes=("tiny", "llama-small"), batch_sizes=(1, 8), new_t
             config = LlamaConfig(**LLAMA_DECODE_SHAPES[shape])
             ours = Llama(config).eval()
             theirs = llama_to_hf(ours)
+            use_fastest_kernels(ours, rows=batch_sizes)  # the faster kernel per weight, measured here
             for B in batch_sizes:
                 prompt = torch.randint(0, config.vocab_size, (B, prompt_len), generator=torch.Generator().manual_seed(seed + B))
                 runs = {"ours (generate_llama)": lambda n: generate_llama(ours, prompt, n),
@@ -566,7 +582,8 @@ def bench_llama_decode(shapes=("tiny", "llama-small"), batch_sizes=(1, 8), new_t
                 rows.extend(these)
     finally:
         torch.set_num_threads(previous_threads)
-    return {"rows": rows, "threads": threads, "repeats": repeats, "warmup": warmup, "prompt_len": prompt_len}
+    return {"rows": rows, "threads": threads, "repeats": repeats, "warmup": warmup, "prompt_len": prompt_len,
+            "kernels": chosen_kernels()}
 
 
 def format_llama_decode(result: dict) -> str:
@@ -580,6 +597,7 @@ def format_llama_decode(result: dict) -> str:
     agree = {(r["shape"], r["batch_size"]): r["same_tokens_as_hf"] for r in result["rows"]}
     lines.append("ours == HF, same tokens: " + ", ".join(f"{s} B={b}: {'yes' if v else 'NO'}" for (s, b), v in agree.items()))
     lines.append("(vs HF: ours / Hugging Face's LlamaForCausalLM.generate, same weights, use_cache=True; floor >= 1.0x)")
+    lines.append(format_kernels(result.get("kernels", {})))
     return "\n".join(lines)
 
 

@@ -218,32 +218,6 @@ def position_ids(attention_mask, past: int, T: int, batch_size: int, device=None
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:past + T]
 
 
-#: Weights of at least this many elements go through oneDNN in ``linear`` (below: MKL, whose call costs less).
-ONEDNN_MIN_ELEMENTS = 1 << 18
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def linear(module, x):
-    """``module(x)`` for a decode step: (..., in) -> (..., out).
-
-    A large float32 ``nn.Linear`` on the CPU runs through oneDNN's inner product instead of ``F.linear``:
-    for the few rows of a decode step, ``F.linear`` calls MKL's sgemm, which on some CPUs (AMD's, with
-    AVX2) reads the weights at about half the speed of oneDNN's kernel with two threads (chapter 08
-    measures both, with one thread and two, against the bandwidth bound). Small weights, other dtypes and devices, and any other module (a quantized
-    one, say) run as themselves. The results agree within float32 rounding.
-    """
-    weight = getattr(module, "weight", None)
-    if (type(module) is nn.Linear and _ONEDNN and weight.numel() >= ONEDNN_MIN_ELEMENTS
-            and weight.dtype == torch.float32 and weight.device.type == "cpu" and x.dtype == torch.float32):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, module.bias, "none", [], "")
-    return module(x)
-
-
-def cached_mlp(mlp, x):
-    """The MLP of a GPT block (course_lib.gpt.GPTMLP, in eval mode) through ``linear``: (B, T, C) -> (B, T, C)."""
-    return linear(mlp.c_proj, F.gelu(linear(mlp.c_fc, x), approximate="tanh"))
-
-
 def cached_attention(attn, x, cache, layer: int, allowed):
     """One CausalSelfAttention (course_lib.gpt) over new tokens x (B, T, C), against the cache of `layer`.
 
@@ -254,14 +228,14 @@ def cached_attention(attn, x, cache, layer: int, allowed):
     """
     B, T, C = x.shape
     H = attn.n_head
-    q, k, v = linear(attn.c_attn, x).split(C, dim=2)
+    q, k, v = attn.c_attn(x).split(C, dim=2)
     q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
     keys, values = cache.update(layer, k, v)  # (B, H, T_k, Dh)
     if allowed is None:
         y = F.scaled_dot_product_attention(q, keys, values)  # (B, H, T, Dh)
     else:
         y = masked_softmax(q @ keys.transpose(-2, -1) / math.sqrt(C // H), allowed) @ values
-    return linear(attn.c_proj, y.transpose(1, 2).reshape(B, T, C))
+    return attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
 @torch.no_grad()
@@ -307,9 +281,9 @@ def cached_forward(model, idx, cache, attention_mask=None, positions=None):
     x = tr.wte(idx) + tr.wpe(positions)  # (B, T, C)
     for layer, block in enumerate(tr.h):
         x = x + cached_attention(block.attn, block.ln_1(x), cache, layer, allowed)
-        x = x + cached_mlp(block.mlp, block.ln_2(x))
+        x = x + block.mlp(block.ln_2(x))
     cache.advance(T)
-    return linear(model.lm_head, tr.ln_f(x))
+    return model.lm_head(tr.ln_f(x))
 
 
 @torch.inference_mode()

@@ -26,8 +26,8 @@ Shapes: B batch, T time, C = n_embd, H = n_head, H_kv = n_kv_head, Dh = C / H, F
 ``expand_kv_heads`` is the reference solution of chapter 11's fourth exercise (the attention itself lets
 ``F.scaled_dot_product_attention(enable_gqa=True)`` group the heads the same way, without copying them).
 ``forward(idx, targets)`` is GPT's, so chapter 04's training loop trains it; ``llama_cached_forward`` and
-``generate_llama`` decode with chapter 05's ``KVCache`` (a ring buffer when the model has a window) and
-chapter 05's ``linear`` for every matrix product of a decode step.
+``generate_llama`` decode with chapter 05's ``KVCache`` (a ring buffer when the model has a window), calling the model's linear modules
+(``kernels.use_fastest_kernels`` makes them run chapter 08's faster kernel per weight shape).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kv_cache import KVCache, attention_allowed, linear
+from .kv_cache import KVCache, attention_allowed
 from .layers import RMSNorm, SwiGLU, swiglu_width
 from .positional import rope_cos_sin, rotate_half_layout, rotate_interleaved_layout
 
@@ -117,19 +117,18 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(C, H_kv * Dh, bias=False)
         self.o_proj = nn.Linear(H * Dh, C, bias=False)
 
-    def heads(self, x, project):
-        """(B, T, C) -> queries (B, H, T, Dh), keys and values (B, H_kv, T, Dh), before RoPE; project(module, x)
-        runs a projection (``linear`` when decoding)."""
+    def heads(self, x):
+        """(B, T, C) -> queries (B, H, T, Dh), keys and values (B, H_kv, T, Dh), before RoPE."""
         B, T, _ = x.shape
-        q = project(self.q_proj, x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = project(self.k_proj, x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = project(self.v_proj, x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         return q, k, v
 
     def forward(self, x, cos, sin):
         """x (B, T, C); cos, sin (T, Dh/2) of positions 0 .. T-1 -> (B, T, C)."""
         B, T, C = x.shape
-        q, k, v = self.heads(x, lambda module, t: module(t))
+        q, k, v = self.heads(x)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         if self.window is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, Dh)
@@ -218,16 +217,17 @@ def cached_llama_attention(attn: LlamaAttention, x, cache: KVCache, layer: int, 
     """One LlamaAttention over new tokens x (B, T, C) against layer `layer` of the cache; cos, sin (T, Dh/2) of their
     positions; allowed (1, 1, T, T_k) bool or None (every key). The keys are cached after RoPE. Returns (B, T, C)."""
     B, T, _ = x.shape
-    q, k, v = attn.heads(x, linear)
+    q, k, v = attn.heads(x)
     q, k = attn.rotate(q, cos, sin), attn.rotate(k, cos, sin)
     keys, values = cache.update(layer, k, v)  # (B, H_kv, T_k, Dh)
     y = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=True)  # (B, H, T, Dh)
-    return linear(attn.o_proj, y.transpose(1, 2).reshape(B, T, attn.n_head * attn.head_dim))
+    return attn.o_proj(y.transpose(1, 2).reshape(B, T, attn.n_head * attn.head_dim))
 
 
 def cached_swiglu(mlp: SwiGLU, x):
-    """The SwiGLU MLP through ``linear``: (B, T, C) -> (B, T, C)."""
-    return linear(mlp.down_proj, F.silu(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
+    """The SwiGLU MLP through its three modules (so that ``kernels.use_fastest_kernels`` reaches them):
+    (B, T, C) -> (B, T, C)."""
+    return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
 
 
 @torch.no_grad()
@@ -255,7 +255,7 @@ def llama_cached_forward(model: Llama, idx, cache: KVCache):
         x = x + cached_llama_attention(block.self_attn, block.input_layernorm(x), cache, layer, cos, sin, allowed)
         x = x + cached_swiglu(block.mlp, block.post_attention_layernorm(x))
     cache.advance(T)
-    return linear(model.lm_head, model.model.norm(x))
+    return model.lm_head(model.model.norm(x))
 
 
 @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""course_lib.quantize and the decode step's oneDNN path (course_lib.kv_cache.linear), against independent oracles.
+"""course_lib.quantize, against independent oracles.
 
 Oracles: float64 F.linear with the dequantized weight, Hugging Face's count of GPT-2 small's parameters,
 the model's own tensors, and PyTorch's F.linear.
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.gpt import GPT, GPTConfig
-from course_lib.kv_cache import ONEDNN_MIN_ELEMENTS, generate_cached, linear
+from course_lib.kv_cache import generate_cached
 from course_lib.quantize import (WEIGHT_FORMATS, Int8Linear, bytes_per_token, decode_weight_bytes, dequantize_int8,
                                  int8_linear, quantize_int8, quantize_weights)
 
@@ -111,16 +111,3 @@ def test_quantized_models_decode_and_stay_close_to_float32():
             assert (q_logits.float() - logits).abs().max() < 0.05 * logits.abs().max()
             out = generate_cached(quantized, idx[:, :4], 6)
             assert out.shape == (2, 10) and torch.equal(out[:, :4], idx[:, :4])
-
-
-def test_linear_uses_onednn_only_where_it_pays_and_agrees_with_f_linear():
-    torch.manual_seed(3)
-    big = nn.Linear(512, 1024)  # 2^19 weights: the oneDNN path
-    small = nn.Linear(32, 48)
-    assert big.weight.numel() >= ONEDNN_MIN_ELEMENTS > small.weight.numel()
-    for layer in (big, small):
-        x = torch.randn(3, 1, layer.in_features)
-        assert torch.allclose(linear(layer, x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    bf16 = nn.Linear(512, 1024).to(torch.bfloat16)  # other dtypes run as themselves
-    x = torch.randn(2, 512, dtype=torch.bfloat16)
-    assert torch.equal(linear(bf16, x), bf16(x))

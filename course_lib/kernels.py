@@ -1,0 +1,147 @@
+"""The faster matrix-vector kernel for each weight, measured on this machine: chapter 08.
+
+A decode step multiplies a few rows (one new token per sequence) by every weight matrix, so it costs
+about the time to read the weights. PyTorch ships two CPU kernels for the float32 product ``x W^T + b``:
+``F.linear``, which calls MKL's ``sgemm``, and oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``).
+Which reads a given weight faster depends on the CPU, on the weight's shape, on the number of rows and on
+the thread count: on an AMD EPYC with AVX2, oneDNN read GPT-2 small's LM head about twice as fast as
+``sgemm`` with two threads; on an Intel Xeon with AVX-512, ``sgemm`` reads near the bandwidth limit. No
+rule chosen on one machine holds on the other, so ``linear`` measures both the first time it meets a
+(weight shape, bias or not, rows, threads) combination and keeps the faster one for the process.
+
+``use_fastest_kernels(model)`` makes every ``nn.Linear`` of a model run through ``linear`` (the model's
+parameters, state dict and outputs stay the same, within float32 rounding): the benchmarks and the chapters
+that time decoding against Hugging Face call it on our models. Chapter 05's KV cache reads as the cache
+alone; it runs whatever its model's linear layers do.
+
+Set ``COURSE_LINEAR_KERNEL`` to ``F.linear`` or ``oneDNN`` to force one kernel (``auto``, the default,
+measures). Everything that is not a float32 product on the CPU with at most ``MEASURED_ROWS`` rows and no
+gradient to track (training, other dtypes, other devices, a prefill of many tokens) runs ``F.linear``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: Products of more rows than this (a long prefill) are compute-bound, and run ``F.linear`` unmeasured.
+MEASURED_ROWS = 64
+#: The seconds of timed calls per measurement (at least one call), of each kernel, in each of `ROUNDS` rounds.
+BUDGET_S = 0.002
+ROUNDS = 3
+
+ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+KERNEL_NAMES = ("F.linear", "oneDNN")
+
+
+def onednn_linear(x, weight, bias=None):
+    """oneDNN's inner product: the same (..., in) -> (..., out) product as ``F.linear`` (float32, CPU)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+KERNELS = {"F.linear": F.linear, "oneDNN": onednn_linear}
+
+_chosen: dict[tuple, str] = {}  # (out, in, bias?, rows bucket, threads) -> kernel name, for this process
+
+
+def _forced() -> str:
+    forced = os.environ.get("COURSE_LINEAR_KERNEL", "auto")
+    if forced not in ("auto", *KERNEL_NAMES):
+        raise ValueError(f"COURSE_LINEAR_KERNEL must be 'auto', 'F.linear' or 'oneDNN', got {forced!r}")
+    return forced
+
+
+def rows_bucket(rows: int) -> int:
+    """The power of two at or above `rows`: the products of 5 to 8 rows share one measurement."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def _seconds_per_call(run) -> float:
+    """The time of one call of `run`, the best of ROUNDS rounds of enough calls to fill BUDGET_S."""
+    run()  # warm-up: first-call overheads, caches
+    start = time.perf_counter()
+    run()
+    calls = max(1, min(1000, int(BUDGET_S / max(time.perf_counter() - start, 1e-7))))
+    best = math.inf
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def measure(weight, bias, x) -> dict[str, float]:
+    """Seconds per call of each kernel on this product: {kernel name: seconds}, the kernels taking turns."""
+    with torch.no_grad():
+        times = {name: math.inf for name in KERNELS}
+        for _ in range(2):  # two turns each, so that a burst of background load hits both
+            for name, kernel in KERNELS.items():
+                times[name] = min(times[name], _seconds_per_call(lambda: kernel(x, weight, bias)))
+    return times
+
+
+def _eligible(weight, x) -> bool:
+    return (ONEDNN_AVAILABLE and weight.dtype == torch.float32 and x.dtype == torch.float32
+            and weight.device.type == "cpu" and x.device.type == "cpu" and weight.dim() == 2 and x.dim() >= 2
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
+
+
+def choose(weight, bias, x) -> str:
+    """The kernel ``linear`` runs for this product: "F.linear" or "oneDNN" (measured once per combination)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if not _eligible(weight, x) or rows > MEASURED_ROWS:
+        return "F.linear"
+    forced = _forced()
+    if forced != "auto":
+        return forced
+    key = (*weight.shape, bias is not None, rows_bucket(rows), torch.get_num_threads())
+    if key not in _chosen:
+        times = measure(weight, bias, x)
+        _chosen[key] = min(times, key=times.get)
+    return _chosen[key]
+
+
+def linear(module: nn.Linear, x):
+    """``module(x)`` through the faster kernel for its shape on this machine: (..., in) -> (..., out)."""
+    return KERNELS[choose(module.weight, module.bias, x)](x, module.weight, module.bias)
+
+
+def chosen_kernels() -> dict[tuple, str]:
+    """What ``linear`` chose so far: {(out, in, bias?, rows bucket, threads): kernel name}."""
+    return dict(_chosen)
+
+
+def forget_choices() -> None:
+    """Measure again from the next call (after the machine's load or thread count changed, say)."""
+    _chosen.clear()
+
+
+class FastLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward runs ``linear``: the same parameters and state dict, the faster kernel."""
+
+    def forward(self, x):
+        return linear(self, x)
+
+
+def use_fastest_kernels(model: nn.Module, rows=(1,)) -> nn.Module:
+    """Make every plain ``nn.Linear`` of `model` a ``FastLinear``, in place, and measure now, for products of each
+    number of `rows`, which kernel each of its weights runs (so that no later timed run pays for it); returns the model.
+
+    The parameters are the same objects (tied weights stay tied), the state dict is unchanged, and so is every
+    output, within float32 rounding. rows: the row counts to measure now, e.g. the batch sizes of the decode
+    steps to come; others are measured when first met.
+    """
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = FastLinear
+    with torch.no_grad():  # the decode steps to come run without gradients
+        for module in (m for m in model.modules() if isinstance(m, FastLinear)):
+            for n in rows:
+                x = torch.zeros(n, module.in_features, dtype=module.weight.dtype, device=module.weight.device)
+                choose(module.weight, module.bias, x)
+    return model

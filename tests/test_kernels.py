@@ -1,0 +1,144 @@
+"""course_lib.kernels: the faster kernel per weight, measured; the same products as F.linear, the same models.
+
+Oracles: PyTorch's F.linear (float64 where rounding matters), the model's own outputs before the swap,
+Hugging Face's generate on the same weights. Which kernel wins is the machine's business: the tests check
+that the choice is one of the two, that it is measured once per combination and kept, and that it can be
+forced; never which one wins.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import kernels
+from course_lib.gpt import GPT, GPTConfig
+from course_lib.kernels import FastLinear, choose, linear, use_fastest_kernels
+from course_lib.kv_cache import generate_cached
+from course_lib.llama import Llama, LlamaConfig, generate_llama
+
+pytestmark = pytest.mark.skipif(not kernels.ONEDNN_AVAILABLE, reason="this PyTorch build has no oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices(monkeypatch):
+    monkeypatch.delenv("COURSE_LINEAR_KERNEL", raising=False)
+    kernels.forget_choices()
+    yield
+    kernels.forget_choices()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("bias", [True, False])
+def test_both_kernels_compute_f_linear(rows, bias):
+    torch.manual_seed(rows)
+    layer = nn.Linear(384, 1152, bias=bias)
+    x = torch.randn(rows, 1, 384)
+    expected = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    with torch.no_grad():
+        for name, kernel in kernels.KERNELS.items():
+            got = kernel(x, layer.weight, layer.bias)
+            assert got.shape == (rows, 1, 1152) and got.dtype == torch.float32, name
+            assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5), name
+        assert torch.allclose(linear(layer, x).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_choice_is_measured_once_per_shape_rows_bucket_and_threads_then_kept(monkeypatch):
+    calls = []
+    real_measure = kernels.measure
+
+    def counting_measure(weight, bias, x):
+        calls.append((tuple(weight.shape), x.numel() // x.shape[-1]))
+        return real_measure(weight, bias, x)
+
+    monkeypatch.setattr(kernels, "measure", counting_measure)
+    layer = nn.Linear(64, 96)
+    with torch.no_grad():
+        for rows in (1, 1, 5, 8, 6):  # 5, 6 and 8 share the bucket of 8
+            assert choose(layer.weight, layer.bias, torch.randn(rows, 64)) in kernels.KERNEL_NAMES
+    assert calls == [((96, 64), 1), ((96, 64), 5)]
+    assert set(kernels.chosen_kernels()) == {(96, 64, True, 1, torch.get_num_threads()),
+                                             (96, 64, True, 8, torch.get_num_threads())}
+    assert [kernels.rows_bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
+
+
+def test_the_choice_is_the_faster_of_the_measured_times(monkeypatch):
+    layer = nn.Linear(32, 32)
+    for times, winner in (({"F.linear": 2.0, "oneDNN": 1.0}, "oneDNN"), ({"F.linear": 1.0, "oneDNN": 2.0}, "F.linear")):
+        kernels.forget_choices()
+        monkeypatch.setattr(kernels, "measure", lambda weight, bias, x, times=times: times)
+        with torch.no_grad():
+            assert choose(layer.weight, layer.bias, torch.randn(1, 32)) == winner
+
+
+def test_what_is_not_a_float32_cpu_product_of_few_rows_without_gradients_runs_f_linear(monkeypatch):
+    monkeypatch.setattr(kernels, "measure", lambda *args: pytest.fail("nothing here should be measured"))
+    layer = nn.Linear(32, 48)
+    assert choose(layer.weight, layer.bias, torch.randn(2, 32)) == "F.linear"  # gradients are tracked: training
+    with torch.no_grad():
+        assert choose(layer.weight, layer.bias, torch.randn(kernels.MEASURED_ROWS + 1, 32)) == "F.linear"  # a long prefill
+        bf16 = nn.Linear(32, 48).to(torch.bfloat16)
+        assert choose(bf16.weight, bf16.bias, torch.randn(2, 32, dtype=torch.bfloat16)) == "F.linear"
+        assert choose(layer.weight, layer.bias, torch.randn(32)) == "F.linear"  # a single vector
+
+
+def test_a_training_step_through_fast_linear_has_f_linears_gradients():
+    torch.manual_seed(0)
+    plain = nn.Linear(16, 8)
+    fast = use_fastest_kernels(nn.Sequential(nn.Linear(16, 8)))[0]
+    fast.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 16)
+    plain(x).square().sum().backward()
+    fast(x).square().sum().backward()
+    assert torch.allclose(fast.weight.grad, plain.weight.grad) and torch.allclose(fast.bias.grad, plain.bias.grad)
+
+
+@pytest.mark.parametrize("forced", kernels.KERNEL_NAMES)
+def test_the_kernel_can_be_forced(monkeypatch, forced):
+    monkeypatch.setenv("COURSE_LINEAR_KERNEL", forced)
+    monkeypatch.setattr(kernels, "measure", lambda *args: pytest.fail("a forced kernel is not measured"))
+    layer = nn.Linear(32, 48)
+    with torch.no_grad():
+        assert choose(layer.weight, layer.bias, torch.randn(1, 32)) == forced
+
+
+def test_a_bad_forced_kernel_is_named(monkeypatch):
+    monkeypatch.setenv("COURSE_LINEAR_KERNEL", "mkl")
+    layer = nn.Linear(32, 48)
+    with torch.no_grad(), pytest.raises(ValueError, match="COURSE_LINEAR_KERNEL must be 'auto', 'F.linear' or 'oneDNN', got 'mkl'"):
+        choose(layer.weight, layer.bias, torch.randn(1, 32))
+
+
+def test_use_fastest_kernels_keeps_parameters_ties_state_dict_and_outputs():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=61, block_size=32, n_layer=2, n_head=2, n_embd=64)).eval()
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before_logits, _ = model(idx)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    parameters = [id(p) for p in model.parameters()]
+    before_tokens = generate_cached(model, idx[:, :4], 8)
+    assert use_fastest_kernels(model, rows=(1, 2)) is model
+    assert all(isinstance(m, FastLinear) for m in model.modules() if isinstance(m, nn.Linear))
+    assert model.lm_head.weight is model.transformer.wte.weight and [id(p) for p in model.parameters()] == parameters
+    assert {k: v for k, v in model.state_dict().items()}.keys() == before.keys()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert {rows for (_, _, _, rows, _) in kernels.chosen_kernels()} == {1, 2}  # measured up front, as asked
+    with torch.no_grad():
+        logits, _ = model(idx)
+    assert torch.allclose(logits, before_logits, rtol=1e-4, atol=1e-5)
+    assert torch.equal(generate_cached(model, idx[:, :4], 8), before_tokens)
+
+
+def test_fast_llama_decodes_hugging_faces_tokens():
+    from course_lib.bench import hf_generate
+    from course_lib.hf import llama_to_hf
+
+    torch.manual_seed(0)
+    ours = Llama(LlamaConfig(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+                             intermediate_size=176)).eval()
+    theirs = llama_to_hf(ours)
+    use_fastest_kernels(ours, rows=(1, 3))
+    prompt = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(generate_llama(ours, prompt, 10), hf_generate(theirs, prompt, 10))
