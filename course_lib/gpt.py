@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,10 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with one fused projection for queries, keys and values.
 
     c_attn: Linear(C, 3C) computes [q | k | v] side by side; c_proj: Linear(C, C) mixes the heads.
-    Position t attends to positions 0..t (itself included) and never to the future.
+    Position t attends to positions 0..t (itself included) and never to the future. The scores are
+    q k^T / sqrt(Dh), Dh = C / n_head the size of one head (any n_head that divides C); dropout acts on
+    the weights (attn_dropout) and after c_proj (resid_dropout). The parameters are c_attn's and c_proj's
+    only (with biases if config.bias): no other persistent buffer, so that GPT-2-named checkpoints load.
     """
 
     def __init__(self, config: GPTConfig):
@@ -99,12 +103,16 @@ class GPTMLP(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    """A pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). (B, T, C) -> (B, T, C)."""
+    """A pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). (B, T, C) -> (B, T, C).
 
-    def __init__(self, config: GPTConfig):
+    ``attention`` builds the attention module from the config (default ``CausalSelfAttention``); chapter 04
+    passes the learner's class once it passes its check. It must keep GPT-2's names (``c_attn``, ``c_proj``).
+    """
+
+    def __init__(self, config: GPTConfig, attention: Callable[[GPTConfig], nn.Module] | None = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = (attention or CausalSelfAttention)(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = GPTMLP(config)
 
@@ -119,9 +127,12 @@ class GPT(nn.Module):
 
     targets[b, t] is the token that *follows* idx[b, t] (the batch is shifted once, by the data
     pipeline, never again in here); targets equal to -100 (IGNORE_INDEX) are padding and are left
-    out of the mean. The LM head shares its weight with the token embedding (weight tying), and the
-    weights follow the GPT-2 paper's initialisation as nanoGPT and Hugging Face implement it:
-    N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2 n_layer)).
+    out of the mean. The LM head shares its weight with the token embedding (weight tying): the same
+    Parameter, not a copy. The weights follow the GPT-2 paper's initialisation as nanoGPT and Hugging Face
+    implement it: N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2 n_layer)). Any length
+    1 <= T <= block_size works (positions 0..T-1); T > block_size raises ValueError. The state_dict holds
+    exactly GPT-2's names (transformer.wte, wpe, h.i..., ln_f, lm_head) and nothing else persistent, so the
+    shipped checkpoints load into it.
     """
 
     def __init__(self, config: GPTConfig):
@@ -166,11 +177,12 @@ class GPT(nn.Module):
 
 
 def gpt_param_count(config: GPTConfig, tied: bool = True) -> int:
-    """The number of parameters of GPT(config), by formula.
+    """The number of parameters of GPT(config), by formula: an int.
 
     Embeddings V*C + block_size*C; each layer 12 C^2 (attention 4 C^2, MLP 8 C^2) plus 13 C of
     biases and LayerNorm parameters with bias (2 C without); the final LayerNorm 2 C (C without
-    bias); the LM head adds V*C only if it is not tied to the token embedding.
+    bias); the LM head adds V*C only if it is not tied to the token embedding (it has no bias).
+    config.bias = False means no bias in any Linear or LayerNorm.
     """
     V, block_size, L, C = config.vocab_size, config.block_size, config.n_layer, config.n_embd
     b = 1 if config.bias else 0

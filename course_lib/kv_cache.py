@@ -24,6 +24,7 @@ row's positions as the running count of its real tokens, as Hugging Face's GPT-2
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -181,8 +182,10 @@ def cached_attention_step(q, k, v, past_k, past_v):
     q (B, H, T, Dh): queries of the new tokens; k, v (B, H_kv, T, Dh): their keys and values;
     past_k, past_v (B, H_kv, P, Dh): the cache (P may be 0). H_kv divides H: each group of H / H_kv
     consecutive query heads shares one key/value head (H_kv = H: multi-head; 1: multi-query).
-    New token i sits at slot P + i: it attends to slots 0..P + i (causal inside a chunk too).
-    Returns (y (B, H, T, Dh), keys (B, H_kv, P + T, Dh), values (B, H_kv, P + T, Dh)): the new cache.
+    New token i sits at slot P + i: it attends to slots 0..P + i (causal inside a chunk too, T may be 1
+    or more); the scores are scaled by 1/sqrt(Dh).
+    Returns (y (B, H, T, Dh), keys (B, H_kv, P + T, Dh), values (B, H_kv, P + T, Dh)): the new cache, cached
+    ones first, with the H_kv key/value heads only (not repeated for the query heads).
     """
     P, T, Dh = past_k.shape[2], q.shape[2], q.shape[3]
     keys = torch.cat([past_k, k], dim=2)  # (B, H_kv, P + T, Dh): oldest first
@@ -288,11 +291,13 @@ def cached_forward(model, idx, cache, attention_mask=None, positions=None):
 
 @torch.inference_mode()
 def generate_cached(model, idx, max_new_tokens: int, attention_mask=None):
-    """Greedy generation with a KV cache: idx (B, T) -> (B, T + max_new_tokens).
+    """Greedy generation with a KV cache: idx (B, T) int64 -> (B, T + max_new_tokens) int64, the prompt first.
 
     Prefill: the whole prompt in one pass, whose last logits give the first new token. Decode: each new
     token is fed once, at the next position, against the cache. A batch of prompts of different lengths
-    is left-padded, with attention_mask (B, T) 1 for real tokens and 0 for padding.
+    is left-padded, with attention_mask (B, T) 1 for real tokens and 0 for padding: padding keys are
+    masked out and each row's positions count its real tokens only, so that every row generates exactly
+    what its prompt generates alone.
     """
     B, T = idx.shape
     cache = KVCache.for_model(model, B, T + max_new_tokens)
@@ -311,10 +316,11 @@ def generate_cached(model, idx, max_new_tokens: int, attention_mask=None):
 
 def kv_cache_bytes(n_layer: int, n_embd: int, n_head: int, seq_len: int, *, n_kv_head: int | None = None,
                    batch_size: int = 1, dtype=torch.float16) -> int:
-    """Bytes of a KV cache holding seq_len tokens: 2 * L * B * T * H_kv * Dh * bytes per element.
+    """Bytes of a KV cache holding seq_len tokens, an int: 2 * L * B * T * H_kv * Dh * bytes per element.
 
     2: a key and a value per token, head and layer. Dh = n_embd / n_head (the query heads set the head
-    size); n_kv_head (default n_head) key/value heads are cached.
+    size); n_kv_head (default n_head) key/value heads are cached. The bytes per element are the dtype's
+    (float16 and bfloat16 2, float32 4, float64 8); the size grows linearly with batch_size and seq_len.
     """
     H_kv = n_head if n_kv_head is None else n_kv_head
     head_dim = n_embd // n_head
@@ -328,9 +334,12 @@ class GQASelfAttention(nn.Module):
     n_kv_head = n_head is multi-head attention, 1 is multi-query attention. Each group of H / H_kv
     consecutive query heads shares one key/value head, so a KV cache holds H_kv heads per token and
     shrinks by H / H_kv. q_proj: C -> C, kv_proj: C -> 2 * H_kv * Dh, c_proj: C -> C.
+    ``attention_step`` (default ``cached_attention_step``) computes the attention itself, with the
+    signature and contract of ``cached_attention_step``; chapter 05 passes the learner's once it passes its check.
     """
 
-    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, bias: bool = True):
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int, bias: bool = True, *,
+                 attention_step: Callable | None = None):
         super().__init__()
         if n_embd % n_head != 0:
             raise ValueError(f"n_embd must be divisible by n_head, got n_embd={n_embd} and n_head={n_head}")
@@ -340,6 +349,7 @@ class GQASelfAttention(nn.Module):
         self.q_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.kv_proj = nn.Linear(n_embd, 2 * n_kv_head * self.head_dim, bias=bias)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.attention_step = attention_step or cached_attention_step
 
     def forward(self, x, cache: KVCache | None = None, layer: int = 0):
         """x (B, T, C) -> (B, T, C). With a cache, x holds the T new tokens, their keys and values are
@@ -350,11 +360,11 @@ class GQASelfAttention(nn.Module):
         k, v = self.kv_proj(x).view(B, T, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H_kv, T, Dh) each
         if cache is None:
             past_k = past_v = k[:, :, :0]  # nothing cached
-            y, _, _ = cached_attention_step(q, k, v, past_k, past_v)
+            y, _, _ = self.attention_step(q, k, v, past_k, past_v)
         else:
             if cache.window is not None:
                 raise ValueError("GQASelfAttention supports a full cache only (window=None)")
             P = cache.length
             keys, values = cache.update(layer, k, v)  # (B, H_kv, P + T, Dh)
-            y, _, _ = cached_attention_step(q, k, v, keys[:, :, :P], values[:, :, :P])
+            y, _, _ = self.attention_step(q, k, v, keys[:, :, :P], values[:, :, :P])
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))

@@ -59,6 +59,32 @@ def generate_position_zero(model, idx, max_new_tokens, attention_mask=None):
     return out
 
 
+
+def generate_planted(*replacements):
+    """The reference generate_cached with one planted mistake (source replacements), for the left-padded path."""
+    import inspect
+
+    from course_lib import kv_cache
+
+    source = inspect.getsource(kv_cache.generate_cached)
+    for old, new in replacements:
+        assert old in source, old
+        source = source.replace(old, new)
+    namespace = dict(vars(kv_cache))
+    exec(source, namespace)
+    return namespace["generate_cached"]
+
+
+PREFILL = "logits = cached_forward(model, idx, cache, None if mask is None else mask[:, :T], positions)  # prefill"
+DECODE = "logits = cached_forward(model, out[:, t:t + 1], cache, None if mask is None else mask[:, :t + 1], position)"
+PROMPT_POSITIONS = "positions = position_ids(attention_mask, 0, T, B, idx.device)"
+MASK_IGNORED = generate_planted((PREFILL, "logits = cached_forward(model, idx, cache)"),
+                                (DECODE, "logits = cached_forward(model, out[:, t:t + 1], cache)"))
+PADDING_ATTENDED = generate_planted((PREFILL, PREFILL.replace("None if mask is None else mask[:, :T]", "None")),
+                                    (DECODE, DECODE.replace("None if mask is None else mask[:, :t + 1]", "None")))
+POSITIONS_NOT_SHIFTED = generate_planted((PROMPT_POSITIONS, "positions = position_ids(None, 0, T, B, idx.device)"))
+NEW_TOKENS_AT_THEIR_SLOTS = generate_planted((DECODE, DECODE.replace(", position)", ", torch.full_like(position, t))")))
+
 @pytest.mark.parametrize("check,buggy,message", [
     (checks.check_cached_attention_step, step_without_mask,
      r"the last new token is right, but tokens 0 and 1 of the chunk are off by up to \d.*causal mask missing"),
@@ -70,6 +96,14 @@ def generate_position_zero(model, idx, max_new_tokens, attention_mask=None):
     (checks.check_generate_cached, generate_position_zero, r"agree with greedy decoding without a cache for \d+ step\(s\), then differ.*positions advance"),
     (checks.check_generate_cached, lambda model, idx, n, attention_mask=None: generate_cached(model, idx, n)[:, 1:],
      r"has shape \(1, 17\), expected \(1, 18\)"),
+    (checks.check_generate_cached, MASK_IGNORED, r"row 0 \(a prompt of 3 tokens after 4 padding tokens\) generates .*, "
+     r"but the same prompt alone generates .*: the attention mask is ignored altogether"),
+    (checks.check_generate_cached, PADDING_ATTENDED, r"row 0 .*: the padding is attended to: the mask does not reach cached_forward"),
+    (checks.check_generate_cached, POSITIONS_NOT_SHIFTED, r"row 0 .*: the positions are not shifted per row"),
+    (checks.check_generate_cached, NEW_TOKENS_AT_THEIR_SLOTS, r"row 0 .*: the prompt's positions are right, but the new tokens' are their slots"),
+    (checks.check_generate_cached, lambda model, idx, n, attention_mask=None: generate_cached(model, idx, n, attention_mask)
+        if attention_mask is None else generate_cached(model, idx.flip(0), n, attention_mask.flip(0)),
+     r"the first 7 columns of the output should be the left-padded prompts themselves"),
     (checks.check_kv_cache_bytes, lambda L, C, H, T, n_kv_head=None, batch_size=1, dtype=torch.float16:
         kv_cache_bytes(L, C, H, T, n_kv_head=n_kv_head, batch_size=batch_size, dtype=dtype) // 2,
      r"you computed 262,144 bytes, the cache holds 524,288 \(ratio 0.5;"),
@@ -81,6 +115,23 @@ def generate_position_zero(model, idx, max_new_tokens, attention_mask=None):
 def test_classic_bugs_get_specific_messages(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):
         check(buggy)
+
+
+def test_the_padded_oracle_is_greedy_decoding_of_each_prompt_alone_and_each_flag_plants_its_mistake():
+    model = checks.kv_test_model(seed=502)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 17, (1, n), generator=g) for n in (2, 5, 6)]
+    batch, mask = torch.ones(3, 6, dtype=torch.long), torch.zeros(3, 6, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        batch[row, 6 - prompt.shape[1]:], mask[row, 6 - prompt.shape[1]:] = prompt[0], 1
+    out = checks.padded_greedy_oracle(model, batch, mask, 6)
+    for row, prompt in enumerate(prompts):
+        assert torch.equal(out[row, 6:], checks.greedy_oracle(model, prompt, 6)[0, prompt.shape[1]:])
+    assert torch.equal(out, generate_cached(model, batch, 6, mask))
+    for flags, planted in ((dict(mask_padding=False), PADDING_ATTENDED), (dict(shift_prompt=False, shift_new=False), POSITIONS_NOT_SHIFTED),
+                           (dict(shift_new=False), NEW_TOKENS_AT_THEIR_SLOTS),
+                           (dict(mask_padding=False, shift_prompt=False, shift_new=False), MASK_IGNORED)):
+        assert torch.equal(checks.padded_greedy_oracle(model, batch, mask, 6, **flags), planted(model, batch, 6, mask))
 
 
 def test_the_oracles_are_independent_of_the_reference():

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib.gpt import (GPT, CausalSelfAttention, GPTConfig, attention_maps, count_parameters, estimate_loss,
+from course_lib.gpt import (GPT, CausalSelfAttention, GPTBlock, GPTConfig, attention_maps, count_parameters, estimate_loss,
                             gpt_param_count, gpt_sample, previous_token_score)
 from tests.conftest import assert_parity
 
@@ -121,6 +121,19 @@ def test_gpt_is_causal_end_to_end(generator):
     with torch.no_grad():
         assert torch.equal(model(idx)[0][:, :7], model(changed)[0][:, :7])
         assert not torch.allclose(model(idx)[0][:, 7:], model(changed)[0][:, 7:])
+
+
+def test_gpt_block_builds_the_attention_it_is_given(generator):
+    class Recorded(CausalSelfAttention):  # the same attention, marked: the block must build this class
+        pass
+
+    block = GPTBlock(small_config(), attention=Recorded)
+    assert type(block.attn) is Recorded and type(GPTBlock(small_config()).attn) is CausalSelfAttention
+    reference = GPTBlock(small_config())
+    reference.load_state_dict(block.state_dict())  # the same parameter names either way
+    x = torch.randn(2, 5, 16, generator=generator)
+    with torch.no_grad():
+        assert torch.equal(block.eval()(x), reference.eval()(x))
 
 
 def test_gpt_rejects_sequences_longer_than_block_size():

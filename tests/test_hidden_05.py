@@ -75,10 +75,10 @@ CASES = [
      {f"{GEN}-visible", f"{GEN}-positions"}),
     (GEN, "attention mask ignored (padding attended)", mutate(GEN, (PREFILL, PREFILL.replace("None if mask is None else mask[:, :T]", "None")),
                                                            (DECODE, DECODE.replace("None if mask is None else mask[:, :t + 1]", "None"))),
-     {f"{GEN}-padding"}),
+     {f"{GEN}-visible", f"{GEN}-padding"}),  # the visible check now runs a left-padded batch too
     (GEN, "positions ignore the padding", mutate(GEN, ("positions = position_ids(attention_mask, 0, T, B, idx.device)",
                                                        "positions = position_ids(None, 0, T, B, idx.device)")),
-     {f"{GEN}-padding"}),
+     {f"{GEN}-visible", f"{GEN}-padding"}),  # named by the visible check: positions not shifted per row
     (GEN, "correct: positions left to cached_forward", mutate(GEN, (", positions)  # prefill", ")  # prefill"), (", position)", ")")), set()),
     (GEN, "correct: prefill all but the last prompt token, then feed it", '''
 @torch.inference_mode()

@@ -16,7 +16,7 @@ from torch import nn
 from .core import assert_close, assert_shape, assert_tensor, fail, passed, unpack_pair
 
 __all__ = ["check_causal_self_attention", "check_gpt_forward", "check_gpt_param_count", "causal_attention_oracle",
-           "gpt_forward_oracle", "gpt_param_count_oracle", "randomize_gpt"]
+           "gpt2_state_dict_names", "gpt_forward_oracle", "gpt_param_count_oracle", "randomize_gpt"]
 
 
 def randomize_gpt(module: nn.Module, seed: int, scale: float = 0.2) -> nn.Module:
@@ -33,36 +33,46 @@ def randomize_gpt(module: nn.Module, seed: int, scale: float = 0.2) -> nn.Module
     return module.eval()
 
 
-def causal_attention_oracle(c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, x, n_head: int):
+def causal_attention_oracle(c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, x, n_head: int,
+                            scale: float | None = None):
     """Float64 causal self-attention from the fused projection's weights: x (B, T, C) -> (B, T, C).
 
-    Uses torch.nn.functional.scaled_dot_product_attention(is_causal=True) on each head.
+    Uses torch.nn.functional.scaled_dot_product_attention(is_causal=True) on each head; ``scale`` (default
+    1/sqrt(Dh)) multiplies the scores (the checks pass other scales to name a wrong one).
     """
     x = x.double()
     B, T, C = x.shape
     qkv = F.linear(x, c_attn_weight.double(), None if c_attn_bias is None else c_attn_bias.double())
     q, k, v = (t.reshape(B, T, n_head, C // n_head).permute(0, 2, 1, 3) for t in qkv.split(C, dim=-1))
-    heads = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, Dh)
+    heads = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # (B, H, T, Dh)
     merged = heads.permute(0, 2, 1, 3).reshape(B, T, C)
     return F.linear(merged, c_proj_weight.double(), None if c_proj_bias is None else c_proj_bias.double())
 
 
-def _attention_oracle_of(module, x, n_head):
+def _attention_oracle_of(module, x, n_head, scale=None):
     return causal_attention_oracle(module.c_attn.weight.detach(), _bias(module.c_attn), module.c_proj.weight.detach(),
-                                   _bias(module.c_proj), x, n_head)
+                                   _bias(module.c_proj), x, n_head, scale)
+
+
+def _close(actual, expected) -> bool:
+    return bool(torch.allclose(actual.double(), expected.double(), rtol=1e-4, atol=1e-5))
 
 
 def _bias(linear):
     return None if linear.bias is None else linear.bias.detach()
 
 
-def gpt_forward_oracle(model: nn.Module, idx):
-    """Float64 logits (B, T, V) of a GPT with GPT-2's parameter names, written with torch.nn.functional only."""
+def gpt_forward_oracle(model: nn.Module, idx, positions: bool = True, final_norm: bool = True):
+    """Float64 logits (B, T, V) of a GPT with GPT-2's parameter names, written with torch.nn.functional only.
+
+    positions=False leaves out the position embedding, final_norm=False the final LayerNorm ln_f: the
+    checks compare with these to name a forgotten part.
+    """
     s = {name: p.detach().double() for name, p in model.named_parameters(remove_duplicate=False)}
     get = s.get
     cfg = model.config
     B, T = idx.shape
-    x = F.embedding(idx, s["transformer.wte.weight"]) + s["transformer.wpe.weight"][:T]
+    x = F.embedding(idx, s["transformer.wte.weight"]) + (s["transformer.wpe.weight"][:T] if positions else 0)
     for i in range(cfg.n_layer):
         p = f"transformer.h.{i}."
         h = F.layer_norm(x, (cfg.n_embd,), s[p + "ln_1.weight"], get(p + "ln_1.bias"), 1e-5)
@@ -71,7 +81,8 @@ def gpt_forward_oracle(model: nn.Module, idx):
         h = F.layer_norm(x, (cfg.n_embd,), s[p + "ln_2.weight"], get(p + "ln_2.bias"), 1e-5)
         h = F.gelu(F.linear(h, s[p + "mlp.c_fc.weight"], get(p + "mlp.c_fc.bias")), approximate="tanh")
         x = x + F.linear(h, s[p + "mlp.c_proj.weight"], get(p + "mlp.c_proj.bias"))
-    x = F.layer_norm(x, (cfg.n_embd,), s["transformer.ln_f.weight"], get("transformer.ln_f.bias"), 1e-5)
+    if final_norm:
+        x = F.layer_norm(x, (cfg.n_embd,), s["transformer.ln_f.weight"], get("transformer.ln_f.bias"), 1e-5)
     return x @ s["lm_head.weight"].T
 
 
@@ -94,6 +105,32 @@ def gpt_param_count_oracle(config, tied: bool = True) -> int:
     return embeddings + config.n_layer * per_layer + final_norm + head
 
 
+def gpt2_state_dict_names(config, prefix: str = "") -> set[str]:
+    """The entries of a GPT-2 state_dict with this config's sizes (the names of course_lib.gpt and the shipped checkpoints).
+
+    Written out from GPT-2's layout, not read from a model: wte, wpe, per block ln_1, attn.c_attn, attn.c_proj,
+    ln_2, mlp.c_fc, mlp.c_proj, then ln_f and lm_head (tied to wte, but a state_dict lists it too); biases
+    only when config.bias. ``prefix`` "transformer.h.0.attn." gives one attention module's names without it.
+    """
+    weights_and_biases = lambda name: {f"{name}.weight"} | ({f"{name}.bias"} if config.bias else set())  # noqa: E731
+    names = {"transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight"} | weights_and_biases("transformer.ln_f")
+    for i in range(config.n_layer):
+        for part in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"):
+            names |= weights_and_biases(f"transformer.h.{i}.{part}")
+    return {name[len(prefix):] for name in names if name.startswith(prefix)}
+
+
+def _check_names(module, expected: set[str], what: str) -> None:
+    """A clear failure if module's state_dict has entries beyond (or short of) GPT-2's names."""
+    names = set(module.state_dict())
+    extra, missing = sorted(names - expected), sorted(expected - names)
+    if extra or missing:
+        fail(f"{what}'s state_dict has {'the extra entries ' + str(extra) if extra else 'no extra entries'}"
+             f"{' and lacks ' + str(missing) if missing else ''}: it must hold exactly GPT-2's parameters (the names the "
+             "shipped checkpoints are saved with), or the shipped model cannot load into it. A tensor that is not a "
+             "parameter (a causal mask, positions) belongs in forward, or in a buffer registered with persistent=False.")
+
+
 def _config(**sizes):
     from ..gpt import GPTConfig  # the config dataclass only (plain data, no reference solution)
 
@@ -101,7 +138,7 @@ def _config(**sizes):
 
 
 def check_causal_self_attention(CausalSelfAttention) -> None:
-    """Visible checks for chapter 04, exercise 1: shapes, no peeking at the future, the float64 oracle."""
+    """Visible checks for chapter 04, exercise 1: shapes, no peeking at the future, the float64 oracle, GPT-2's names."""
     config = _config(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=8)
     attn = randomize_gpt(CausalSelfAttention(config), seed=401)
     x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(402))
@@ -114,18 +151,26 @@ def check_causal_self_attention(CausalSelfAttention) -> None:
         leak = (attn(changed)[:, :3] - y[:, :3]).abs().max().item()
     if leak > 1e-6:
         fail(f"changing the inputs at positions 3 and 4 changed your outputs at positions 0-2 by up to {leak:.3g}: "
-             "position t must not see positions after t (is the causal mask missing, inverted or shifted up by one?)")
+             "position t must not see positions after t (is the causal mask missing, inverted or shifted up by one? "
+             "Or are the heads split without a transpose: view(B, H, T, Dh) mixes positions into a head's channels; "
+             "split with view(B, T, H, Dh).transpose(1, 2))")
     expected = _attention_oracle_of(attn, x, 2)
     first_error = (y[:, 0].double() - expected[:, 0]).abs().max().item()
     if first_error > 1e-4:
         fail(f"your output at position 0 is off by {first_error:.3g}: position 0 must attend to itself, with weight 1 "
              "(does your mask leave out the diagonal?)")
+    for scale, mistake in ((1 / math.sqrt(8), "1/sqrt(C) = 1/sqrt(n_embd), the model's width"), (1.0, "nothing (no scale at all)"),
+                           (1 / 8, "1/C")):
+        if not _close(y, expected) and _close(y, _attention_oracle_of(attn, x, 2, scale)):
+            fail(f"your scores are scaled by {mistake}; scale them by 1/sqrt(Dh), Dh = C / n_head = 4 the size of one head")
     assert_close(y, expected.float(), "your causal self-attention (2 heads) compared with a float64 oracle")
+    _check_names(attn, gpt2_state_dict_names(config, prefix="transformer.h.0.attn."), "your CausalSelfAttention")
     passed("CausalSelfAttention")
 
 
 def check_gpt_forward(GPT) -> None:
-    """Visible checks for chapter 04, exercise 2: (logits, loss) shapes, the tie, logits and loss against float64 oracles."""
+    """Visible checks for chapter 04, exercise 2: the tie, GPT-2's names (the shipped checkpoint loads), (logits, loss)
+    shapes, logits and loss against float64 oracles."""
     config = _config(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=8)
     torch.manual_seed(403)
     model = GPT(config)
@@ -135,6 +180,7 @@ def check_gpt_forward(GPT) -> None:
     if model.lm_head.weight is not model.transformer.wte.weight:
         fail("model.lm_head.weight is not model.transformer.wte.weight: the LM head must share the token embedding's "
              "Parameter (assign the Parameter itself, after both modules exist)")
+    _check_names(model, gpt2_state_dict_names(config), "your GPT")
     randomize_gpt(model, seed=404)
     gen = torch.Generator().manual_seed(405)
     idx, targets = torch.randint(0, 13, (3, 6), generator=gen), torch.randint(0, 13, (3, 6), generator=gen)
@@ -144,23 +190,58 @@ def check_gpt_forward(GPT) -> None:
             fail(f"GPT.forward(idx) without targets should return (logits, None), got a loss of {loss!r}")
         assert_shape(logits, (3, 6, 13), "the logits for idx of shape (B, T) = (3, 6) and a vocabulary of 13")
         expected = gpt_forward_oracle(model, idx)
+        if not _close(logits, expected):
+            for mistake, kwargs in (("without the position embedding (add transformer.wpe of positions 0..T-1)", dict(positions=False)),
+                                    ("without the final LayerNorm (apply transformer.ln_f before lm_head)", dict(final_norm=False))):
+                if _close(logits, gpt_forward_oracle(model, idx, **kwargs)):
+                    fail(f"your logits are those of a GPT {mistake}")
         assert_close(logits, expected.float(), "your logits compared with a float64 oracle")
         logits, loss = unpack_pair(model(idx, targets), "GPT.forward(idx, targets)", ("logits", "loss"))
     assert_tensor(loss, "the loss")
     assert_shape(loss, (), "the loss (a scalar: the mean over every position)")
     expected_loss = F.cross_entropy(expected.reshape(-1, 13), targets.reshape(-1))
+    wrong_losses = {
+        "against the inputs idx, not the targets": F.cross_entropy(expected.reshape(-1, 13), idx.reshape(-1)),
+        "with the targets shifted a second time (logits[:, :-1] against targets[:, 1:]); targets[b, t] is already "
+        "the token after idx[b, t]": F.cross_entropy(expected[:, :-1].reshape(-1, 13), targets[:, 1:].reshape(-1)),
+        "summed, not averaged over the positions": F.cross_entropy(expected.reshape(-1, 13), targets.reshape(-1), reduction="sum"),
+    }
+    if not _close(loss, expected_loss):
+        for mistake, wrong in wrong_losses.items():
+            if _close(loss, wrong):
+                fail(f"your loss is the cross-entropy {mistake}")
     assert_close(loss, expected_loss.float(), "your loss compared with the mean cross-entropy of the oracle's logits")
     passed("GPT forward")
 
 
+def _named_difference(difference: int, config, tied: bool) -> str:
+    """What a parameter count off by `difference` most likely got wrong, or ''."""
+    V, T, L, C = config.vocab_size, config.block_size, config.n_layer, config.n_embd
+    biases = L * 11 * C + C  # every Linear's bias and every LayerNorm's bias
+    known = {
+        V * C: "the LM head counted although it is tied to the token embedding (one shared matrix, counted once)"
+               if tied else "the LM head counted twice",
+        -V * C: "the untied LM head left out (tied=False adds a (V, C) matrix, without bias)",
+        -T * C: "the position embedding wpe (block_size x C) left out",
+        -2 * C: "the final LayerNorm ln_f (a weight and a bias of C each) left out",
+        -C: "the final LayerNorm's weight or bias left out",
+        biases: "biases counted although config.bias is False (no bias in any Linear or LayerNorm)",
+        -biases: "the biases left out although config.bias is True",
+        -L * (6 * C * C + (3 * C if config.bias else 0)): "the MLP made C wide instead of 4C (c_fc is C x 4C, c_proj 4C x C)",
+    }
+    return f": {known[difference]}" if difference in known else ""
+
+
 def check_gpt_param_count(gpt_param_count) -> None:
-    """Visible checks for chapter 04, exercise 3: the course model's size, tied and untied."""
-    config = _config(vocab_size=103, block_size=128, n_layer=4, n_head=4, n_embd=128)
-    for tied in (True, False):
-        got, expected = gpt_param_count(config, tied=tied), gpt_param_count_oracle(config, tied=tied)
-        if not isinstance(got, int):
-            fail(f"gpt_param_count should return an int, got {type(got).__name__}")
-        if got != expected:
-            fail(f"gpt_param_count({config}, tied={tied}) = {got:,}, but the model has {expected:,} parameters "
-                 f"(a difference of {got - expected:+,}; C = 128 so C^2 = {128 ** 2:,}, V*C = {103 * 128:,}, block_size*C = {128 * 128:,})")
+    """Visible checks for chapter 04, exercise 3: the course model's size, tied and untied, with and without biases."""
+    for bias in (True, False):
+        config = _config(vocab_size=103, block_size=128, n_layer=4, n_head=4, n_embd=128, bias=bias)
+        for tied in (True, False):
+            got, expected = gpt_param_count(config, tied=tied), gpt_param_count_oracle(config, tied=tied)
+            if not isinstance(got, int) or isinstance(got, bool):
+                fail(f"gpt_param_count should return an int, got {type(got).__name__}")
+            if got != expected:
+                fail(f"gpt_param_count({config}, tied={tied}) = {got:,}, but the model has {expected:,} parameters "
+                     f"(a difference of {got - expected:+,}{_named_difference(got - expected, config, tied)}; "
+                     f"C = 128 so C^2 = {128 ** 2:,}, V*C = {103 * 128:,}, block_size*C = {128 * 128:,})")
     passed("gpt_param_count")

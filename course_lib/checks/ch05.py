@@ -2,7 +2,8 @@
 
 Oracles: ``F.scaled_dot_product_attention`` over the whole sequence in float64 (the cached step must
 give the rows of the new tokens), greedy decoding by full forward passes of the model with no cache
-at all (``greedy_oracle``), and cache sizes counted on tensors shaped like a real cache, allocated on
+at all (``greedy_oracle``; for a left-padded batch ``padded_greedy_oracle``, written with
+``torch.nn.functional``, which also plants the padding mistakes the check names), and cache sizes counted on tensors shaped like a real cache, allocated on
 PyTorch's ``meta`` device (``kv_cache_bytes_oracle``); never course_lib's reference solutions.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from .ch04 import randomize_gpt
 from .core import assert_close, assert_shape, assert_tensor, fail, greedy_oracle, passed
 
 __all__ = ["check_cached_attention_step", "check_generate_cached", "check_kv_cache_bytes", "attention_rows_oracle",
-           "kv_cache_bytes_oracle", "kv_test_model"]
+           "kv_cache_bytes_oracle", "kv_test_model", "padded_greedy_oracle"]
 
 
 def attention_rows_oracle(q, k, v, past_k, past_v):
@@ -40,6 +41,43 @@ def kv_test_model(seed: int, vocab_size: int = 17, block_size: int = 64, n_layer
 
 
 @torch.no_grad()
+def padded_greedy_oracle(model, idx, attention_mask, max_new_tokens: int, *, mask_padding: bool = True,
+                         shift_prompt: bool = True, shift_new: bool = True):
+    """Greedy decoding of a left-padded batch by full float64 forward passes (no cache), written with
+    torch.nn.functional only: idx (B, T), attention_mask (B, T) 1 for real tokens -> (B, T + max_new_tokens).
+
+    With every flag True, padding keys are masked out and each token's position is the number of real
+    tokens before it: what a correct generate_cached computes. Each flag set to False plants one mistake,
+    so that a check can name it: mask_padding=False lets every token attend to the padding, shift_prompt=False
+    gives the prompt its slots 0..T-1 as positions, shift_new=False gives each new token its slot.
+    """
+    s = {name: p.detach().double() for name, p in model.named_parameters(remove_duplicate=False)}
+    get, cfg = s.get, model.config
+    B, T = idx.shape
+    H, C = cfg.n_head, cfg.n_embd
+    for _ in range(max_new_tokens):
+        S = idx.shape[1]
+        real = torch.cat([attention_mask.bool(), attention_mask.new_ones(B, S - T).bool()], dim=1)  # (B, S)
+        counted = (real.long().cumsum(-1) - 1).clamp(min=0)  # positions that count real tokens only
+        slots = torch.arange(S).expand(B, S)
+        positions = torch.cat([(counted if shift_prompt else slots)[:, :T], (counted if shift_new else slots)[:, T:]], dim=1)
+        keys_ok = real if mask_padding else torch.ones_like(real)
+        # causal, no padding key; a padding query may see itself (its output is never used: no NaN from an empty row)
+        allowed = (torch.ones(S, S, dtype=torch.bool).tril()[None] & keys_ok[:, None, :]) | torch.eye(S, dtype=torch.bool)
+        x = F.embedding(idx, s["transformer.wte.weight"]) + s["transformer.wpe.weight"][positions]
+        for i in range(cfg.n_layer):
+            p = f"transformer.h.{i}."
+            h = F.layer_norm(x, (C,), s[p + "ln_1.weight"], get(p + "ln_1.bias"), 1e-5)
+            q, k, v = (t.reshape(B, S, H, C // H).transpose(1, 2)
+                       for t in F.linear(h, s[p + "attn.c_attn.weight"], get(p + "attn.c_attn.bias")).split(C, dim=-1))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None]).transpose(1, 2).reshape(B, S, C)
+            x = x + F.linear(y, s[p + "attn.c_proj.weight"], get(p + "attn.c_proj.bias"))
+            h = F.layer_norm(x, (C,), s[p + "ln_2.weight"], get(p + "ln_2.bias"), 1e-5)
+            h = F.gelu(F.linear(h, s[p + "mlp.c_fc.weight"], get(p + "mlp.c_fc.bias")), approximate="tanh")
+            x = x + F.linear(h, s[p + "mlp.c_proj.weight"], get(p + "mlp.c_proj.bias"))
+        x = F.layer_norm(x[:, -1], (C,), s["transformer.ln_f.weight"], get("transformer.ln_f.bias"), 1e-5)
+        idx = torch.cat([idx, (x @ s["lm_head.weight"].T).argmax(-1, keepdim=True)], dim=1)
+    return idx
 
 
 def kv_cache_bytes_oracle(n_layer: int, n_embd: int, n_head: int, seq_len: int, n_kv_head: int | None = None,
@@ -104,7 +142,8 @@ def _check_grouped_heads(cached_attention_step, g) -> None:
 
 
 def check_generate_cached(generate_cached) -> None:
-    """Visible checks for chapter 05, exercise 2: batch 1, 12 new tokens, against greedy decoding without a cache."""
+    """Visible checks for chapter 05, exercise 2: batch 1, 12 new tokens, against greedy decoding without a cache;
+    then two left-padded prompts with an attention mask, each against its prompt generated alone."""
     model = kv_test_model(seed=502)
     idx = torch.randint(0, 17, (1, 6), generator=torch.Generator().manual_seed(503))
     out = generate_cached(model, idx, 12)
@@ -122,7 +161,51 @@ def check_generate_cached(generate_cached) -> None:
         fail(f"your new tokens agree with greedy decoding without a cache for {step} step(s), then differ: new token {step} "
              f"is {out[0, 6 + step].item()}, expected {expected[0, 6 + step].item()}. Is each new token fed once, at the "
              "next position (do the positions advance with the cache)?")
+    _check_left_padding(generate_cached, model)
     passed("generate_cached")
+
+
+#: Mistakes of the left-padded path, each with the flags of padded_greedy_oracle that plant it.
+PADDING_MISTAKES = [
+    ("the attention mask is ignored altogether: the padding is attended to and counted in the positions "
+     "(pass the mask to cached_forward, mask[:, :T] for the prefill and mask[:, :t + 1] for each decode step, "
+     "and take the positions from position_ids(attention_mask, ...))",
+     dict(mask_padding=False, shift_prompt=False, shift_new=False)),
+    ("the padding is attended to: the mask does not reach cached_forward (mask[:, :T] for the prefill, "
+     "mask[:, :t + 1] for each decode step)", dict(mask_padding=False)),
+    ("the positions are not shifted per row: a padded row's tokens sit at their slots, not at the count of real "
+     "tokens before them (position_ids(attention_mask, 0, T, B) gives the prompt's; each new token is one more "
+     "than its row's previous one)", dict(shift_prompt=False, shift_new=False)),
+    ("the prompt's positions are right, but the new tokens' are their slots, not one more than their row's "
+     "previous position (start from positions[:, -1:] + 1, a (B, 1) tensor, and add 1 per step)", dict(shift_new=False)),
+]
+
+
+def _check_left_padding(generate_cached, model) -> None:
+    """Two prompts, of 3 and 7 tokens, left-padded to 7 with an attention mask: each row must generate what its
+    prompt generates alone (greedy decoding without a cache); a padded row that does not gets its mistake named."""
+    g = torch.Generator().manual_seed(504)
+    prompts = [torch.randint(0, 17, (1, n), generator=g) for n in (3, 7)]
+    batch = torch.full((2, 7), 1, dtype=torch.long)  # padding token 1
+    mask = torch.zeros(2, 7, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        batch[row, 7 - prompt.shape[1]:], mask[row, 7 - prompt.shape[1]:] = prompt[0], 1
+    out = generate_cached(model, batch, 8, mask)
+    assert_tensor(out, "generate_cached(model, batch, 8, attention_mask) for 2 left-padded prompts")
+    assert_shape(out, (2, 15), "the output for 2 left-padded prompts of width 7 and 8 new tokens")
+    if not torch.equal(out[:, :7], batch):
+        fail("the first 7 columns of the output should be the left-padded prompts themselves")
+    for row, prompt in enumerate(prompts):
+        alone = greedy_oracle(model, prompt, 8)[0, prompt.shape[1]:]
+        if torch.equal(out[row, 7:], alone):
+            continue
+        where = (f"row {row} (a prompt of {prompt.shape[1]} tokens after {7 - prompt.shape[1]} padding tokens) generates "
+                 f"{out[row, 7:].tolist()}, but the same prompt alone generates {alone.tolist()}")
+        for mistake, flags in PADDING_MISTAKES:
+            if torch.equal(out[row], padded_greedy_oracle(model, batch, mask, 8, **flags)[row]):
+                fail(f"{where}: {mistake}")
+        fail(f"{where}. A padded row must see exactly what its prompt alone sees: padding keys masked out, and "
+             "positions that count only real tokens (position_ids), advancing by one per new token.")
 
 
 def check_kv_cache_bytes(kv_cache_bytes) -> None:
