@@ -123,11 +123,17 @@ class Transformer(nn.Module):
     model (norm_first=True) ends each stack with a final LayerNorm, as pre-LN needs; the
     post-LN stacks end in a LayerNorm already. Decoding is greedy and recomputes the
     whole prefix at every step (chapter 05 adds a cache).
+
+    ``encoder_layer`` and ``decoder_layer`` are the layer classes the stacks are built from
+    (chapter 03 passes the learner's own); they are called as ``cls(d_model, n_heads, d_ff,
+    dropout, norm_first)`` and must hold the parameters of ``EncoderLayer`` and ``DecoderLayer``
+    under the same names, so one state_dict fits either.
     """
 
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, d_model: int = 64, n_heads: int = 4, d_ff: int = 128,
                  n_encoder_layers: int = 2, n_decoder_layers: int = 2, dropout: float = 0.1, max_len: int = 64,
-                 pad_id: int = PAD, norm_first: bool = False):
+                 pad_id: int = PAD, norm_first: bool = False, encoder_layer: type[nn.Module] = EncoderLayer,
+                 decoder_layer: type[nn.Module] = DecoderLayer):
         super().__init__()
         for name, value in (("src_vocab_size", src_vocab_size), ("tgt_vocab_size", tgt_vocab_size),
                             ("n_encoder_layers", n_encoder_layers), ("n_decoder_layers", n_decoder_layers), ("max_len", max_len)):
@@ -142,8 +148,8 @@ class Transformer(nn.Module):
             embedding.weight.data[pad_id] = 0.0
         self.register_buffer("positions", sinusoidal_encoding(max_len, d_model), persistent=False)
         self.dropout = nn.Dropout(dropout)
-        self.encoder_layers = nn.ModuleList(EncoderLayer(d_model, n_heads, d_ff, dropout, norm_first) for _ in range(n_encoder_layers))
-        self.decoder_layers = nn.ModuleList(DecoderLayer(d_model, n_heads, d_ff, dropout, norm_first) for _ in range(n_decoder_layers))
+        self.encoder_layers = nn.ModuleList(encoder_layer(d_model, n_heads, d_ff, dropout, norm_first) for _ in range(n_encoder_layers))
+        self.decoder_layers = nn.ModuleList(decoder_layer(d_model, n_heads, d_ff, dropout, norm_first) for _ in range(n_decoder_layers))
         self.encoder_norm = LayerNorm(d_model) if norm_first else nn.Identity()
         self.decoder_norm = LayerNorm(d_model) if norm_first else nn.Identity()
         self.generator = nn.Linear(d_model, tgt_vocab_size)
