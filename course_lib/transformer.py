@@ -32,7 +32,10 @@ from .positional import sinusoidal_encoding
 
 
 def make_padding_mask(tokens, pad_id):
-    """tokens (B, T) int -> (B, 1, 1, T) bool, True on real tokens (the keys that may be attended)."""
+    """tokens (B, T) int -> (B, 1, 1, T) bool, True on real tokens (the keys that may be attended).
+
+    Any pad_id, and padding anywhere in a row (not only at its end): False exactly where tokens == pad_id.
+    """
     if tokens.dim() != 2:
         raise ValueError(f"tokens must have shape (B, T), got shape {tuple(tokens.shape)}")
     return (tokens != pad_id)[:, None, None, :]
@@ -46,7 +49,10 @@ def make_causal_mask(T, device=None):
 
 
 def make_target_mask(tgt, pad_id):
-    """tgt (B, T) int -> (B, 1, T, T) bool: query i may attend to key j iff j <= i and token j is not padding."""
+    """tgt (B, T) int -> (B, 1, T, T) bool: query i may attend to key j iff j <= i and token j is not padding.
+
+    Exactly this shape (B, 1, T, T), not merely broadcastable to it: make_padding_mask(tgt, pad_id) & make_causal_mask(T).
+    """
     return make_padding_mask(tgt, pad_id) & make_causal_mask(tgt.shape[1], tgt.device)
 
 
@@ -55,7 +61,9 @@ class EncoderLayer(nn.Module):
 
     Post-LN (norm_first=False, the original transformer): x = norm(x + sublayer(x)).
     Pre-LN (norm_first=True): x = x + sublayer(norm(x)).
-    Dropout is applied to each sublayer's output before it is added to the residual.
+    Dropout is applied to each sublayer's output before it is added to the residual, with the
+    given nn.Dropout modules (F.dropout would stay on after model.eval()). Keep the constructor
+    as given: trained weights are loaded into this layer by its parameters' names.
     """
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, norm_first: bool = False):
@@ -85,7 +93,9 @@ class DecoderLayer(nn.Module):
 
     Each of the three sublayers sits inside a residual connection with LayerNorm, post-LN
     (norm_first=False) or pre-LN (norm_first=True) as in EncoderLayer. In cross-attention
-    the queries come from the decoder, the keys and values from the encoder (memory).
+    the queries come from the decoder, the keys and values from the encoder (memory); pre-LN
+    normalises the decoder-side query with norm2, never the memory. Dropout as in EncoderLayer,
+    with the given nn.Dropout modules; keep the constructor as given.
     """
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, norm_first: bool = False):
