@@ -180,3 +180,20 @@ def test_seeded_parameters_is_deterministic_and_perturbs_norm_gains():
     b = checks.seeded_parameters(transformer.EncoderLayer(8, 2, 16), seed=1)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert (a.norm1.weight - 1).abs().max() < 1.5 and not torch.equal(a.norm1.weight, torch.ones(8))
+
+
+class UnfinishedEncoderLayer(EncoderLayer):
+    def forward(self, x, mask=None):
+        raise NotImplementedError()
+
+
+class UnfinishedDecoderLayer(DecoderLayer):
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
+        raise NotImplementedError()
+
+
+@pytest.mark.parametrize("check,cls", [(checks.check_encoder_layer, UnfinishedEncoderLayer),
+                                       (checks.check_decoder_layer, UnfinishedDecoderLayer)])
+def test_an_unfinished_layer_raises_not_implemented_error_not_a_check_message(check, cls):
+    with pytest.raises(NotImplementedError):  # NotImplementedError is a RuntimeError: it must not become a shape hint
+        check(cls)
