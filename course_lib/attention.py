@@ -102,6 +102,8 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     """Concatenate the heads again: (B, H, T, Dh) -> (B, T, H * Dh), contiguous.
 
     The inverse of split_heads: position t's features are head 0's Dh values, then head 1's, ...
+    x may be laid out in any way: a fresh, contiguous tensor (as weights @ v returns it) or a view
+    (as split_heads returns it). Batch elements never mix.
     """
     if x.dim() != 4:
         raise ValueError(f"x must have shape (B, H, T, Dh), got {tuple(x.shape)}")
@@ -135,6 +137,9 @@ class MultiHeadAttention(nn.Module):
         """query (B, Tq, D), key and value (B, Tk, D); mask bool, broadcastable to (B, H, Tq, Tk), True = attend.
 
         Returns (out (B, Tq, D), weights (B, H, Tq, Tk)); the weights are those before dropout.
+        Queries come from `query`, keys from `key`, values from `value` (Tq and Tk may differ); each head's
+        scores are scaled by 1/sqrt(Dh). A query whose keys are all masked gets all-zero weights (no NaN),
+        so its output is W_o's bias.
         """
         if mask is not None and mask.dtype != torch.bool:
             raise ValueError(f"mask must be a bool tensor (True = attend), got dtype {mask.dtype}")

@@ -54,8 +54,9 @@ def layer_norm(x, weight, bias, eps=1e-5):
 
     x: (..., D)   weight, bias: (D,)   Returns (..., D).
     mean and var are taken over the last axis of each vector separately; var is the
-    biased (population) variance, dividing by D, as in torch.nn.LayerNorm; eps goes
-    inside the square root.
+    biased (population) variance, dividing by D, as in torch.nn.LayerNorm; eps (the
+    argument, not a constant) goes inside the square root, so a constant vector gives
+    bias, not NaN.
     """
     mean = x.mean(dim=-1, keepdim=True)  # (..., 1)
     var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)  # (..., 1), divides by D, not D - 1

@@ -32,7 +32,10 @@ from .positional import sinusoidal_encoding
 
 
 def make_padding_mask(tokens, pad_id):
-    """tokens (B, T) int -> (B, 1, 1, T) bool, True on real tokens (the keys that may be attended)."""
+    """tokens (B, T) int -> (B, 1, 1, T) bool, True on real tokens (the keys that may be attended).
+
+    Any pad_id, and padding anywhere in a row (not only at its end): False exactly where tokens == pad_id.
+    """
     if tokens.dim() != 2:
         raise ValueError(f"tokens must have shape (B, T), got shape {tuple(tokens.shape)}")
     return (tokens != pad_id)[:, None, None, :]
@@ -46,7 +49,10 @@ def make_causal_mask(T, device=None):
 
 
 def make_target_mask(tgt, pad_id):
-    """tgt (B, T) int -> (B, 1, T, T) bool: query i may attend to key j iff j <= i and token j is not padding."""
+    """tgt (B, T) int -> (B, 1, T, T) bool: query i may attend to key j iff j <= i and token j is not padding.
+
+    Exactly this shape (B, 1, T, T), not merely broadcastable to it: make_padding_mask(tgt, pad_id) & make_causal_mask(T).
+    """
     return make_padding_mask(tgt, pad_id) & make_causal_mask(tgt.shape[1], tgt.device)
 
 
@@ -55,7 +61,9 @@ class EncoderLayer(nn.Module):
 
     Post-LN (norm_first=False, the original transformer): x = norm(x + sublayer(x)).
     Pre-LN (norm_first=True): x = x + sublayer(norm(x)).
-    Dropout is applied to each sublayer's output before it is added to the residual.
+    Dropout is applied to each sublayer's output before it is added to the residual, with the
+    given nn.Dropout modules (F.dropout would stay on after model.eval()). Keep the constructor
+    as given: trained weights are loaded into this layer by its parameters' names.
     """
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, norm_first: bool = False):
@@ -85,7 +93,9 @@ class DecoderLayer(nn.Module):
 
     Each of the three sublayers sits inside a residual connection with LayerNorm, post-LN
     (norm_first=False) or pre-LN (norm_first=True) as in EncoderLayer. In cross-attention
-    the queries come from the decoder, the keys and values from the encoder (memory).
+    the queries come from the decoder, the keys and values from the encoder (memory); pre-LN
+    normalises the decoder-side query with norm2, never the memory. Dropout as in EncoderLayer,
+    with the given nn.Dropout modules; keep the constructor as given.
     """
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, norm_first: bool = False):
@@ -123,11 +133,17 @@ class Transformer(nn.Module):
     model (norm_first=True) ends each stack with a final LayerNorm, as pre-LN needs; the
     post-LN stacks end in a LayerNorm already. Decoding is greedy and recomputes the
     whole prefix at every step (chapter 05 adds a cache).
+
+    ``encoder_layer`` and ``decoder_layer`` are the layer classes the stacks are built from
+    (chapter 03 passes the learner's own); they are called as ``cls(d_model, n_heads, d_ff,
+    dropout, norm_first)`` and must hold the parameters of ``EncoderLayer`` and ``DecoderLayer``
+    under the same names, so one state_dict fits either.
     """
 
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, d_model: int = 64, n_heads: int = 4, d_ff: int = 128,
                  n_encoder_layers: int = 2, n_decoder_layers: int = 2, dropout: float = 0.1, max_len: int = 64,
-                 pad_id: int = PAD, norm_first: bool = False):
+                 pad_id: int = PAD, norm_first: bool = False, encoder_layer: type[nn.Module] = EncoderLayer,
+                 decoder_layer: type[nn.Module] = DecoderLayer):
         super().__init__()
         for name, value in (("src_vocab_size", src_vocab_size), ("tgt_vocab_size", tgt_vocab_size),
                             ("n_encoder_layers", n_encoder_layers), ("n_decoder_layers", n_decoder_layers), ("max_len", max_len)):
@@ -142,8 +158,8 @@ class Transformer(nn.Module):
             embedding.weight.data[pad_id] = 0.0
         self.register_buffer("positions", sinusoidal_encoding(max_len, d_model), persistent=False)
         self.dropout = nn.Dropout(dropout)
-        self.encoder_layers = nn.ModuleList(EncoderLayer(d_model, n_heads, d_ff, dropout, norm_first) for _ in range(n_encoder_layers))
-        self.decoder_layers = nn.ModuleList(DecoderLayer(d_model, n_heads, d_ff, dropout, norm_first) for _ in range(n_decoder_layers))
+        self.encoder_layers = nn.ModuleList(encoder_layer(d_model, n_heads, d_ff, dropout, norm_first) for _ in range(n_encoder_layers))
+        self.decoder_layers = nn.ModuleList(decoder_layer(d_model, n_heads, d_ff, dropout, norm_first) for _ in range(n_decoder_layers))
         self.encoder_norm = LayerNorm(d_model) if norm_first else nn.Identity()
         self.decoder_norm = LayerNorm(d_model) if norm_first else nn.Identity()
         self.generator = nn.Linear(d_model, tgt_vocab_size)

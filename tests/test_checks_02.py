@@ -51,6 +51,39 @@ class OutputOnly(attention.MultiHeadAttention):
         return super().forward(query, key, value, mask)[0]
 
 
+def _mha_variant(**changes):
+    """A MultiHeadAttention whose forward has one classic mistake (given as keyword switches)."""
+    class Variant(attention.MultiHeadAttention):
+        def forward(self, query, key, value, mask=None):
+            if changes.get("keys_from_query"):
+                key = value = query
+            q = attention.split_heads(self.W_q(query), self.n_heads)
+            k = attention.split_heads(self.W_k(key), self.n_heads)
+            v = attention.split_heads(self.W_v(key if changes.get("values_from_key") else value), self.n_heads)
+            scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)
+            if changes.get("transposed"):
+                scores = scores.transpose(-2, -1)
+            if changes.get("mask") == "ignored":
+                mask = None
+            elif changes.get("mask") == "inverted" and mask is not None:
+                mask = ~mask
+            weights = torch.softmax(scores, dim=-2) if changes.get("softmax_over_queries") else attention.masked_softmax(scores, mask)
+            merged = attention.merge_heads(weights @ v)
+            return (merged if changes.get("no_output_projection") else self.W_o(merged)), weights
+    return Variant
+
+
+def sinusoidal_with(frequency):
+    def sinusoidal_encoding(max_len, d_model):
+        table = torch.zeros(max_len, d_model)
+        for pos in range(max_len):
+            for j in range(d_model):
+                angle = pos * frequency(j, d_model)
+                table[pos, j] = math.sin(angle) if j % 2 == 0 else math.cos(angle)
+        return table
+    return sinusoidal_encoding
+
+
 def sinusoidal_swapped(max_len, d_model):
     return positional.sinusoidal_encoding(max_len, d_model).view(max_len, -1, 2).flip(-1).flatten(1)
 
@@ -92,6 +125,21 @@ def rope_ignoring_positions(x, positions=None, base=10000.0):
     (lambda: checks.check_multi_head_attention(OutputOnly), r"should return a tuple \(out, weights\), got Tensor"),
     (lambda: checks.check_sinusoidal_encoding(sinusoidal_swapped), r"row 0 \(position 0\) of your table is \[1\.0, 0\.0, .*sin and cos are swapped"),
     (lambda: checks.check_sinusoidal_encoding(sinusoidal_sines_first), r"all sines first, then all cosines"),
+    (lambda: checks.check_sinusoidal_encoding(sinusoidal_with(lambda j, d: 10000 ** (-(j // 2) / d))),
+     r"wrong frequencies: you divide pos by 10000\^\(i/d\) with i the pair index\. The exponent is 2i/d"),
+    (lambda: checks.check_sinusoidal_encoding(sinusoidal_with(lambda j, d: 10000 ** (-j / d))),
+     r"wrong frequencies: you divide pos by 10000\^\(j/d\) with j each column's own index"),
+    (lambda: checks.check_sinusoidal_encoding(sinusoidal_with(lambda j, d: 10000 ** (2 * (j // 2) / d))),
+     r"wrong frequencies: you multiply pos by 10000\^\(2i/d\)"),
+    (lambda: checks.check_sinusoidal_encoding(sinusoidal_with(lambda j, d: 1000 ** (-2 * (j // 2) / d))),
+     r"column 2 \(sin of pair i = 1\) of sinusoidal_encoding\(6, 8\) is wrong: at position 1 it holds 0\.17\d+, the sine of"),
+    (lambda: checks.check_multi_head_attention(_mha_variant(softmax_over_queries=True)), r"softmax over the queries \(dim=-2\)"),
+    (lambda: checks.check_multi_head_attention(_mha_variant(transposed=True)), r"your weights are transposed"),
+    (lambda: checks.check_multi_head_attention(_mha_variant(no_output_projection=True)), r"without the output projection"),
+    (lambda: checks.check_multi_head_attention(_mha_variant(mask="inverted")), r"your mask is inverted"),
+    (lambda: checks.check_multi_head_attention(_mha_variant(mask="ignored")), r"the mask never reaches the softmax"),
+    (lambda: checks.check_multi_head_attention(_mha_variant(values_from_key=True)), r"your output uses `key` as the values"),
+    (lambda: checks.check_multi_head_attention(_mha_variant(keys_from_query=True)), r"raised RuntimeError: .*keys come from `key`, values from `value`"),
     (lambda: checks.check_apply_rope(rope_rotate_half), r"paired feature i with feature i \+ Dh/2"),
     (lambda: checks.check_apply_rope(rope_not_a_rotation), r"changed the length of a vector by up to \d\.\d+"),
     (lambda: checks.check_apply_rope(rope_clockwise), r"your rotation goes the wrong way"),

@@ -70,6 +70,70 @@ class DecoderIgnoringMemoryMask(DecoderLayer):
         return super().forward(x, memory, tgt_mask, None)
 
 
+def ln_weight_only(x, weight, bias, eps=1e-5):
+    return F.layer_norm(x, x.shape[-1:], eps=eps) * weight
+
+
+def ln_bias_only(x, weight, bias, eps=1e-5):
+    return F.layer_norm(x, x.shape[-1:], eps=eps) + bias
+
+
+def ln_bias_before_weight(x, weight, bias, eps=1e-5):
+    return (F.layer_norm(x, x.shape[-1:], eps=eps) + bias) * weight
+
+
+class EncoderIgnoringMask(EncoderLayer):
+    def forward(self, x, mask=None):
+        return super().forward(x, None)
+
+
+class EncoderNormFirstIgnored(EncoderLayer):
+    def forward(self, x, mask=None):
+        self.norm_first = False  # always post-LN
+        return super().forward(x, mask)
+
+
+class EncoderPreLNResidualNormalised(EncoderLayer):
+    def forward(self, x, mask=None):
+        if not self.norm_first:
+            return super().forward(x, mask)
+        x = self.norm1(x)  # the residual now carries the normalised x
+        x = x + self.self_attn(x, x, x, mask)[0]
+        return x + self.ffn(self.norm2(x))
+
+
+class EncoderWithRenamedNorm(EncoderLayer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.attention_norm = self.norm1
+        del self.norm1
+
+    @property
+    def norm1(self):
+        return self.attention_norm
+
+
+class DecoderIgnoringTargetMask(DecoderLayer):
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
+        return super().forward(x, memory, None, memory_mask)
+
+
+class DecoderCrossAttendingToItself(DecoderLayer):
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
+        return super().forward(x, x, tgt_mask, memory_mask)
+
+
+class DecoderNormFirstIgnored(DecoderLayer):
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
+        self.norm_first = False
+        return super().forward(x, memory, tgt_mask, memory_mask)
+
+
+class DecoderNormalisingMemory(DecoderLayer):
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
+        return super().forward(x, self.norm2(memory) if self.norm_first else memory, tgt_mask, memory_mask)
+
+
 MASKS = (make_padding_mask, make_causal_mask, make_target_mask)
 
 
@@ -77,15 +141,28 @@ MASKS = (make_padding_mask, make_causal_mask, make_target_mask)
     (checks.check_layer_norm, (ln_unbiased,), r"variance 0\.8750 = \(D - 1\) / D = 7/8 instead of 1: you divided by D - 1"),
     (checks.check_layer_norm, (ln_over_positions,), r"out\[\d, \d\] should have mean 0 over its last axis, but it has mean -?\d\.\d+.*dim=-1"),
     (checks.check_layer_norm, (ln_eps_outside,), r"variance \(about 1e-6\) is smaller than eps.*sqrt\(var \+ eps\)"),
-    (checks.check_layer_norm, (ln_no_affine,), r"layer_norm\(x, weight, bias\).*differs from the expected values in \d+ of 48"),
+    (checks.check_layer_norm, (ln_no_affine,), r"layer_norm\(x, weight, bias\) ignores weight and bias"),
+    (checks.check_layer_norm, (ln_weight_only,), r"multiplies by weight but never adds bias"),
+    (checks.check_layer_norm, (ln_bias_only,), r"adds bias but never multiplies by weight"),
+    (checks.check_layer_norm, (ln_bias_before_weight,), r"adds bias before multiplying by weight"),
     (checks.check_masks, (make_padding_mask, causal_without_diagonal, make_target_mask), r"the diagonal is False: a position must be allowed to attend to itself"),
     (checks.check_masks, (make_padding_mask, causal_one_ahead, make_target_mask), r"a query may see a key in its future"),
     (checks.check_masks, (make_padding_mask, make_causal_mask, target_without_padding), r"combine the padding mask and the causal mask with &"),
     (checks.check_masks, (make_padding_mask, make_causal_mask, target_is_causal_only), r"has shape \(1, 1, 4, 4\), expected \(2, 1, 4, 4\).*with &"),
     (checks.check_masks, (padding_as_float, make_causal_mask, make_target_mask), r"should be a bool tensor \(True = may attend\), got dtype torch.float32"),
-    (checks.check_encoder_layer, (EncoderWithPyTorchMaskConvention,), r"post-LN EncoderLayer .*torch.nn.TransformerEncoderLayer\(norm_first=False\) holding the same weights"),
+    (checks.check_encoder_layer, (EncoderWithPyTorchMaskConvention,), r"post-LN EncoderLayer .* attends to the padding keys only: the mask is inverted"),
+    (checks.check_encoder_layer, (EncoderIgnoringMask,), r"same output with and without the padding mask"),
+    (checks.check_encoder_layer, (EncoderNormFirstIgnored,), r"pre-LN EncoderLayer \(norm_first=True\) computes post-LN"),
+    (checks.check_encoder_layer, (EncoderPreLNResidualNormalised,),
+     r"pre-LN EncoderLayer .*the residual adds the un-normalised x\) differs from the expected values in \d+ of 160"),
+    (checks.check_encoder_layer, (EncoderWithRenamedNorm,), r"other parameters than the given constructor's \(missing: \['norm1\.bias', 'norm1\.weight'\]; "
+                                                             r"unexpected: \['attention_norm\.bias', 'attention_norm\.weight'\]\)"),
     (checks.check_encoder_layer, (EncoderReturningWeights,), r"should return one tensor x \(B, T, D\), got a tuple of 2"),
-    (checks.check_decoder_layer, (DecoderIgnoringMemoryMask,), r"post-LN DecoderLayer .* differs from the expected values in \d+ of 128"),
+    (checks.check_decoder_layer, (DecoderIgnoringMemoryMask,), r"post-LN DecoderLayer .* ignores memory_mask"),
+    (checks.check_decoder_layer, (DecoderIgnoringTargetMask,), r"post-LN DecoderLayer .* ignores tgt_mask"),
+    (checks.check_decoder_layer, (DecoderCrossAttendingToItself,), r"raised RuntimeError: .*keys and values are memory"),
+    (checks.check_decoder_layer, (DecoderNormFirstIgnored,), r"pre-LN DecoderLayer \(norm_first=True\) computes post-LN"),
+    (checks.check_decoder_layer, (DecoderNormalisingMemory,), r"pre-LN DecoderLayer .* normalises memory too"),
 ])
 def test_classic_bugs_get_specific_messages(check, args, message):
     with pytest.raises(checks.CheckFailed, match=message):
@@ -103,3 +180,20 @@ def test_seeded_parameters_is_deterministic_and_perturbs_norm_gains():
     b = checks.seeded_parameters(transformer.EncoderLayer(8, 2, 16), seed=1)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert (a.norm1.weight - 1).abs().max() < 1.5 and not torch.equal(a.norm1.weight, torch.ones(8))
+
+
+class UnfinishedEncoderLayer(EncoderLayer):
+    def forward(self, x, mask=None):
+        raise NotImplementedError()
+
+
+class UnfinishedDecoderLayer(DecoderLayer):
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
+        raise NotImplementedError()
+
+
+@pytest.mark.parametrize("check,cls", [(checks.check_encoder_layer, UnfinishedEncoderLayer),
+                                       (checks.check_decoder_layer, UnfinishedDecoderLayer)])
+def test_an_unfinished_layer_raises_not_implemented_error_not_a_check_message(check, cls):
+    with pytest.raises(NotImplementedError):  # NotImplementedError is a RuntimeError: it must not become a shape hint
+        check(cls)

@@ -36,7 +36,7 @@ def planted_b() -> dict:
         # heads-visible and heads-batch only: the module calls merge_heads, but is tested with the reference one
         HEADS: CH.mutate(HEADS, "return x.transpose(1, 2).contiguous().view(batch, time, n_heads * d_head)",
                          "return x.permute(2, 0, 1, 3).reshape(batch, time, n_heads * d_head)"),
-        # values projected from `key`: invisible in self-attention -> cross only
+        # values projected from `key`: invisible in self-attention -> visible (its cross-attention case) and cross
         MHA: CH.mutate(MHA, "self.W_v(value)", "self.W_v(key)"),
         # 10000^(-i/d) instead of 10000^(-2i/d): row 0 is still [0, 1, 0, 1, ...] -> visible and frequencies
         SIN: CH.mutate(SIN, "torch.arange(0, d_model, 2, dtype=torch.float64)", "torch.arange(0, d_model // 2, dtype=torch.float64)"),
@@ -52,7 +52,7 @@ STUDENTS = {
     "planted_a": (planted_a, {"multi_head_attention-visible", "multi_head_attention-scale",
                               "sinusoidal_encoding-visible", "sinusoidal_encoding-layout", "apply_rope-visible",
                               "apply_rope-positions"}),
-    "planted_b": (planted_b, {"heads-visible", "heads-batch", "multi_head_attention-cross", "sinusoidal_encoding-visible", "sinusoidal_encoding-frequencies",
+    "planted_b": (planted_b, {"heads-visible", "heads-batch", "multi_head_attention-visible", "multi_head_attention-cross", "sinusoidal_encoding-visible", "sinusoidal_encoding-frequencies",
                               "apply_rope-visible", "apply_rope-pairing"}),
 }
 

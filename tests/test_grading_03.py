@@ -71,6 +71,8 @@ def test_failures_carry_the_checks_messages(graded):
     assert "you divided by D - 1" in messages["layer_norm-visible"]
     assert "the diagonal is False" in messages["masks-visible"]
     assert "is dropout applied with F.dropout" in messages["decoder_layer-dropout_eval"]
+    assert "same output with and without the padding mask" in messages["encoder_layer-visible"]
     messages = roundtrip.messages(graded, CH, "planted_b")
     assert "combine the padding mask and the causal mask with &" in messages["masks-visible"]
     assert "normalise each vector over the last axis" in messages["layer_norm-visible"]
+    assert "ignores memory_mask" in messages["decoder_layer-visible"]

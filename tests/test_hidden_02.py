@@ -82,16 +82,16 @@ CASES = [
     ("multi_head_attention", "scaled by sqrt(d_model)", mutate("multi_head_attention", ("math.sqrt(self.d_head)", "math.sqrt(self.d_model)")),
      {"multi_head_attention-visible", "multi_head_attention-scale"}),
     ("multi_head_attention", "mask inverted", mutate("multi_head_attention", ("masked_softmax(scores, mask)", "masked_softmax(scores, None if mask is None else ~mask)")),
-     {"multi_head_attention-mask", "multi_head_attention-fully_masked"}),  # the fully masked query then sees every key
+     {"multi_head_attention-visible", "multi_head_attention-mask", "multi_head_attention-fully_masked"}),  # visible: its padding-mask case; the fully masked query then sees every key
     ("multi_head_attention", "mask ignored", mutate("multi_head_attention", ("masked_softmax(scores, mask)", "masked_softmax(scores)")),
-     {"multi_head_attention-mask", "multi_head_attention-fully_masked"}),
+     {"multi_head_attention-visible", "multi_head_attention-mask", "multi_head_attention-fully_masked"}),  # visible: its padding-mask case
     ("multi_head_attention", "-inf softmax", mutate("multi_head_attention", ("masked_softmax(scores, mask)",
                                                                           'torch.softmax(scores if mask is None else scores.masked_fill(~mask, float("-inf")), dim=-1)')),
      {"multi_head_attention-fully_masked"}),
     ("multi_head_attention", "values from key", mutate("multi_head_attention", ("self.W_v(value)", "self.W_v(key)")),
-     {"multi_head_attention-cross"}),  # self-attention passes key is value
+     {"multi_head_attention-visible", "multi_head_attention-cross"}),  # visible: its cross-attention case (self-attention passes key is value)
     ("multi_head_attention", "keys and values from query", mutate("multi_head_attention", ("self.W_k(key)", "self.W_k(query)"), ("self.W_v(value)", "self.W_v(query)")),
-     {"multi_head_attention-cross"}),
+     {"multi_head_attention-visible", "multi_head_attention-cross"}),  # visible: its cross-attention case
     ("multi_head_attention", "heads mixed across batch", mutate("multi_head_attention", (
         "heads = self.dropout(weights) @ v",
         "heads = (self.dropout(weights) @ v).flatten(0, 1).unflatten(0, (v.shape[1], v.shape[0])).transpose(0, 1)")),

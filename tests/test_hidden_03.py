@@ -90,10 +90,12 @@ CASES = {
                              {"encoder_layer-visible", "encoder_layer-padding"}),
     "encoder_dropout_in_eval": (ENC, mutate(ENC, ("self.dropout2(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout2.p)")),
                                 {"encoder_layer-dropout_eval"}),
-    "encoder_always_post_ln": (ENC, mutate(ENC, ("if self.norm_first:", "if False:")), {"encoder_layer-pre_ln"}),
+    # the visible check compares both arrangements with PyTorch, so pre-LN mistakes fail it too
+    "encoder_always_post_ln": (ENC, mutate(ENC, ("if self.norm_first:", "if False:")), {"encoder_layer-visible", "encoder_layer-pre_ln"}),
     "encoder_arrangements_swapped": (ENC, mutate(ENC, ("if self.norm_first:", "if not self.norm_first:")),
                                      {"encoder_layer-visible", "encoder_layer-pre_ln"}),
-    "encoder_pre_ln_residual_from_normed": (ENC, mutate(ENC, ("x = x + self.dropout1(", "x = h + self.dropout1(")), {"encoder_layer-pre_ln"}),
+    "encoder_pre_ln_residual_from_normed": (ENC, mutate(ENC, ("x = x + self.dropout1(", "x = h + self.dropout1(")),
+                                            {"encoder_layer-visible", "encoder_layer-pre_ln"}),
     "encoder_post_ln_ffn_without_residual": (ENC, mutate(ENC, ("self.norm2(x + self.dropout2(", "self.norm2(0 + self.dropout2(")),
                                              {"encoder_layer-visible"}),
     # --- decoder layer
@@ -110,10 +112,10 @@ CASES = {
                                            "decoder_layer-pre_ln"}),
     "decoder_pre_ln_normalises_memory": (DEC, mutate(DEC, ("self.cross_attn(self.norm2(x), memory, memory,",
                                                            "self.cross_attn(self.norm2(x), self.norm2(memory), self.norm2(memory),")),
-                                         {"decoder_layer-pre_ln"}),
+                                         {"decoder_layer-visible", "decoder_layer-pre_ln"}),  # visible: its pre-LN case
     "decoder_dropout_in_eval": (DEC, mutate(DEC, ("self.dropout3(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout3.p)")),
                                 {"decoder_layer-dropout_eval"}),
-    "decoder_always_post_ln": (DEC, mutate(DEC, ("if self.norm_first:", "if False:")), {"decoder_layer-pre_ln"}),
+    "decoder_always_post_ln": (DEC, mutate(DEC, ("if self.norm_first:", "if False:")), {"decoder_layer-visible", "decoder_layer-pre_ln"}),
 }
 
 

@@ -218,6 +218,32 @@ def test_cross_attention_weights_are_recorded_per_layer_and_hooks_removed(genera
     assert all(not layer.cross_attn._forward_hooks for layer in model.decoder_layers)
 
 
+def test_the_layer_classes_can_be_given_and_take_the_same_state_dict(generator):
+    calls = []
+
+    class MyEncoderLayer(EncoderLayer):
+        def forward(self, x, mask=None):
+            calls.append("encoder")
+            return super().forward(x, mask)
+
+    class MyDecoderLayer(DecoderLayer):
+        def forward(self, x, memory, tgt_mask=None, memory_mask=None):
+            calls.append("decoder")
+            return super().forward(x, memory, tgt_mask, memory_mask)
+
+    reference = small_model().eval()
+    mine = small_model(encoder_layer=MyEncoderLayer, decoder_layer=MyDecoderLayer)
+    mine.load_state_dict(reference.state_dict())  # strict: the same parameter names
+    mine.eval()
+    assert all(isinstance(layer, MyEncoderLayer) for layer in mine.encoder_layers)
+    assert all(isinstance(layer, MyDecoderLayer) for layer in mine.decoder_layers)
+    src = torch.randint(3, 13, (2, 5), generator=generator)
+    tgt_in = torch.randint(3, 13, (2, 4), generator=generator)
+    with torch.no_grad():
+        assert torch.equal(mine(src, tgt_in), reference(src, tgt_in))
+    assert calls.count("encoder") == len(mine.encoder_layers) and calls.count("decoder") == len(mine.decoder_layers)
+
+
 def test_sequences_longer_than_max_len_are_rejected():
     with pytest.raises(ValueError, match="sequence length must be <= max_len = 16, got 17"):
         small_model()(torch.full((1, 17), 5), torch.full((1, 3), BOS))

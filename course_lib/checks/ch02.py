@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from .core import assert_close, assert_rows_sum_to_one, assert_shape, assert_tensor, fail, passed, unpack_pair
+from .core import assert_close, assert_finite, assert_rows_sum_to_one, assert_shape, assert_tensor, fail, passed, unpack_pair
 
 __all__ = ["check_heads", "check_multi_head_attention", "check_sinusoidal_encoding", "check_apply_rope",
            "torch_multihead_attention", "randomize_parameters", "sinusoidal_oracle", "rope_oracle"]
@@ -84,16 +84,43 @@ def torch_multihead_attention(module: nn.Module) -> nn.MultiheadAttention:
     return oracle.eval()
 
 
+def _split(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, T, D) -> (B, H, T, Dh), head h = chunk h of the features (the checks' own, for diagnosis)."""
+    return torch.stack(t.chunk(n_heads, dim=-1), dim=1)
+
+
+def _merge(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, Dh) -> (B, T, H*Dh) (the checks' own, for diagnosis)."""
+    return torch.cat(t.unbind(dim=1), dim=-1)
+
+
+def _mha_weights_hint(module, x, weights) -> None:
+    """Name the classic mistakes behind self-attention weights that differ from nn.MultiheadAttention's."""
+    d_model, n_heads = module.W_q.in_features, module.n_heads
+    with torch.no_grad():
+        q, k = module.W_q(x).double(), module.W_k(x).double()
+        scores = _split(q, n_heads) @ _split(k, n_heads).transpose(-2, -1) / math.sqrt(d_model // n_heads)
+    if _close(weights, torch.softmax(scores, dim=-2), 1e-4):
+        fail("your weights are a softmax over the queries (dim=-2): each key's column sums to 1 instead of each "
+             "query's row. Take the softmax over the last axis, the keys")
+    if _close(weights, torch.softmax(scores.transpose(-2, -1), dim=-1), 1e-4):
+        fail("your weights are transposed: weights[b, h, i, j] must be query i's weight on key j, from the scores "
+             "q @ k.transpose(-2, -1) (queries in rows, keys in columns)")
+
+
 def check_multi_head_attention(MultiHeadAttention) -> None:
-    """Visible checks for exercise 2: self-attention, no mask, against torch.nn.MultiheadAttention."""
+    """Visible checks for exercise 2 against torch.nn.MultiheadAttention: self-attention without a mask, then
+    cross-attention (3 queries, 6 keys) with a padding mask."""
     d_model, n_heads = 16, 4
     module = randomize_parameters(MultiHeadAttention(d_model, n_heads), seed=202).eval()
+    oracle = torch_multihead_attention(module)
     x = torch.randn(2, 5, d_model, generator=torch.Generator().manual_seed(203))
     with torch.no_grad():
         out, weights = unpack_pair(module(x, x, x), "MultiHeadAttention.forward", ("out", "weights"))
-        expected_out, expected_weights = torch_multihead_attention(module)(x, x, x, average_attn_weights=False)
+        expected_out, expected_weights = oracle(x, x, x, average_attn_weights=False)
     assert_shape(weights, (2, n_heads, 5, 5), "the weights for batch 2, 4 heads, 5 queries and 5 keys")
     assert_shape(out, (2, 5, d_model), "out for batch 2, 5 queries, d_model 16")
+    _mha_weights_hint(module, x, weights)
     assert_rows_sum_to_one(weights, "your per-head weights")
     # How peaked are the weights compared with the expected ones? Unscaled or wrongly scaled scores show up here.
     ratio = (weights.double().log() - weights.double().log().mean(-1, keepdim=True)).std() / (
@@ -104,21 +131,88 @@ def check_multi_head_attention(MultiHeadAttention) -> None:
         fail(f"your weights are as peaked as scores scaled by {ratio.item() / math.sqrt(d_head):.4g}; the expected scale is "
              f"1/sqrt(d_head) = 1/sqrt({d_model}/{n_heads}) = {1 / math.sqrt(d_head):.4g}: each head's vectors have "
              f"d_head = d_model / n_heads features, not d_model")
-    assert_close(weights, expected_weights, "your per-head attention weights (vs torch.nn.MultiheadAttention)")
+    assert_close(weights, expected_weights, "your per-head attention weights (vs torch.nn.MultiheadAttention; "
+                 "each head h uses columns h*Dh ... (h+1)*Dh-1 of W_q(query) and W_k(key), scores scaled by 1/sqrt(Dh))")
+    if _close(out, _merge(weights.double() @ _split(module.W_v(x).double(), n_heads)), 1e-4):
+        fail("your output is the merged heads without the output projection: return self.W_o(merge_heads(...))")
     assert_close(out, expected_out, "your output (vs torch.nn.MultiheadAttention with the same weights)")
+
+    # cross-attention: queries from one sequence, keys and values from another, with a padding mask (True = attend)
+    gen = torch.Generator().manual_seed(205)
+    query, key, value = (torch.randn(2, length, d_model, generator=gen) for length in (3, 6, 6))
+    keep = torch.tensor([[True] * 5 + [False], [True] * 4 + [False] * 2])  # (B, Tk): the last keys are padding
+    with torch.no_grad():
+        try:
+            result = module(query, key, value, keep[:, None, None, :])
+        except NotImplementedError:
+            raise  # an unfinished exercise says so itself
+        except RuntimeError as error:
+            fail(f"cross-attention (3 queries; 6 keys and values; a padding mask of shape (2, 1, 1, 6)) raised RuntimeError: "
+                 f"{(str(error).splitlines() or [''])[0]} The scores must be (B, H, Tq, Tk) = (2, 4, 3, 6): keys come from `key`, "
+                 "values from `value` (self.W_k(key), self.W_v(value)), and nothing may assume Tq = Tk")
+        out, weights = unpack_pair(result, "MultiHeadAttention.forward", ("out", "weights"))
+        expected_out, expected_weights = oracle(query, key, value, key_padding_mask=~keep, average_attn_weights=False)
+        unmasked = oracle(query, key, value, average_attn_weights=False)[1]
+        inverted = oracle(query, key, value, key_padding_mask=keep, average_attn_weights=False)[1]
+        values_from_key = oracle(query, key, key, key_padding_mask=~keep)[0]
+    if isinstance(weights, torch.Tensor) and tuple(weights.shape) == (2, n_heads, 3, 3):
+        fail("in cross-attention (3 queries, 6 keys) your weights have shape (2, 4, 3, 3), expected (2, 4, 3, 6): your keys "
+             "come from `query`. Project keys from `key` and values from `value`: self.W_k(key), self.W_v(value)")
+    assert_shape(weights, (2, n_heads, 3, 6), "the weights of cross-attention with 3 queries and 6 keys")
+    if _close(weights, inverted):
+        fail("with a padding mask your weights fall on the padding keys only: your mask is inverted. In this course (and in "
+             "F.scaled_dot_product_attention) True means *may attend*; pass the mask to masked_softmax as it is")
+    if _close(weights, unmasked):
+        fail("with a padding mask (B, 1, 1, Tk) your weights are the same as without it: the mask never reaches the "
+             "softmax. Pass it on: masked_softmax(scores, mask)")
+    assert_close(weights, expected_weights, "your weights of cross-attention with a padding mask (vs torch.nn.MultiheadAttention, "
+                 "whose key_padding_mask is our mask inverted)")
+    if _close(out, values_from_key):
+        fail("in cross-attention your output uses `key` as the values: project the values from `value`, self.W_v(value)")
+    assert_close(out, expected_out, "your output of cross-attention with a padding mask (vs torch.nn.MultiheadAttention)")
     passed("MultiHeadAttention")
 
 
 # --- sinusoidal table --------------------------------------------------------------------
 
-def sinusoidal_oracle(max_len: int, d_model: int) -> torch.Tensor:
-    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d)), entry by entry in float64."""
+def sinusoidal_oracle(max_len: int, d_model: int, frequency=None) -> torch.Tensor:
+    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d)), entry by entry in float64.
+
+    ``frequency(j)``, if given, replaces column j's 10000^(-2i/d) (i = j // 2): the checks use it to recognise
+    classic wrong exponents.
+    """
+    frequency = frequency or (lambda j: 10000 ** (-2 * (j // 2) / d_model))
     table = torch.empty(max_len, d_model, dtype=torch.float64)
     for pos in range(max_len):
-        for i in range(d_model // 2):
-            angle = pos / 10000 ** (2 * i / d_model)
-            table[pos, 2 * i], table[pos, 2 * i + 1] = math.sin(angle), math.cos(angle)
+        for j in range(d_model):
+            angle = pos * frequency(j)
+            table[pos, j] = math.sin(angle) if j % 2 == 0 else math.cos(angle)
     return table
+
+
+def _sinusoidal_exponent_hint(table: torch.Tensor, d_model: int) -> None:
+    """Name the classic wrong exponents of the sinusoidal table, or the first column whose frequency is wrong."""
+    max_len = table.shape[0]
+    wrong = {
+        "you divide pos by 10000^(i/d) with i the pair index. The exponent is 2i/d (2i is the column of the pair's "
+        "sine), so your frequencies fall only half as fast as they should": lambda j: 10000 ** (-(j // 2) / d_model),
+        "you divide pos by 10000^(j/d) with j each column's own index, so the cosine column 2i+1 gets the exponent "
+        "(2i+1)/d. Both columns of a pair share one angle, pos / 10000^(2i/d) with i = j // 2": lambda j: 10000 ** (-j / d_model),
+        "you multiply pos by 10000^(2i/d). The angle is pos divided by it, pos * 10000^(-2i/d): the first pair turns "
+        "by 1 radian per position, the later pairs more slowly": lambda j: 10000 ** (2 * (j // 2) / d_model),
+    }
+    for mistake, frequency in wrong.items():
+        if _close(table, sinusoidal_oracle(max_len, d_model, frequency)):
+            fail(f"your table has the wrong frequencies: {mistake}")
+    expected = sinusoidal_oracle(max_len, d_model)
+    for j in range(d_model):
+        if not _close(table[:, j], expected[:, j]):
+            i, value = j // 2, table[1, j].double().clamp(-1, 1).item()
+            turn = math.asin(value) if j % 2 == 0 else math.acos(value)  # the angle at position 1 (all below pi/2 here)
+            fail(f"column {j} ({'sin' if j % 2 == 0 else 'cos'} of pair i = {i}) of sinusoidal_encoding({max_len}, {d_model}) "
+                 f"is wrong: at position 1 it holds {value:.6g}, the {'sine' if j % 2 == 0 else 'cosine'} of {turn:.6g} "
+                 f"radians, expected {'sin' if j % 2 == 0 else 'cos'}(1 / 10000^({2 * i}/{d_model})) = {expected[1, j].item():.6g} "
+                 f"(angle {10000 ** (-2 * i / d_model):.6g})")
 
 
 def check_sinusoidal_encoding(sinusoidal_encoding) -> None:
@@ -132,6 +226,9 @@ def check_sinusoidal_encoding(sinusoidal_encoding) -> None:
     if _close(first_row, torch.tensor([0.0] * 4 + [1.0] * 4)):
         fail(f"row 0 (position 0) of your table is {first_row.tolist()}: all sines first, then all cosines. "
              "This course uses the paper's interleaved layout: column 2i = sin, column 2i+1 = cos of the same angle")
+    assert_finite(table, "sinusoidal_encoding(6, 8)")
+    if not _close(table, sinusoidal_oracle(6, 8)):
+        _sinusoidal_exponent_hint(table, 8)
     assert_close(table, sinusoidal_oracle(6, 8), "sinusoidal_encoding(6, 8)")
     passed("sinusoidal_encoding")
 

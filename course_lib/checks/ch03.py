@@ -15,7 +15,7 @@ from torch import nn
 
 from .core import assert_close, assert_shape, assert_tensor, fail, passed
 
-__all__ = ["check_layer_norm", "check_masks", "check_encoder_layer", "check_decoder_layer",
+__all__ = ["check_layer_norm", "check_masks", "check_encoder_layer", "check_decoder_layer", "ENCODER_PARAMETERS", "DECODER_PARAMETERS",
            "torch_encoder_layer", "torch_decoder_layer", "torch_attention_mask", "seeded_parameters"]
 
 
@@ -79,6 +79,18 @@ def torch_attention_mask(mask: torch.Tensor, n_heads: int, batch: int, n_queries
     return ~mask.expand(batch, n_heads, n_queries, n_keys).reshape(batch * n_heads, n_queries, n_keys)
 
 
+def _close(actual, expected, tol: float = 1e-5) -> bool:
+    return isinstance(actual, torch.Tensor) and actual.shape == expected.shape and bool(
+        ((actual.double() - expected.double()).abs() <= tol + tol * expected.double().abs()).all())
+
+
+def _diagnose(actual, mistakes: dict) -> None:
+    """Fail with the message of the first classic mistake whose result ``actual`` reproduces."""
+    for message, result in mistakes.items():
+        if _close(actual, result):
+            fail(message)
+
+
 # --- exercise 1: layer norm -------------------------------------------------------------------
 
 def check_layer_norm(layer_norm) -> None:
@@ -101,7 +113,16 @@ def check_layer_norm(layer_norm) -> None:
              "by D - 1 (the unbiased variance, torch.var's default). LayerNorm uses the biased variance, dividing by D")
     assert_close(out, F.layer_norm(x, (d,), eps=1e-5), "layer_norm(x, ones, zeros)")
     weight, bias = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
-    assert_close(layer_norm(x, weight, bias), F.layer_norm(x, (d,), weight, bias, eps=1e-5),
+    affine = layer_norm(x, weight, bias)
+    normalised = F.layer_norm(x, (d,), eps=1e-5)
+    _diagnose(affine, {
+        "layer_norm(x, weight, bias) ignores weight and bias: after normalising, multiply by weight and add bias": normalised,
+        "layer_norm(x, weight, bias) multiplies by weight but never adds bias": normalised * weight,
+        "layer_norm(x, weight, bias) adds bias but never multiplies by weight": normalised + bias,
+        "layer_norm(x, weight, bias) adds bias before multiplying by weight: the order is normalised * weight + bias":
+            (normalised + bias) * weight,
+    })
+    assert_close(affine, F.layer_norm(x, (d,), weight, bias, eps=1e-5),
                  "layer_norm(x, weight, bias) (is the result multiplied by weight and then bias added?)")
     tiny = torch.randn(4, d, generator=gen) * 1e-3  # variance 1e-6, below eps = 1e-5: eps matters here
     assert_close(layer_norm(tiny, ones, zeros), F.layer_norm(tiny, (d,), eps=1e-5),
@@ -157,31 +178,90 @@ def check_masks(make_padding_mask, make_causal_mask, make_target_mask) -> None:
 
 # --- exercises 3 and 4: encoder and decoder layers ------------------------------------------------
 
-def _parity(ours, expected, name: str, oracle: str) -> None:
-    if isinstance(ours, tuple):
-        fail(f"{name} should return one tensor x (B, T, D), got a tuple of {len(ours)}")
-    assert_close(ours, expected, f"{name} compared with {oracle} holding the same weights")
+def _attention_names(prefix: str) -> set[str]:
+    return {f"{prefix}.{W}.{p}" for W in ("W_q", "W_k", "W_v", "W_o") for p in ("weight", "bias")}
+
+
+_FFN_NAMES = {f"ffn.linear{i}.{p}" for i in (1, 2) for p in ("weight", "bias")}
+ENCODER_PARAMETERS = _attention_names("self_attn") | _FFN_NAMES | {f"norm{i}.{p}" for i in (1, 2) for p in ("weight", "bias")}
+DECODER_PARAMETERS = (_attention_names("self_attn") | _attention_names("cross_attn") | _FFN_NAMES
+                      | {f"norm{i}.{p}" for i in (1, 2, 3) for p in ("weight", "bias")})
+
+
+def _check_parameter_names(layer: nn.Module, expected: set[str], name: str) -> None:
+    """The layer holds exactly the given constructor's parameters, so a shipped model's weights load into it."""
+    names = set(layer.state_dict())
+    if names != expected:
+        missing, unexpected = sorted(expected - names), sorted(names - expected)
+        fail(f"your {name} holds other parameters than the given constructor's (missing: {missing or 'none'}; unexpected: "
+             f"{unexpected or 'none'}). Keep the constructor as given: the chapter loads trained weights into your "
+             "layers by these names")
+
+
+def _run(call, name: str, hint: str):
+    """Call the learner's layer; a RuntimeError (shapes that do not broadcast) becomes a message with a hint."""
+    try:
+        with torch.no_grad():
+            result = call()
+    except NotImplementedError:
+        raise  # an unfinished exercise says so itself
+    except RuntimeError as error:
+        fail(f"{name} raised RuntimeError: {(str(error).splitlines() or [''])[0]} ({hint})")
+    if isinstance(result, tuple):
+        fail(f"{name} should return one tensor x (B, T, D), got a tuple of {len(result)}")
+    return result
+
+
+def _parity(ours, expected, name: str, oracle: str, hint: str) -> None:
+    assert_close(ours, expected, f"{name} compared with {oracle} holding the same weights ({hint})")
+
+
+POST_LN_ENCODER = "post-LN: x = norm1(x + self_attn(x, x, x, mask)[0]), then x = norm2(x + ffn(x))"
+PRE_LN_ENCODER = ("pre-LN: h = norm1(x); x = x + self_attn(h, h, h, mask)[0], then x = x + ffn(norm2(x)); "
+                  "the residual adds the un-normalised x")
 
 
 def check_encoder_layer(EncoderLayer) -> None:
-    """Visible checks for exercise 3: post-LN with a padding mask, against torch.nn.TransformerEncoderLayer."""
+    """Visible checks for exercise 3 against torch.nn.TransformerEncoderLayer: post-LN and pre-LN, with a padding mask."""
     d_model, n_heads, d_ff = 16, 4, 32
-    layer = seeded_parameters(EncoderLayer(d_model, n_heads, d_ff, dropout=0.0, norm_first=False), seed=303).eval()
     x = torch.randn(2, 5, d_model, generator=torch.Generator().manual_seed(304))
-    real = torch.tensor([[True] * 5, [True, True, True, False, False]])
-    with torch.no_grad():
-        out = layer(x, real[:, None, None, :])
-        # PyTorch: key_padding_mask True = padding = NOT attended, the opposite of our masks
-        expected = torch_encoder_layer(layer)(x, src_key_padding_mask=~real)
-    _parity(out, expected, "your post-LN EncoderLayer (norm_first=False) with a padding mask",
-            "torch.nn.TransformerEncoderLayer(norm_first=False)")
+    real = torch.tensor([[True, True, True, True, False], [True, True, True, False, False]])  # both end with padding
+    for norm_first in (False, True):
+        arrangement = "pre-LN" if norm_first else "post-LN"
+        layer = seeded_parameters(EncoderLayer(d_model, n_heads, d_ff, dropout=0.0, norm_first=norm_first), seed=303).eval()
+        _check_parameter_names(layer, ENCODER_PARAMETERS, "EncoderLayer")
+        name = f"your {arrangement} EncoderLayer (norm_first={norm_first})"
+        out = _run(lambda: layer(x, real[:, None, None, :]), f"{name} with a padding mask (2, 1, 1, 5)",
+                   "the mask goes to self-attention: self.self_attn(query, key, value, mask)")
+        with torch.no_grad():
+            # PyTorch: key_padding_mask True = padding = NOT attended, the opposite of our masks
+            oracle = torch_encoder_layer(layer)
+            expected = oracle(x, src_key_padding_mask=~real)
+            other = torch_encoder_layer(layer)
+            other.norm_first = not norm_first
+            _diagnose(out, {
+                f"{name} with a padding mask attends to the padding keys only: the mask is inverted. Our masks say "
+                "True = may attend; pass the mask to self-attention as it is (only PyTorch's layers want ~mask)":
+                    oracle(x, src_key_padding_mask=real),
+                f"{name} gives the same output with and without the padding mask: pass `mask` on to self-attention, "
+                "self.self_attn(..., mask)": oracle(x),
+                f"{name} computes {'post' if norm_first else 'pre'}-LN: with norm_first={norm_first} it must be {arrangement}. "
+                + (PRE_LN_ENCODER if norm_first else POST_LN_ENCODER): other(x, src_key_padding_mask=~real),
+            })
+        _parity(out, expected, f"{name} with a padding mask", f"torch.nn.TransformerEncoderLayer(norm_first={norm_first})",
+                PRE_LN_ENCODER if norm_first else POST_LN_ENCODER)
     passed("EncoderLayer")
 
 
+POST_LN_DECODER = ("post-LN: x = norm1(x + self_attn(x, x, x, tgt_mask)[0]), x = norm2(x + cross_attn(x, memory, memory, "
+                   "memory_mask)[0]), x = norm3(x + ffn(x))")
+PRE_LN_DECODER = ("pre-LN: h = norm1(x); x = x + self_attn(h, h, h, tgt_mask)[0]; x = x + cross_attn(norm2(x), memory, memory, "
+                  "memory_mask)[0]; x = x + ffn(norm3(x))")
+
+
 def check_decoder_layer(DecoderLayer) -> None:
-    """Visible checks for exercise 4: post-LN with target (padding & causal) and memory padding masks."""
+    """Visible checks for exercise 4: post-LN and pre-LN with target (padding & causal) and memory padding masks."""
     d_model, n_heads, d_ff = 16, 4, 32
-    layer = seeded_parameters(DecoderLayer(d_model, n_heads, d_ff, dropout=0.0, norm_first=False), seed=305).eval()
     gen = torch.Generator().manual_seed(306)
     x, memory = torch.randn(2, 4, d_model, generator=gen), torch.randn(2, 6, d_model, generator=gen)
     tgt_real = torch.tensor([[True] * 4, [True, True, True, False]])
@@ -189,10 +269,39 @@ def check_decoder_layer(DecoderLayer) -> None:
     causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))
     tgt_mask = tgt_real[:, None, None, :] & causal  # (2, 1, 4, 4)
     memory_mask = src_real[:, None, None, :]  # (2, 1, 1, 6)
-    with torch.no_grad():
-        out = layer(x, memory, tgt_mask, memory_mask)
-        expected = torch_decoder_layer(layer)(x, memory, tgt_mask=~causal, tgt_key_padding_mask=~tgt_real,
-                                              memory_key_padding_mask=~src_real)
-    _parity(out, expected, "your post-LN DecoderLayer (norm_first=False) with target and memory masks",
-            "torch.nn.TransformerDecoderLayer(norm_first=False)")
+    for norm_first in (False, True):
+        arrangement = "pre-LN" if norm_first else "post-LN"
+        layer = seeded_parameters(DecoderLayer(d_model, n_heads, d_ff, dropout=0.0, norm_first=norm_first), seed=305).eval()
+        _check_parameter_names(layer, DECODER_PARAMETERS, "DecoderLayer")
+        name = f"your {arrangement} DecoderLayer (norm_first={norm_first})"
+        out = _run(lambda: layer(x, memory, tgt_mask, memory_mask), f"{name} with tgt_mask (2, 1, 4, 4) and memory_mask (2, 1, 1, 6)",
+                   "tgt_mask goes to the self-attention over x; memory_mask to the cross-attention, whose keys and values "
+                   "are memory: self.cross_attn(query, memory, memory, memory_mask)")
+        with torch.no_grad():
+            oracle = torch_decoder_layer(layer)
+            masks = dict(tgt_mask=~causal, tgt_key_padding_mask=~tgt_real, memory_key_padding_mask=~src_real)
+            expected = oracle(x, memory, **masks)
+            other = torch_decoder_layer(layer)
+            other.norm_first = not norm_first
+            without = lambda key: {k: v for k, v in masks.items() if k != key}  # noqa: E731
+            mistakes = {
+                f"{name} ignores memory_mask: the cross-attention attends to the padding positions of memory. Pass "
+                "memory_mask to self.cross_attn": oracle(x, memory, **without("memory_key_padding_mask")),
+                f"{name} ignores the padding part of tgt_mask (the padding key of the second target is attended). Pass "
+                "tgt_mask, as given, to the self-attention": oracle(x, memory, **without("tgt_key_padding_mask")),
+                f"{name} ignores the causal part of tgt_mask (a query sees later positions). Pass tgt_mask, as given, to "
+                "the self-attention": oracle(x, memory, **without("tgt_mask")),
+                f"{name} ignores tgt_mask: the self-attention sees later positions and padding. Pass tgt_mask to "
+                "self.self_attn": oracle(x, memory, memory_key_padding_mask=~src_real),
+                f"{name} computes {'post' if norm_first else 'pre'}-LN: with norm_first={norm_first} it must be {arrangement}. "
+                + (PRE_LN_DECODER if norm_first else POST_LN_DECODER): other(x, memory, **masks),
+            }
+            if norm_first:
+                normalised_memory = F.layer_norm(memory, (d_model,), layer.norm2.weight, layer.norm2.bias, eps=1e-5)
+                mistakes[f"{name} normalises memory too: in pre-LN, norm2 applies to the decoder-side query only; the "
+                         "encoder's output (already normalised) is the cross-attention's keys and values as it is"] = (
+                    oracle(x, normalised_memory, **masks))
+            _diagnose(out, mistakes)
+        _parity(out, expected, f"{name} with target and memory masks", f"torch.nn.TransformerDecoderLayer(norm_first={norm_first})",
+                PRE_LN_DECODER if norm_first else POST_LN_DECODER)
     passed("DecoderLayer")
