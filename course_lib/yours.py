@@ -17,13 +17,17 @@ import contextlib
 import io
 from typing import Callable, TypeVar
 
+import torch
+
 F = TypeVar("F", bound=Callable)
 
 
 def passes(function: Callable, check: Callable[[Callable], None]) -> bool:
-    """Whether ``check(function)`` returns without raising; what the check prints is dropped."""
+    """Whether ``check(function)`` returns without raising; what the check prints is dropped, and the random
+    numbers it draws (building layers, say) are given back, so that the cells after it draw the same ones
+    whether the learner's function passed, failed early or is not written yet."""
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), torch.random.fork_rng():
             check(function)
     except Exception:  # noqa: BLE001 - any failure of the learner's code or of the check means "not yet"
         return False

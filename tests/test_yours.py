@@ -39,3 +39,19 @@ def test_an_unfinished_or_wrong_function_gives_way_to_the_course(capsys):
         assert yours(learners, checks.check_masked_softmax, reference) is reference
         assert capsys.readouterr().out == "your masked_softmax does not pass its check yet: the course's version runs below\n"
     assert not passes(no_mask, checks.check_masked_softmax) and passes(reference, checks.check_masked_softmax)
+
+
+def test_the_check_gives_back_the_random_numbers_it_draws():
+    def check_that_draws(function):
+        torch.randn(100)
+        function()
+
+    def fails():
+        raise AssertionError("wrong")
+
+    torch.manual_seed(5)
+    expected = torch.randn(3)
+    for function in (lambda: None, fails):
+        torch.manual_seed(5)
+        passes(function, check_that_draws)
+        assert torch.equal(torch.randn(3), expected)
