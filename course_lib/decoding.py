@@ -12,7 +12,7 @@ A filtered token has logit -inf (probability exactly 0 after softmax).
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,20 @@ from .kv_cache import KVCache, cached_forward
 
 #: the order in which ``process_logits`` (and therefore ``generate``) applies the processors
 PROCESSOR_ORDER = ("repetition_penalty", "frequency_presence_penalty", "temperature", "top_k", "top_p", "min_p")
+
+#: the functions a caller may run instead of this module's own, by name: the ``functions`` argument of
+#: ``process_logits``, ``sample``, ``generate`` and ``beam_search`` (chapter 06 passes the learner's this way)
+REPLACEABLE = ("apply_repetition_penalty", "apply_frequency_presence_penalty", "apply_temperature", "top_k_filter",
+               "top_p_filter", "min_p_filter", "beam_search_step")
+
+
+def _functions(functions: Mapping[str, Callable] | None) -> dict[str, Callable]:
+    """This module's processors and beam step by name, with the caller's replacements (``functions``) swapped in."""
+    functions = dict(functions or {})
+    unknown = sorted(set(functions) - set(REPLACEABLE))
+    if unknown:
+        raise ValueError(f"functions can replace only {', '.join(REPLACEABLE)}; got {', '.join(unknown)}")
+    return {name: functions.get(name, globals()[name]) for name in REPLACEABLE}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -48,8 +62,10 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     Ties with the k-th largest value are all kept (so a row may keep more than k tokens); k larger
     than the vocabulary keeps everything. Logits and probabilities have the same order, so filtering
     either gives the same set; the result is logits (never probabilities).
+    k must be a Python int >= 1: 0, a negative k, a float (even 2.0), a bool (an int in Python, but
+    not a count), a numpy integer or a tensor raise ValueError (convert with int(k) first).
     """
-    if not isinstance(k, int) or k < 1:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"top_k must be an integer >= 1, got {k!r}")
     k = min(k, logits.shape[-1])
     kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # (B, 1)
@@ -62,6 +78,8 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     The token whose probability makes the running mass cross p is kept, and so is the most probable
     token whatever p. Computed as Hugging Face does: sort ascending, and drop a token when the mass of
     it and everything less probable is <= 1 - p (the same set, up to float rounding at the boundary).
+    The kept logits are returned unchanged, in the vocabulary order of the input. p must be in
+    (0, 1]: p <= 0 or p > 1 raises ValueError.
     """
     if not 0 < p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {p}")
@@ -87,7 +105,9 @@ def apply_repetition_penalty(logits: torch.Tensor, input_ids: torch.Tensor, pena
     A token that already occurs (prompt included) becomes less likely: a positive logit is divided by
     the penalty, a negative one multiplied by it. (CTRL's paper, Keskar et al., 2019, divides every
     logit; dividing a negative logit would *raise* it.) A token is penalised once, however often it
-    occurs. penalty > 1 discourages repetition, < 1 encourages it.
+    occurs; each row by its own history only; tokens not in input_ids keep their logits.
+    penalty > 1 discourages repetition, 0 < penalty < 1 encourages it, 1 changes nothing; penalty <= 0
+    (or NaN) raises ValueError.
     """
     if not penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0 (1 means no penalty), got {penalty}")
@@ -113,25 +133,32 @@ def apply_frequency_presence_penalty(logits: torch.Tensor, token_ids: torch.Tens
 def process_logits(logits: torch.Tensor, input_ids: torch.Tensor, generated_ids: torch.Tensor | None = None, *,
                    repetition_penalty: float | None = None, frequency_penalty: float = 0.0,
                    presence_penalty: float = 0.0, temperature: float = 1.0, top_k: int | None = None,
-                   top_p: float | None = None, min_p: float | None = None) -> torch.Tensor:
+                   top_p: float | None = None, min_p: float | None = None,
+                   functions: Mapping[str, Callable] | None = None) -> torch.Tensor:
     """Apply the processors in PROCESSOR_ORDER: penalties, temperature, top-k, top-p, min-p. (B, V) -> (B, V).
 
     input_ids (B, T): everything so far, prompt included (for the repetition penalty);
     generated_ids (B, T_new): the generated tokens only (for the frequency and presence penalties).
     Processors left at their neutral value (None, 0, 1) are skipped, as in Hugging Face.
+    functions: {name: function} to run instead of this module's processors of those names (see
+    REPLACEABLE), e.g. ``{"top_k_filter": my_top_k_filter}``; the input logits are then copied first,
+    so a replacement that works in place cannot change them.
     """
+    run = _functions(functions)
+    if functions:
+        logits = logits.clone()
     if repetition_penalty is not None and repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, input_ids, repetition_penalty)
+        logits = run["apply_repetition_penalty"](logits, input_ids, repetition_penalty)
     if (frequency_penalty or presence_penalty) and generated_ids is not None:
-        logits = apply_frequency_presence_penalty(logits, generated_ids, frequency_penalty, presence_penalty)
+        logits = run["apply_frequency_presence_penalty"](logits, generated_ids, frequency_penalty, presence_penalty)
     if temperature != 1.0:
-        logits = apply_temperature(logits, temperature)
+        logits = run["apply_temperature"](logits, temperature)
     if top_k:
-        logits = top_k_filter(logits, top_k)
+        logits = run["top_k_filter"](logits, top_k)
     if top_p is not None and top_p < 1.0:
-        logits = top_p_filter(logits, top_p)
+        logits = run["top_p_filter"](logits, top_p)
     if min_p is not None:
-        logits = min_p_filter(logits, min_p)
+        logits = run["min_p_filter"](logits, min_p)
     return logits
 
 
@@ -145,8 +172,10 @@ def greedy_search(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token
 
     ``model(idx)`` returns ``(logits (B, T, V), loss)`` (our GPT). A row that has produced
     eos_token_id is finished: from then on it emits pad_token_id (default: eos_token_id), while the
-    other rows go on; the loop stops early once every row is finished. No cache: every step runs the
-    model over the whole sequence (``generate`` does the same with a KV cache).
+    other rows go on; the loop stops early once every row is finished. Only generated tokens finish a
+    row: an eos_token_id already in the prompt does not. No cache and no cropping: every step runs the
+    model over the whole sequence, so T + max_new_tokens must fit in the model's context (our GPT raises
+    ValueError beyond its block_size). ``generate`` does the same with a KV cache.
     """
     if eos_token_id is not None and pad_token_id is None:
         pad_token_id = eos_token_id
@@ -226,7 +255,8 @@ def sample(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: 
            top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
            frequency_penalty: float = 0.0, presence_penalty: float = 0.0, eos_token_id=None, pad_token_id=None,
            attention_mask=None, use_cache: bool = True, generator: torch.Generator | None = None,
-           stop_sequences: Sequence[Sequence[int]] = (), streamer: Callable | None = None) -> torch.Tensor:
+           stop_sequences: Sequence[Sequence[int]] = (), streamer: Callable | None = None,
+           functions: Mapping[str, Callable] | None = None) -> torch.Tensor:
     """Ancestral sampling: at each step process the logits (PROCESSOR_ORDER), then draw from their softmax.
 
     input_ids (B, T) -> (B, T + n). One ``torch.multinomial`` draw of shape (B, 1) per step, from
@@ -237,7 +267,7 @@ def sample(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: 
                     min_p=min_p, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                     presence_penalty=presence_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                     attention_mask=attention_mask, use_cache=use_cache, generator=generator,
-                    stop_sequences=stop_sequences, streamer=streamer)
+                    stop_sequences=stop_sequences, streamer=streamer, functions=functions)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -278,7 +308,8 @@ def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def beam_search(model, input_ids: torch.Tensor, max_new_tokens: int, num_beams: int, *, length_penalty: float = 1.0,
                 length_penalty_style: str = "hf", early_stopping: bool | str = False, eos_token_id=None,
                 pad_token_id=None, attention_mask=None, use_cache: bool = True, repetition_penalty: float | None = None,
-                num_return_sequences: int = 1, return_scores: bool = False):
+                num_return_sequences: int = 1, return_scores: bool = False,
+                functions: Mapping[str, Callable] | None = None):
     """Batched beam search in log space, as Hugging Face's ``_beam_search``: (B, T) -> (B * R, T + n).
 
     Each row keeps K = num_beams running beams. Each step expands them into K x V candidates, keeps the
@@ -293,6 +324,8 @@ def beam_search(model, input_ids: torch.Tensor, max_new_tokens: int, num_beams: 
     "never" assumes the best running beam could still reach max length (the canonical, exact rule for
     length_penalty > 0). Returns the best R = num_return_sequences hypotheses per row, padded with
     pad_token_id (default: the first EOS id) to the longest; with return_scores also their scores (B * R,).
+    functions: {name: function} to run instead of this module's ``beam_search_step`` or
+    ``apply_repetition_penalty`` (see REPLACEABLE), e.g. the learner's.
     """
     if not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
@@ -304,6 +337,7 @@ def beam_search(model, input_ids: torch.Tensor, max_new_tokens: int, num_beams: 
         raise ValueError(f"num_return_sequences must be in [1, num_beams = {num_beams}], got {num_return_sequences}")
     B, T0 = input_ids.shape
     _check_length(model, T0, max_new_tokens)
+    run = _functions(functions)
     K, device = num_beams, input_ids.device
     eos_ids = _as_id_list(eos_token_id)
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
@@ -333,9 +367,9 @@ def beam_search(model, input_ids: torch.Tensor, max_new_tokens: int, num_beams: 
     while True:
         log_probs = F.log_softmax(logits[:, -1, :].float(), dim=-1)  # (B * K, V)
         if repetition_penalty is not None and repetition_penalty != 1.0:
-            log_probs = apply_repetition_penalty(log_probs, running[:, :, :cur_len].reshape(B * K, cur_len),
+            log_probs = run["apply_repetition_penalty"](log_probs, running[:, :, :cur_len].reshape(B * K, cur_len),
                                                  repetition_penalty)
-        scores, beam, token, ended_scores = beam_search_step(log_probs.view(B, K, -1), running_scores, num_candidates,
+        scores, beam, token, ended_scores = run["beam_search_step"](log_probs.view(B, K, -1), running_scores, num_candidates,
                                                              cur_len, T0, length_penalty)
         if length_penalty_style == "gnmt":
             ended_scores = scores / gnmt_length_penalty(cur_len + 1 - T0, length_penalty)
@@ -402,7 +436,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: 
              num_beams: int = 1, length_penalty: float = 1.0, early_stopping: bool | str = False,
              eos_token_id=None, pad_token_id=None, attention_mask=None, use_cache: bool = True,
              generator: torch.Generator | None = None, stop_sequences: Sequence[Sequence[int]] = (),
-             streamer: Callable | None = None, length_penalty_style: str = "hf") -> torch.Tensor:
+             streamer: Callable | None = None, length_penalty_style: str = "hf",
+             functions: Mapping[str, Callable] | None = None) -> torch.Tensor:
     """Generate up to max_new_tokens after input_ids (B, T) with a course_lib.gpt.GPT: -> (B, T + n).
 
     Greedy (default), sampling (``do_sample``; processors in PROCESSOR_ORDER, the penalties also apply
@@ -418,7 +453,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: 
     OpenAI's (Hugging Face has neither); stop_sequences are lists of token ids that finish a row like an
     EOS (Hugging Face's stop_strings are text); streamer is a function called with the new tokens (B,)
     after every step (Hugging Face's is an object with put and end); generator and length_penalty_style
-    ("hf" or "gnmt", beam search only) are ours only.
+    ("hf" or "gnmt", beam search only) are ours only, and so is functions: {name: function} to run
+    instead of this module's processors or beam step of those names (REPLACEABLE), e.g. the learner's
+    ``{"top_k_filter": top_k_filter, "beam_search_step": beam_search_step}``.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must have shape (B, T), got {tuple(input_ids.shape)}")
@@ -458,16 +495,16 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: 
         return beam_search(model, input_ids, max_new_tokens, num_beams, length_penalty=length_penalty,
                            length_penalty_style=length_penalty_style, early_stopping=early_stopping,
                            eos_token_id=eos_ids or None, pad_token_id=pad_token_id, attention_mask=attention_mask,
-                           use_cache=use_cache, repetition_penalty=repetition_penalty)
+                           use_cache=use_cache, repetition_penalty=repetition_penalty, functions=functions)
 
     def process(idx, generated, logits):
         if do_sample:
             return process_logits(logits, idx, generated, repetition_penalty=repetition_penalty,
                                   frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                                  temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+                                  temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, functions=functions)
         # greedy: the warpers cannot change the argmax, so only the penalties apply (as in Hugging Face)
         return process_logits(logits, idx, generated, repetition_penalty=repetition_penalty,
-                              frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+                              frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, functions=functions)
 
     def choose(scores):
         if do_sample:

@@ -19,6 +19,7 @@ exercises; the notebook's solution cells are the same code (``tests/test_solutio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -162,16 +163,22 @@ def _check_arguments(target, draft, input_ids, max_new_tokens, num_draft_tokens,
 @torch.no_grad()
 def speculative_generate(target, draft, input_ids, max_new_tokens: int, *, num_draft_tokens: int = 4,
                          do_sample: bool = False, temperature: float = 1.0,
-                         generator: torch.Generator | None = None) -> SpeculativeOutput:
+                         generator: torch.Generator | None = None, step: Callable | None = None,
+                         accept: Callable | None = None) -> SpeculativeOutput:
     """Extend input_ids (1, T) by max_new_tokens tokens with speculative decoding.
 
     The tokens follow the target's distribution (softmax(logits / temperature)); with do_sample=False
     they are exactly the target's greedy tokens. Near the end a round drafts fewer tokens, so that no
-    round goes past max_new_tokens. Both models must be in eval mode and share the vocabulary; T +
-    max_new_tokens must fit in both contexts. Returns a SpeculativeOutput (tokens (1, T + max_new_tokens)
-    and acceptance statistics).
+    round goes past max_new_tokens (the last round may draft none: K = 0). Both models must be in eval
+    mode and share the vocabulary; T + max_new_tokens must fit in both contexts. step and accept: the
+    functions that run one round and verify its drafts (default: this module's speculative_step and
+    speculative_accept; chapter 07 passes the learner's), called as
+    ``step(target, draft, tokens, target_cache, draft_cache, K, do_sample=..., temperature=...,
+    generator=..., accept=accept)``. Returns a SpeculativeOutput (tokens (1, T + max_new_tokens) and
+    acceptance statistics).
     """
     _check_arguments(target, draft, input_ids, max_new_tokens, num_draft_tokens, do_sample, temperature)
+    step, accept = step or speculative_step, accept or speculative_accept
     if not do_sample:
         generator = torch.Generator()  # greedy draws nothing that matters; keep the global random state untouched
     total = input_ids.shape[1] + max_new_tokens
@@ -181,8 +188,9 @@ def speculative_generate(target, draft, input_ids, max_new_tokens: int, *, num_d
     tokens = input_ids
     while tokens.shape[1] < total:
         k = min(num_draft_tokens, total - tokens.shape[1] - 1)
-        tokens, a = speculative_step(target, draft, tokens, target_cache, draft_cache, k, do_sample=do_sample,
-                                     temperature=temperature, generator=generator)
+        tokens, a = step(target, draft, tokens, target_cache, draft_cache, k, do_sample=do_sample,
+                         temperature=temperature, generator=generator, accept=accept)
+        a = int(a)
         out.rounds += 1
         out.proposed += k
         out.accepted += a

@@ -42,6 +42,35 @@ def crossing_dropped(logits, p):
     return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
+def multiplied(logits, temperature):
+    if temperature < 0:
+        raise ValueError("temperature")
+    if temperature == 0:
+        return apply_temperature(logits, 0.0)
+    return logits * temperature
+
+
+def one_hot_probabilities_at_zero(logits, temperature):
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    return apply_temperature(logits, temperature)
+
+
+def zeros_for_filtered(logits, k):
+    return top_k_filter(logits, k).nan_to_num(neginf=0.0)
+
+
+def k_not_clamped(logits, k):
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def mask_in_sorted_order(logits, p):
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    before = sorted_logits.softmax(-1).cumsum(-1) - sorted_logits.softmax(-1)
+    return logits.masked_fill(before >= p, float("-inf"))  # the sorted mask applied to the unsorted logits
+
+
 def divide_all(logits, ids, penalty):
     return logits.scatter(1, ids, torch.gather(logits, 1, ids) / penalty)
 
@@ -56,6 +85,64 @@ def stop_at_first_eos(model, input_ids, max_new_tokens, eos_token_id=None, pad_t
     return idx
 
 
+def penalised_per_occurrence(logits, ids, penalty):
+    logits = logits.clone()
+    for b in range(ids.shape[0]):
+        for t in ids[b].tolist():
+            logits[b, t] = logits[b, t] * penalty if logits[b, t] < 0 else logits[b, t] / penalty
+    return logits
+
+
+def every_rows_history(logits, ids, penalty):
+    return apply_repetition_penalty(logits, ids.reshape(1, -1).expand(logits.shape[0], -1), penalty)
+
+
+def samples(model, input_ids, max_new_tokens, eos_token_id=None, pad_token_id=None):
+    gen = torch.Generator().manual_seed(0)
+    idx = input_ids
+    for _ in range(max_new_tokens):
+        nxt = torch.multinomial(model(idx)[0][:, -1].softmax(-1), 1, generator=gen)
+        idx = torch.cat([idx, nxt], 1)
+    return idx
+
+
+def never_stops(model, input_ids, max_new_tokens, eos_token_id=None, pad_token_id=None):
+    idx, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        nxt = model(idx)[0][:, -1].argmax(-1)
+        if eos_token_id is not None:
+            nxt = torch.where(finished, pad_token_id, nxt)
+            finished |= nxt == eos_token_id
+        idx = torch.cat([idx, nxt[:, None]], 1)
+    return idx
+
+
+def no_padding(model, input_ids, max_new_tokens, eos_token_id=None, pad_token_id=None):
+    idx, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        nxt = model(idx)[0][:, -1].argmax(-1)
+        finished |= nxt == eos_token_id if eos_token_id is not None else False
+        idx = torch.cat([idx, nxt[:, None]], 1)
+        if finished.all():
+            break
+    return idx
+
+
+def beam_modulo_k(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty=1.0):
+    scores, beam, token, finished = beam_search_step(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty)
+    flat = beam * log_probs.shape[-1] + token
+    return scores, flat % log_probs.shape[1], token, finished
+
+
+def ranked_by_new_log_prob(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty=1.0):
+    return beam_search_step(log_probs, torch.zeros_like(beam_scores), n, cur_len, prompt_len, length_penalty)
+
+
+def float_indices(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty=1.0):
+    scores, beam, token, finished = beam_search_step(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty)
+    return scores, beam.float(), token.float(), finished
+
+
 def prompt_counted(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty=1.0):
     scores, beam, token, _ = beam_search_step(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty)
     return scores, beam, token, scores / (cur_len + 1) ** length_penalty
@@ -63,14 +150,27 @@ def prompt_counted(log_probs, beam_scores, n, cur_len, prompt_len, length_penalt
 
 @pytest.mark.parametrize("check, fn, message", [
     (checks.check_apply_temperature, divide_by_zero, "temperature 0 gave NaN"),
+    (checks.check_apply_temperature, multiplied, "multiplies the logits by the temperature"),
+    (checks.check_apply_temperature, one_hot_probabilities_at_zero, "a 1/0 one-hot is probabilities"),
     (checks.check_top_k_filter, exactly_k, "three logits tied"),
-    (checks.check_top_k_filter, probabilities_out, "not probabilities"),
+    (checks.check_top_k_filter, probabilities_out, "they look like probabilities, not logits"),
+    (checks.check_top_k_filter, zeros_for_filtered, "set the filtered tokens to 0"),
+    (checks.check_top_k_filter, k_not_clamped, "clamp k to V"),
     (checks.check_top_p_filter, crossing_dropped, "the token that crosses p included"),
+    (checks.check_top_p_filter, mask_in_sorted_order, "put the mask back in vocabulary order"),
     (checks.check_apply_repetition_penalty, divide_all, "RAISES it"),
+    (checks.check_apply_repetition_penalty, penalised_per_occurrence, "penalised once"),
+    (checks.check_apply_repetition_penalty, every_rows_history, "by its own input_ids only"),
     (checks.check_greedy_search, stop_at_first_eos, "the other rows go on"),
+    (checks.check_greedy_search, samples, "never samples"),
+    (checks.check_greedy_search, never_stops, "stop the loop as soon as all rows have produced EOS"),
+    (checks.check_greedy_search, no_padding, "a row that produced EOS emits padding"),
     (checks.check_beam_search_step, prompt_counted, "(7 + 1 - 4) ** 2 = 16"),
+    (checks.check_beam_search_step, beam_modulo_k, "(index // V)"),
+    (checks.check_beam_search_step, ranked_by_new_log_prob, "beam_scores + log_probs over all"),
+    (checks.check_beam_search_step, float_indices, "must be an int64 tensor of indices"),
 ])
 def test_each_classic_bug_gets_a_specific_message(check, fn, message):
-    with pytest.raises(checks.CheckFailed, match=None) as failure:
+    with pytest.raises(checks.CheckFailed) as failure:
         check(fn)
     assert message in str(failure.value)

@@ -1,6 +1,8 @@
 """Chapter 07's learner-facing checks: the reference passes; each classic bug gets a specific message."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -48,6 +50,45 @@ def no_bonus(p, q, draft_tokens, u):
     return n, (r if n < len(draft_tokens) else p[n - 1])
 
 
+def residual_not_clamped(p, q, draft_tokens, u):
+    n, r = speculative_accept(p, q, draft_tokens, u)
+    return n, (r if n == len(draft_tokens) else (p[n] - q[n]) / (p[n] - q[n]).sum())
+
+
+def residual_swapped(p, q, draft_tokens, u):
+    n, r = speculative_accept(p, q, draft_tokens, u)
+    return n, (r if n == len(draft_tokens) else (q[n] - p[n]).clamp(min=0) / (q[n] - p[n]).clamp(min=0).sum())
+
+
+def counts_every_acceptance(p, q, draft_tokens, u):
+    K = len(draft_tokens)
+    accepted = u < p[torch.arange(K), draft_tokens] / q[torch.arange(K), draft_tokens]
+    n = int(accepted.sum())  # BUG: not only the leading run of acceptances
+    if n == K:
+        return n, p[K]
+    r = (p[n] - q[n]).clamp(min=0)
+    return n, r / r.sum()
+
+
+def planted(function, old: str, new: str):
+    """The course's function with one line of its source replaced (a planted bug), in its module's namespace."""
+    source = inspect.getsource(function)
+    assert old in source
+    namespace = dict(vars(inspect.getmodule(function)))
+    exec(source.replace(old, new), namespace)  # noqa: S102 - the course's own code, one line changed
+    return namespace[function.__name__]
+
+
+draft_cropped_without_min = planted(speculative_step, "draft_cache.crop(min(draft_cache.length, n + a))",
+                                    "draft_cache.crop(n + a)")
+
+
+def fails_at_k_zero(target, draft, tokens, target_cache, draft_cache, K, **kwargs):
+    if K == 0:
+        torch.stack([])  # what torch.stack(q) does with no drafts
+    return speculative_step(target, draft, tokens, target_cache, draft_cache, K, **kwargs)
+
+
 def step_without_rollback(target, draft, tokens, target_cache, draft_cache, K, **kwargs):
     crop = type(target_cache).crop
     type(target_cache).crop = lambda self, n: None
@@ -61,6 +102,11 @@ def step_without_rollback(target, draft, tokens, target_cache, draft_cache, K, *
     (checks.check_speculative_accept, unnormalised, r"your next_probs sums to 0\.7, expected 1: .* must be renormalised"),
     (checks.check_speculative_accept, swapped, r"u = 0\.41 >= 0\.4: the token must be rejected .*are p and q swapped"),
     (checks.check_speculative_accept, no_bonus, r"next_probs must be the target's distribution after them, p\[K\] .* \(the bonus token\)"),
+    (checks.check_speculative_accept, residual_not_clamped, r"with negative entries: the residual is max\(0, p - q\), clamped at 0"),
+    (checks.check_speculative_accept, residual_swapped, r"your next_probs is max\(0, q - p\), normalised"),
+    (checks.check_speculative_accept, counts_every_acceptance, r"before the FIRST rejection"),
+    (checks.check_speculative_step, draft_cropped_without_min, r"crop it to min\(draft_cache.length, n \+ a\)"),
+    (checks.check_speculative_step, fails_at_k_zero, r"K = 0 must work .* no draft pass"),
     (checks.check_speculative_step, step_without_rollback, r"target cache holds \d+ slots, expected n \+ a = \d+ .*crop"),
     (checks.check_speculative_step, bonus_missing_step, r"all K = \d drafts were accepted, so the step must add K \+ 1 = \d tokens \(the last one is the bonus token"),
 ])

@@ -157,6 +157,68 @@ def test_bad_generate_arguments_raise_value_error(models):
         D.generate(model, x, 60)
 
 
+def test_top_k_accepts_python_ints_only_as_documented():
+    import numpy as np
+
+    logits = adversarial_logits()
+    for k in (0, -1, 2.5, 2.0, True, np.int64(2), torch.tensor(2)):
+        with pytest.raises(ValueError, match="top_k must be an integer >= 1"):
+            D.top_k_filter(logits, k)
+
+
+def test_greedy_search_ignores_an_eos_in_the_prompt_and_does_not_crop(models):
+    model, _ = models
+    x = prompts(1, 5)
+    free = D.greedy_search(model, x, 6)
+    eos = int(x[0, 2])  # in the prompt
+    if eos in free[0, 5:].tolist():
+        eos = next(t for t in range(V) if t not in free[0].tolist())
+        x[0, 2] = eos
+        free = D.greedy_search(model, x, 6)
+    assert torch.equal(D.greedy_search(model, x, 6, eos_token_id=eos, pad_token_id=12), free)  # nothing finished
+    with pytest.raises(ValueError, match="block_size"):
+        D.greedy_search(model, x, 61)  # no cropping: the last step would feed 5 + 60 > 64 tokens
+
+
+class Spy:
+    """A replacement for one of decoding's functions: counts its calls, runs the course's, optionally in place."""
+
+    def __init__(self, name, in_place=False):
+        self.function, self.calls, self.in_place = getattr(D, name), 0, in_place
+
+    def __call__(self, logits, *args):
+        self.calls += 1
+        out = self.function(logits, *args)
+        if self.in_place:
+            logits.copy_(out)
+        return out
+
+
+def test_functions_replace_the_processors_and_the_input_is_left_alone():
+    logits, ids = adversarial_logits(), torch.tensor([[0, 3, 3]] * 6)
+    kwargs = dict(repetition_penalty=1.5, temperature=0.7, top_k=6, top_p=0.9, min_p=0.05)
+    spies = {name: Spy(name, in_place=True) for name in
+             ("apply_repetition_penalty", "apply_temperature", "top_k_filter", "top_p_filter", "min_p_filter")}
+    before = logits.clone()
+    assert torch.equal(D.process_logits(logits, ids, functions=spies, **kwargs), D.process_logits(logits, ids, **kwargs))
+    assert torch.equal(logits, before)  # copied before an in-place replacement could touch it
+    assert all(spy.calls == 1 for spy in spies.values())
+    with pytest.raises(ValueError, match="functions can replace only"):
+        D.process_logits(logits, ids, functions={"top_k": D.top_k_filter}, top_k=3)
+
+
+def test_generate_and_beam_search_run_the_functions_they_are_given(models):
+    model, _ = models
+    x = prompts()
+    top_k, step = Spy("top_k_filter"), Spy("beam_search_step")
+    sampled = D.generate(model, x, 6, do_sample=True, top_k=4, generator=torch.Generator().manual_seed(0),
+                         functions={"top_k_filter": top_k})
+    assert top_k.calls == 6 and torch.equal(sampled, D.generate(model, x, 6, do_sample=True, top_k=4,
+                                                                generator=torch.Generator().manual_seed(0)))
+    beams = D.generate(model, x, 6, num_beams=3, functions={"beam_search_step": step})
+    assert step.calls >= 1 and torch.equal(beams, D.generate(model, x, 6, num_beams=3))
+
+
 # ------------------------------------------------------------------ greedy and sampling vs HF generate
 
 

@@ -62,6 +62,10 @@ CASES = [
      failing(TOPK, "visible", "large", "logits")),
     (TOPK, "threshold from logits compared with probabilities, filtered set to 0", mutate(TOPK, (TOPK_RETURN,
         "return logits.masked_fill(logits.softmax(-1) < kth_largest, 0.0)")), failing(TOPK, "visible", "ties", "logits")),
+    (TOPK, "k checked for its range only: 2.5, numpy integers and tensors not refused", mutate(TOPK, (
+        "if isinstance(k, bool) or not isinstance(k, int) or k < 1:", "if k < 1:")), failing(TOPK, "large")),
+    (TOPK, "no check of k", mutate(TOPK, ("if isinstance(k, bool) or not isinstance(k, int) or k < 1:", "if False:")),
+     failing(TOPK, "large")),
     (TOPK, "correct: top-k on probabilities, logits returned", mutate(TOPK, (KTH,
         "kth_largest = torch.topk(logits.softmax(-1), k, dim=-1).values[..., -1:]"), (
         "logits < kth_largest", "logits.softmax(-1) < kth_largest")), set()),
@@ -79,6 +83,7 @@ CASES = [
         "tail_mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1)",
         "tail_mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1) - sorted_logits.softmax(dim=-1)"),
         (DROP, "drop = tail_mass >= p"), ("drop[..., -1] = False", "drop[..., 0] = False")), set()),
+    (TOPP, "no check of p", mutate(TOPP, ("if not 0 < p <= 1:", "if False:")), failing(TOPP, "one")),
     # repetition penalty
     (REP, "divides negative logits too", mutate(REP, (PENALTY, "score = score / penalty")),
      failing(REP, "visible", "negative", "rows")),
@@ -91,6 +96,7 @@ CASES = [
     (REP, "every row penalised by all rows' tokens", mutate(REP, (
         "score = torch.gather(logits, 1, input_ids)", "input_ids = input_ids.reshape(1, -1).expand(logits.shape[0], -1)\n"
         "    score = torch.gather(logits, 1, input_ids)")), failing(REP, "visible", "rows")),
+    (REP, "no check of the penalty", mutate(REP, ("if not penalty > 0:", "if False:")), failing(REP, "rows")),
     # greedy
     (GREEDY, "one row's EOS stops the batch", mutate(GREEDY, (ALL_DONE, "if finished.any():")),
      failing(GREEDY, "visible", "batch_eos", "padding")),
@@ -100,6 +106,10 @@ CASES = [
     (GREEDY, "finished rows keep generating", mutate(GREEDY, ("next_token = torch.where(finished, pad_token_id, next_token)",
                                                               "pass")), failing(GREEDY, "visible", "padding")),
     (GREEDY, "never stops early", mutate(GREEDY, (ALL_DONE, "if False:")), failing(GREEDY, "visible", "stop")),
+    (GREEDY, "an EOS in the prompt finishes the row", mutate(GREEDY, (
+        "finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)  # (B,)",
+        "finished = (idx == eos_token_id).any(dim=1) if eos_token_id is not None else "
+        "torch.zeros(idx.shape[0], dtype=torch.bool)")), failing(GREEDY, "padding")),
     # beam search step
     (BEAM, "length penalty counts the prompt", mutate(BEAM, (LENGTH, "(cur_len + 1) ** length_penalty")),
      failing(BEAM, "visible", "prompt")),

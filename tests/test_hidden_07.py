@@ -71,7 +71,10 @@ def speculative_accept(p, q, draft_tokens, u):
     (STEP, "bonus token missing", mutate(STEP, (APPEND, "tokens = torch.cat([tokens, drafts[:, :a]] + ([draw_token(next_probs, generator)] if a < K else []), dim=1)"),
                                           (CROP_T, "target_cache.crop(min(n + a, tokens.shape[1] - 1))"),
                                           (CROP_D, "draft_cache.crop(min(draft_cache.length, tokens.shape[1] - 1))")),
-     {f"{STEP}-visible", f"{STEP}-bonus"}),
+     {f"{STEP}-visible", f"{STEP}-bonus", f"{STEP}-rollback"}),  # at K = 0 (a = K) it adds no token at all
+    (STEP, "K = 0 not handled: torch.stack of no drafts", mutate(STEP, (
+        "accept(p, torch.stack(q) if K else p[:0], drafts[0], u)", "accept(p, torch.stack(q), drafts[0], u)")),
+     {f"{STEP}-visible", f"{STEP}-rollback"}),  # the visible check and the rollback test run K = 0 rounds
     (STEP, "correct: drafts fed one at a time after a separate catch-up", mutate(STEP, (
         "new, drafted, q = tokens[:, draft_cache.length:], [], []",
         "new, drafted, q = tokens[:, draft_cache.length:], [], []\n    if new.shape[1] > 1:\n"

@@ -325,6 +325,35 @@ def test_every_round_of_an_identical_draft_yields_k_plus_one_tokens(step, ok):
 
 # --- small helpers and argument checks ------------------------------------------------------------------------
 
+def test_speculative_generate_runs_the_step_and_accept_it_is_given():
+    target, draft = tiny_gpt(0, 2), tiny_gpt(1, 1)
+    prompt = torch.tensor([[1, 2, 3]])
+    calls = {"step": 0, "accept": 0}
+
+    def counting_accept(*args):
+        calls["accept"] += 1
+        return speculative_accept(*args)
+
+    def counting_step(*args, **kwargs):
+        calls["step"] += 1
+        return speculative_step(*args, **kwargs)
+
+    out = speculative_generate(target, draft, prompt, 12, num_draft_tokens=3, step=counting_step, accept=counting_accept)
+    assert torch.equal(out.tokens, speculative_generate(target, draft, prompt, 12, num_draft_tokens=3).tokens)
+    assert calls["step"] == calls["accept"] == out.rounds >= 4
+
+
+def test_k_zero_is_one_plain_step_of_the_target():
+    target, draft = tiny_gpt(0, 2), tiny_gpt(1, 1)
+    tokens = torch.tensor([[1, 2, 3]])
+    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(draft, 1)
+    new, a = speculative_step(target, draft, tokens, tc, dc, 0)
+    with torch.no_grad():
+        expected = target(tokens)[0][0, -1].argmax()
+    assert a == 0 and new.shape == (1, 4) and new[0, -1] == expected
+    assert tc.length == 3 and dc.length == 0  # the target cache holds every committed token but the newest; no draft pass
+
+
 def test_expected_tokens_per_round_formula():
     for alpha in (0.0, 0.3, 0.8, 0.999):
         for k in (1, 4, 8):

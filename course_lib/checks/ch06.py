@@ -27,15 +27,21 @@ def check_apply_temperature(apply_temperature) -> None:
     """softmax(z / tau) against float64 for tau in (0.5, 1, 2); tau = 0 gives the argmax, tau < 0 raises."""
     logits = torch.tensor([[2.0, 1.4, 1.1, 1.0, 0.8, 0.2, 0.1], [-1.0, 0.5, 3.0, 0.0, -2.0, 1.0, 0.25]])
     for tau in (0.5, 1.0, 2.0):
-        out = apply_temperature(logits.clone(), tau)
+        out = assert_tensor(apply_temperature(logits.clone(), tau), f"apply_temperature(logits, {tau})")
         assert_shape(out, (2, 7), f"apply_temperature(logits (2, 7), {tau})")
         expected = torch.softmax(logits.double() / tau, dim=-1)
+        if tau != 1.0 and torch.allclose(torch.softmax(out.double(), -1), torch.softmax(logits.double() * tau, -1)):
+            fail(f"apply_temperature(logits, {tau}) multiplies the logits by the temperature: divide them by it "
+                 "(tau < 1 must sharpen the distribution, tau > 1 flatten it)")
         assert_close(torch.softmax(out.double(), dim=-1), expected, f"softmax of your output for temperature {tau} "
                      f"(expected p(token 0) = {expected[0, 0].item():.4f})", rtol=1e-5, atol=1e-6)
     out = apply_temperature(logits.clone(), 0.0)
     probs = torch.softmax(out.double(), dim=-1)
     if torch.isnan(probs).any():
         fail("temperature 0 gave NaN probabilities: 0 is the limit tau -> 0 (all mass on the argmax), not z / 0")
+    if torch.isfinite(out).all() and not torch.allclose(probs, torch.nn.functional.one_hot(logits.argmax(-1), 7).double()):
+        fail(f"temperature 0 returned {out[0].tolist()} for row 0: return logits whose softmax is one-hot, 0 at the "
+             "maximum and -inf elsewhere (a 1/0 one-hot is probabilities, and its softmax is not one-hot)")
     assert_close(probs, torch.nn.functional.one_hot(logits.argmax(-1), 7).double(),
                  "softmax of your output for temperature 0 (one-hot on the argmax)")
     try:
@@ -55,13 +61,22 @@ def check_top_k_filter(top_k_filter) -> None:
     kept = _kept(out, "top_k_filter(logits, 2)")
     if kept.all() and (out >= 0).all() and torch.allclose(out.double().sum(-1), torch.ones(2, dtype=torch.float64)):
         fail(f"top_k_filter(logits, 2) returned rows summing to {out.sum(-1).tolist()}: they look like probabilities, "
-             "not probabilities: return the input logits, with -inf for the filtered tokens")
+             "not logits: return the input logits, with -inf for the filtered tokens")
     expected = torch.tensor([[False, True, False, False, True, False], [True, True, True, False, False, True]])
+    if kept.all() and (out[~expected] == 0).all():
+        fail("top_k_filter(logits, 2) set the filtered tokens to 0: a logit of 0 still has probability after the "
+             "softmax; set them to -inf")
     if not torch.equal(kept, expected):
         fail(f"top_k_filter(logits, 2) keeps {kept.int().tolist()}, expected {expected.int().tolist()} "
              f"(row 1 has three logits tied at the 2nd largest value 1.0: all three are kept)")
     assert_close(out[kept], logits[kept], "the kept entries (they must be the original logits, not probabilities)")
-    out = top_k_filter(logits.clone(), 10)
+    try:
+        out = top_k_filter(logits.clone(), 10)
+    except NotImplementedError:
+        raise
+    except (RuntimeError, IndexError) as error:
+        fail(f"top_k_filter(logits, 10) with only V = 6 tokens raised {type(error).__name__} ({error}): a k larger "
+             "than the vocabulary keeps every token; clamp k to V (torch.topk refuses k > V)")
     assert_close(out, logits, "top_k_filter(logits, 10) with only 6 tokens (everything is kept)")
     passed("top_k_filter")
 
@@ -77,6 +92,14 @@ def check_top_p_filter(top_p_filter) -> None:
         out = assert_tensor(top_p_filter(logits.clone(), p), f"top_p_filter(logits, {p})")
         kept = _kept(out, f"top_p_filter(logits, {p})")
         if kept.tolist() != expected:
+            counts, wanted = kept.sum(-1).tolist(), torch.tensor(expected).sum(-1).tolist()
+            if 0 in counts:
+                fail(f"top_p_filter(logits, {p}) keeps no token in row {counts.index(0)}: the most probable token is "
+                     "always kept (the mass before it is 0 < p), however small p")
+            if counts == wanted:
+                fail(f"top_p_filter(logits, {p}) keeps the right number of tokens per row, {counts}, but the wrong ones "
+                     f"({kept.int().tolist()}, expected {[[int(b) for b in r] for r in expected]}): put the mask back "
+                     "in vocabulary order (scatter it with the indices of the sort) before filtering the logits")
             mass = (probs * kept).sum(-1).tolist()
             fail(f"top_p_filter(logits, {p}) keeps {kept.int().tolist()} (mass {[round(m, 3) for m in mass]}), "
                  f"expected {[[int(b) for b in r] for r in expected]}: sort by probability, keep tokens until the "
@@ -96,6 +119,13 @@ def check_apply_repetition_penalty(apply_repetition_penalty) -> None:
         if out[b, v] > logits[b, v]:
             fail(f"row {b}, token {v}: the negative logit {logits[b, v].item()} became {out[b, v].item():.4f}: "
                  "dividing a negative logit by the penalty RAISES it; multiply negative logits instead")
+    if abs(out[0, 1].item() - expected[0, 1].item()) > 1e-6 and abs(out[0, 1].item() + 8.0) < 1e-4:
+        fail("row 0, token 1 occurs 3 times and its logit -1.0 became -8.0 = -1.0 * 2 ** 3: a token is penalised once, "
+             "however often it occurs (expected -2.0)")
+    if out[0, 4].item() != logits[0, 4].item() or out[1, 0].item() != logits[1, 0].item():
+        fail(f"row 0's token 4 ({logits[0, 4].item()} -> {out[0, 4].item():.4g}) or row 1's token 0 "
+             f"({logits[1, 0].item()} -> {out[1, 0].item():.4g}) changed, but each occurs only in the OTHER row's "
+             "history: penalise each row by its own input_ids only")
     assert_close(out, expected, "apply_repetition_penalty(logits, ids, 2.0) (token 1 of row 0 occurs 3 times, "
                  "penalised once: -1.0 -> -2.0)")
     passed("apply_repetition_penalty")
@@ -131,7 +161,8 @@ def check_greedy_search(greedy_search) -> None:
     expected = greedy_table_oracle(table, prompt, 6)
     assert_shape(out, (3, 8), "greedy_search(model, prompt (3, 2), 6) without EOS")
     if not torch.equal(out, expected):
-        fail(f"greedy_search without EOS gave {out.tolist()}, expected the argmax text {expected.tolist()}")
+        fail(f"greedy_search without EOS gave {out.tolist()}, expected the argmax text {expected.tolist()}: greedy "
+             "appends the argmax of the LAST position's logits at every step, and never samples")
     eos = int(expected[0, 3])  # row 0 emits it at its 2nd new token
     out = greedy_search(model, prompt, 6, eos_token_id=eos, pad_token_id=7)
     expected = greedy_table_oracle(table, prompt, 6, eos=eos, pad=7)
@@ -140,6 +171,10 @@ def check_greedy_search(greedy_search) -> None:
     if all(len(d) for d in done):
         keep = 2 + max(int(d[0]) for d in done) + 1
     expected = expected[:, :keep]
+    if out.shape[0] == expected.shape[0] and out.shape[1] > expected.shape[1] \
+            and torch.equal(out[:, :expected.shape[1]], expected):
+        fail(f"greedy_search with eos_token_id={eos}, pad_token_id=7 went on to {out.shape[1]} tokens after every row "
+             f"had finished at {expected.shape[1]}: stop the loop as soon as all rows have produced EOS")
     if out.shape != expected.shape or not torch.equal(out, expected):
         fail(f"greedy_search with eos_token_id={eos}, pad_token_id=7 gave {out.tolist()}, expected {expected.tolist()} "
              "(a row that produced EOS emits padding; the other rows go on)")
@@ -155,6 +190,10 @@ def check_beam_search_step(beam_search_step) -> None:
     if not isinstance(result, tuple) or len(result) != 4:
         fail("beam_search_step should return a tuple (scores, beam, token, finished_scores)")
     scores, beam, token, finished = result
+    for name, index in (("beam", beam), ("token", token)):
+        if not isinstance(index, torch.Tensor) or index.dtype != torch.int64:
+            fail(f"{name} must be an int64 tensor of indices (flat // V and flat % V of torch.topk's indices), got "
+                 f"{index.dtype if isinstance(index, torch.Tensor) else type(index).__name__}")
     total = (beam_scores[:, :, None].double() + log_probs.double()).reshape(2, 15)
     best = total.sort(dim=-1, descending=True)
     assert_shape(scores, (2, 6), "scores (B, num_candidates)")

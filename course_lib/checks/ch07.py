@@ -6,6 +6,8 @@ committed tokens; never course_lib.speculative's reference solutions.
 """
 from __future__ import annotations
 
+import traceback
+
 import torch
 
 from .core import assert_close, fail, greedy_oracle, passed
@@ -56,6 +58,12 @@ def check_speculative_accept(speculative_accept) -> None:
     if n != 0:
         fail(f"p/q = 0.4 at the draft token and u = 0.41 >= 0.4: the token must be rejected (n = 0), you returned n = {n}. "
              "Accept only when u < p/q (are p and q swapped?)")
+    if (residual.double() < 0).any():
+        fail(f"after a rejection your next_probs is {[round(v, 4) for v in residual.double().tolist()]}, with negative "
+             "entries: the residual is max(0, p - q), clamped at 0, then divided by its sum")
+    if torch.allclose(residual.double(), torch.clamp(q[0] - p[0], min=0) / torch.clamp(q[0] - p[0], min=0).sum()):
+        fail("after a rejection your next_probs is max(0, q - p), normalised: the residual is max(0, p - q), the mass "
+             "the target wants and acceptance left short (are p and q swapped?)")
     total = residual.double().sum().item()
     if abs(total - 1) > 1e-6:
         fail(f"after a rejection your next_probs sums to {total:.4g}, expected 1: max(0, p - q) = [0, 0, 0.3, 0.4] must "
@@ -85,7 +93,8 @@ def check_speculative_accept(speculative_accept) -> None:
         if n != n_exp:
             fail(f"random case {case} (K = {K}): the ratios p/q at the draft tokens are "
                  f"{[round(v, 3) for v in (p[torch.arange(K), x] / q[torch.arange(K), x]).tolist()]} and u = "
-                 f"{[round(v, 3) for v in u.tolist()]}: expected n = {n_exp} accepted, you returned {n}")
+                 f"{[round(v, 3) for v in u.tolist()]}: expected n = {n_exp} accepted, you returned {n} (n counts the "
+                 "draft tokens before the FIRST rejection, in order; later ones are not judged)")
         assert_close(probs.double(), probs_exp, f"next_probs in random case {case} (K = {K}, n = {n})")
     passed("speculative_accept")
 
@@ -120,6 +129,25 @@ def cache_matches_tokens(model, cache, tokens) -> float:
     return (logits - model(tokens)[0][:, -1]).abs().max().item()
 
 
+def _run_step(speculative_step, round_, target, draft, tokens, tc, dc, K):
+    """speculative_step's result, or a failure that says what the exception most likely means."""
+    n, before = tokens.shape[1], dc.length
+    try:
+        return speculative_step(target, draft, tokens, tc, dc, K, do_sample=False, accept=speculative_accept_oracle)
+    except NotImplementedError:
+        raise  # not written yet: nothing to explain
+    except Exception as error:  # noqa: BLE001 - the learner's code may raise anything; say what it means
+        where = f"round {round_} (n = {n} tokens, K = {K} drafts) raised {type(error).__name__}: {error}"
+        if any(frame.name == "crop" for frame in traceback.extract_tb(error.__traceback__)):
+            fail(f"{where}. crop can only forget slots: the draft cache never fed its last proposal, so it holds "
+                 f"one slot less than n + a when all K drafts are accepted; crop it to min(draft_cache.length, n + a)")
+        if K == 0:
+            fail(f"{where}. K = 0 must work (the last round of a generation may have no room for drafts): no draft "
+                 f"pass, one target pass over what its cache lacks, a = 0 and one token drawn from p[0] "
+                 f"(the draft cache held {before} slots)")
+        fail(where)
+
+
 def check_speculative_step(speculative_step) -> None:
     """Visible checks for chapter 07, exercise 2, with the course's acceptance rule (so only the step is tested)."""
     from ..kv_cache import KVCache
@@ -128,9 +156,9 @@ def check_speculative_step(speculative_step) -> None:
     tokens = torch.tensor([[0, 3, 1, 2]])
     expected = greedy_oracle(target, tokens, 30)
     tc, dc = KVCache.for_model(target, 1), KVCache.for_model(draft, 1)
-    for round_ in range(8):
-        n, K = tokens.shape[1], 1 + round_ % 4
-        result = speculative_step(target, draft, tokens, tc, dc, K, do_sample=False, accept=speculative_accept_oracle)
+    for round_ in range(10):
+        n, K = tokens.shape[1], (1 + round_) % 5  # K = 1, 2, 3, 4, 0, 1, ...
+        result = _run_step(speculative_step, round_, target, draft, tokens, tc, dc, K)
         if not isinstance(result, tuple) or len(result) != 2:
             fail(f"speculative_step should return (tokens, a), got {type(result).__name__}")
         new, a = result
@@ -162,7 +190,7 @@ def check_speculative_step(speculative_step) -> None:
     tokens = torch.tensor([[1, 2]])
     for K in (1, 3):
         n = tokens.shape[1]
-        tokens, a = speculative_step(target, target, tokens, tc, dc, K, do_sample=False, accept=speculative_accept_oracle)
+        tokens, a = _run_step(speculative_step, f"identical draft, K = {K}", target, target, tokens, tc, dc, K)
         if tokens.shape[1] - n != K + 1:
             fail(f"with a draft identical to the target all K = {K} drafts are accepted, and the step must add K + 1 = "
                  f"{K + 1} tokens (the last one is the bonus token, drawn from the target's distribution after the "
