@@ -468,3 +468,12 @@ def test_the_oracles_are_independent_of_the_reference():
     assert q.tolist() == [[0, 0], [127, -50]] and scale[0] == 0
     ties = checks.int8_rounding_ties(torch.tensor([[2.54, 0.25, 1.27, 0.03]]))  # 127, 12.5, 63.5, 1.5
     assert ties.tolist() == [[False, True, True, True]]
+
+
+def test_an_unfinished_exercise_raises_its_own_not_implemented_error():
+    def unfinished(*args, **kwargs):
+        raise NotImplementedError()
+
+    for check in (checks.check_bytes_per_token, checks.check_quantize_int8, checks.check_dequantize_int8, checks.check_int8_linear):
+        with pytest.raises(NotImplementedError):
+            check(unfinished)

@@ -134,3 +134,12 @@ def unchanged(weight, n_heads):
 def test_classic_bugs_get_specific_messages(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):
         check(buggy)
+
+
+def test_an_unfinished_exercise_raises_its_own_not_implemented_error():
+    def unfinished(*args, **kwargs):
+        raise NotImplementedError()
+
+    for check in (checks.check_rms_norm, checks.check_swiglu, checks.check_rope_to_half, checks.check_expand_kv_heads):
+        with pytest.raises(NotImplementedError):
+            check(unfinished)
