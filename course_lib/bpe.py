@@ -54,7 +54,7 @@ def count_pairs(ids: list[int], counts: dict | None = None, weight: int = 1) -> 
 def bpe_merge(ids, pair, new_id):
     """Replace every occurrence of pair in ids by new_id, left to right, without overlaps.
 
-    ids: list[int] (length n) -> list[int] (length n - number of replacements).
+    ids: list[int] (length n) -> a NEW list[int] (length n - number of replacements); ids is left unchanged.
     [5, 5, 5] with pair (5, 5) -> [new_id, 5]: the first two are merged, the third has no partner left.
     """
     out = []
@@ -141,7 +141,8 @@ def bpe_encode(text, merges):
     """Token ids of text: pre-tokenize, then in each chunk's UTF-8 bytes apply the merges by rank.
 
     merges: {(a, b): new_id}, new ids in the order learned. In each chunk, repeatedly merge the adjacent
-    pair with the LOWEST new id (the earliest learned) until no adjacent pair is a merge. Returns list[int].
+    pair with the LOWEST new id (the earliest learned) until no adjacent pair is a merge; no merge crosses
+    a chunk boundary. Returns list[int], the chunks' ids concatenated (Hugging Face's ids for the same merges).
     """
     ids = []
     for chunk in pretokenize(text):
@@ -176,14 +177,17 @@ class BPETokenizer:
 
     Built from merges ({(a, b): new_id}, new ids 256, 257, ... in order), or trained: ``BPETokenizer.train(text,
     vocab_size)``; ``BPETokenizer.from_hf(tokenizer)`` takes a Hugging Face byte-level BPE's merges.
+    ``encode`` and ``decode`` are the functions it runs, ``bpe_encode(text, merges)`` and ``bpe_decode(ids, vocab)``
+    unless given (chapter 09 passes the learner's).
     """
 
-    def __init__(self, merges: dict):
+    def __init__(self, merges: dict, *, encode=None, decode=None):
         expected = list(range(BYTE_VOCAB, BYTE_VOCAB + len(merges)))
         if sorted(merges.values()) != expected:
             raise ValueError(f"merges must map pairs to the new ids {BYTE_VOCAB}..{BYTE_VOCAB + len(merges) - 1}, one each")
         self.merges = dict(sorted(merges.items(), key=lambda item: item[1]))
         self.vocab = vocab_from_merges(self.merges)
+        self._encode, self._decode = encode or bpe_encode, decode or bpe_decode
         self._cache: dict = {}
 
     @classmethod
@@ -199,11 +203,11 @@ class BPETokenizer:
         return len(self.vocab)
 
     def encode(self, text: str) -> list[int]:
-        """bpe_encode(text, self.merges), with each distinct chunk encoded once (cached)."""
+        """bpe_encode(text, self.merges) (or the ``encode`` given), with each distinct chunk encoded once (cached)."""
         ids = []
         for chunk in pretokenize(text):
             if chunk not in self._cache:
-                self._cache[chunk] = bpe_encode(chunk, self.merges)
+                self._cache[chunk] = list(self._encode(chunk, self.merges))
             ids.extend(self._cache[chunk])
         return ids
 
@@ -211,7 +215,7 @@ class BPETokenizer:
         bad = [int(i) for i in ids if not 0 <= int(i) < len(self.vocab)]
         if bad:
             raise ValueError(f"token ids must be in [0, {len(self.vocab) - 1}], got {bad[0]}")
-        return bpe_decode(ids, self.vocab)
+        return self._decode(ids, self.vocab)
 
     def token_bytes(self, ids) -> list[bytes]:
         """The bytes of each token: [b'Hello', b' world', b'!!']."""

@@ -46,8 +46,12 @@ def quantize_int8(weight):
     """Symmetric per-output-channel (absmax) int8 quantization of a weight (out, in).
 
     Row o (output channel o) gets its own scale s_o = max_i |w_oi| / 127 and q_oi = round(w_oi / s_o):
-    the row's largest entry becomes +-127, zero stays 0, -128 is never used. An all-zero row gets
-    s_o = 0 and q = 0. Returns (q (out, in) int8, scale (out,) float32), with weight ~ q * scale[:, None].
+    the row's largest entry becomes +-127, zero stays 0, -128 is never used. The scale is computed in
+    float32, whatever the weight's float dtype (convert it first). A row whose float32 scale is 0 gets
+    s_o = 0 and q = 0, never a division by 0: an all-zero row, and a row so small that max |w| / 127
+    underflows to 0 in float32 (a subnormal max |w| such as 1.4e-44). The weight is left unchanged.
+    Returns (q (out, in) int8, scale (out,) float32), with weight ~ q * scale[:, None].
+    Raises ValueError if the weight is not 2-D.
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D (out, in), got shape {tuple(weight.shape)}")

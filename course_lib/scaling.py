@@ -50,7 +50,10 @@ def training_flops(n_params, n_tokens):
     """Floating-point operations to train a dense transformer of n_params parameters on n_tokens tokens: C = 6ND.
 
     Per token and parameter: a multiply-add (2 FLOPs) in the forward pass and twice that in the backward pass
-    (gradients with respect to the activations and to the weights). Works on numbers and on numpy arrays.
+    (gradients with respect to the activations and to the weights). Works on numbers and elementwise on numpy
+    arrays, int64 arrays of real sizes included: computed in floating point, since 6ND can far exceed the int64
+    limit 2^63 (Chinchilla's is 5.9e23), where integer arithmetic wraps around without a warning. Returns a
+    float, or a float64 array of the broadcast shape.
     """
     return 6.0 * n_params * n_tokens  # 6.0 first: a float, so that int64 arrays cannot overflow (70e9 x 1.4e12 x 6 > 2^63)
 
@@ -58,8 +61,10 @@ def training_flops(n_params, n_tokens):
 def fit_power_law(n, loss, offsets=None):
     """Fit loss = E + A / n**alpha in log space; returns (E, A, alpha) as floats.
 
-    n (P,), loss (P,): sizes and losses. offsets (G,): the candidate values of E, each below min(loss)
-    (default: 1000 evenly spaced values in [0, min(loss))). For each candidate E, log(loss - E) = log A - alpha log n
+    n (P,), loss (P,): sizes and losses, lists or arrays. offsets (G,), a list or an array: the candidate values
+    of E, each strictly below min(loss), which the caller ensures (log(loss - E) needs loss > E; the default grid
+    does: 1000 evenly spaced values in [0, min(loss))). The E returned is one of the offsets, exactly (so an
+    exact law whose E is among them is recovered exactly). For each candidate E, log(loss - E) = log A - alpha log n
     is a straight line in log n: its least-squares fit gives A and alpha for that E. The candidates are then
     compared on one scale, the same for every E: the sum of squared residuals of log(loss),
     log(loss) - log(E + A / n**alpha). Keep the E with the smallest sum, with its A and alpha. (The residuals of
@@ -83,7 +88,8 @@ def fit_power_law(n, loss, offsets=None):
 def compute_optimal(flops, tokens_per_param=20.0):
     """The compute-optimal split of a budget: (N, D) with 6ND = flops and D = tokens_per_param * N.
 
-    N = sqrt(flops / (6 r)), D = r N for r = tokens_per_param (Chinchilla: about 20). Returns (N, D) as floats.
+    N = sqrt(flops / (6 r)), D = r N for r = tokens_per_param (Chinchilla: about 20; any r > 0, not only 20).
+    flops and r are positive numbers. Returns (N, D) as floats.
     """
     n_params = math.sqrt(flops / (6 * tokens_per_param))
     return n_params, tokens_per_param * n_params

@@ -152,6 +152,21 @@ def test_the_cached_encoder_equals_bpe_encode(corpus):
     assert tokenizer.encode(corpus[1][:5000]) == bpe.bpe_encode(corpus[1][:5000], tokenizer.merges)
 
 
+def test_the_tokenizer_runs_the_encode_and_decode_it_is_given():
+    merges = {(104, 105): 256}  # 'h' 'i'
+    calls = []
+
+    def encode(text, merges):  # as a learner's bpe_encode, counting its calls
+        calls.append(text)
+        return bpe.bpe_encode(text, merges)
+
+    tokenizer = bpe.BPETokenizer(merges, encode=encode, decode=lambda ids, vocab: "decoded")
+    assert tokenizer.encode("hi hi") == [256, 32, 256] and calls == ["hi", " hi"]
+    assert tokenizer.encode("hi") == [256] and calls == ["hi", " hi"]  # each distinct chunk encoded once
+    assert tokenizer.decode([256]) == "decoded"
+    assert bpe.BPETokenizer(merges).decode(tokenizer.encode("hi hi")) == "hi hi"  # the defaults: bpe_encode, bpe_decode
+
+
 def test_decode_joins_bytes_before_decoding():
     vocab = bpe.vocab_from_merges({(0xE6, 0x97): 256})
     assert bpe.bpe_decode([256, 0xA5], vocab) == "日"

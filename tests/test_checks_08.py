@@ -35,11 +35,11 @@ def bytes_by_layers(config, batch_size, context, dtype=torch.float32):
 
 
 def quantize_by_rows(weight):
-    """Row by row, multiplying by 127 / max |w| instead of dividing by the scale."""
+    """Row by row, multiplying by 127 / max |w| instead of dividing by the scale (where the scale is not 0)."""
     qs, scales = [], []
     for row in weight.float():
         top = row.abs().max()
-        if top == 0:
+        if top / 127 == 0:  # all zeros, or so small that the float32 scale underflows
             qs.append(torch.zeros_like(row, dtype=torch.int8))
             scales.append(torch.zeros(()))
             continue
@@ -49,8 +49,9 @@ def quantize_by_rows(weight):
 
 
 def quantize_in_float64(weight):
+    """Divides in float64 by the float32 scale it returns (a float32 scale of 0 gives q 0)."""
     w = weight.double()
-    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127).float().double()
     q = torch.where(scale > 0, w / scale.clamp(min=1e-300), torch.zeros_like(w)).round().to(torch.int8)
     return q, scale.squeeze(1).float()
 
@@ -65,6 +66,22 @@ def quantize_masking_the_division(weight):
     scale = w.abs().amax(dim=1) / 127
     q = torch.where(scale[:, None] > 0, torch.round(w / scale[:, None]), 0.0)
     return q.clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_then_zero_the_rows(weight):
+    """Casts the unguarded division (NaN, inf: undefined), then overwrites the rows whose scale is 0."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    q[scale == 0] = 0
+    return q, scale
+
+
+def quantize_then_masked_fill(weight):
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127
+    q = torch.round(w / scale[:, None]).to(torch.int8)
+    return q.masked_fill((scale == 0)[:, None], 0), scale
 
 
 def dequantize_by_einsum(q, scale):
@@ -86,6 +103,8 @@ def int8_linear_einsum(x, q, scale, bias=None):
     (checks.check_quantize_int8, quantize_by_rows),
     (checks.check_quantize_int8, quantize_in_float64),
     (checks.check_quantize_int8, quantize_masking_the_division),
+    (checks.check_quantize_int8, quantize_then_zero_the_rows),
+    (checks.check_quantize_int8, quantize_then_masked_fill),
     (checks.check_dequantize_int8, dequantize_by_diagonal),
     (checks.check_dequantize_int8, dequantize_by_einsum),
     (checks.check_int8_linear, int8_linear_dequantized),
@@ -196,6 +215,44 @@ def scale_clamped(weight):
     w = weight.float()
     scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def unguarded_division(weight):
+    """Divides by the scale even where it is 0: 0 / 0 = NaN (cast to 0 here), 1.4e-44 / 0 = inf, clamped to 127."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def unguarded_unclamped(weight):
+    """Divides by a zero scale and casts NaN and inf to int8 (undefined; 0 on this CPU, so q looks right)."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127
+    return torch.round(w / scale[:, None]).to(torch.int8), scale
+
+
+def cast_then_clamped(weight):
+    """Casts NaN and inf to int8, then clamps the (undefined) integers."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127
+    return torch.round(w / scale[:, None]).to(torch.int8).clamp(-127, 127), scale
+
+
+def guarded_on_zero_rows(weight):
+    """Guards the rows that are all zeros, not the scales that are 0."""
+    w = weight.float()
+    absmax = w.abs().amax(dim=1)
+    scale = absmax / 127
+    divisor = torch.where(absmax > 0, scale, torch.ones_like(scale))
+    return torch.round(w / divisor[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def scale_in_float64_divided(weight):
+    """Divides by the float64 scale (1.1e-46 for a row of 1.4e-44), returns it in float32 (0)."""
+    w = weight.double()
+    scale = w.abs().amax(dim=1) / 127
+    q = torch.round(w / torch.where(scale > 0, scale, 1.0)[:, None]).to(torch.int8)
+    return q, scale.float()
 
 
 def scale_float64(weight):
@@ -346,6 +403,16 @@ def loose_precision(x, q, scale, bias=None):
     (checks.check_quantize_int8, clamped_asymmetric, r"= -128 .*symmetric int8 uses the levels -127..127 only"),
     (checks.check_quantize_int8, scale_clamped, (r"row 2 of this weight is all zeros .*its scale should be max \|w\| "
                                                  r"/ 127 = 0, got 1e-08 \(did you clamp")),
+    (checks.check_quantize_int8, unguarded_division, (r"row 3's largest \|w\| is 1.4e-44 .*underflows to 0, and your q "
+                                                      r"has 6 nonzero level\(s\) there, e.g. 127 \(your code computed "
+                                                      r"an infinity in .*\): a division by a zero scale")),
+    (checks.check_quantize_int8, unguarded_unclamped, (r"your code turned NaN into integers .*casting NaN or an infinity "
+                                                       r"to int8 is undefined.*a division by a zero scale")),
+    (checks.check_quantize_int8, cast_then_clamped, r"your code turned NaN into integers \(to\)"),
+    (checks.check_quantize_int8, guarded_on_zero_rows, (r"row 3's .*underflows to 0.*an infinity in .*a division by a "
+                                                        r"zero scale.*not by whether the row is all zeros")),
+    (checks.check_quantize_int8, scale_in_float64_divided, (r"row 3's .*underflows to 0.*you divided by a scale kept "
+                                                            r"in higher precision \(in float64 it is 1.1e-46, not 0\)")),
     (checks.check_quantize_int8, scale_float64, r"scale should be float32, got torch.float64 \(a \(6, 10\) float32"),
     (checks.check_quantize_int8, scale_bfloat16, (r"scale should be float32, got torch.bfloat16 .*8 significant bits, "
                                                   r"so the scale is off from max \|w\| / 127 by up to 0.39%")),
@@ -396,5 +463,17 @@ def test_the_oracles_are_independent_of_the_reference():
     assert q.dtype == torch.int8 and scale.dtype == torch.float64
     assert q.tolist() == [[50, -127, 0], [0, 0, 0], [127, 50, -5]]
     assert torch.allclose(scale, torch.tensor([0.01, 0.0, 0.02], dtype=torch.float64))
+    # a row whose scale underflows to 0 in float32 (1.4e-44 / 127) counts as zero, whatever float64 says
+    q, scale = checks.int8_reference(torch.tensor([[1.4e-44, -7e-45], [1.27, -0.5]]))
+    assert q.tolist() == [[0, 0], [127, -50]] and scale[0] == 0
     ties = checks.int8_rounding_ties(torch.tensor([[2.54, 0.25, 1.27, 0.03]]))  # 127, 12.5, 63.5, 1.5
     assert ties.tolist() == [[False, True, True, True]]
+
+
+def test_an_unfinished_exercise_raises_its_own_not_implemented_error():
+    def unfinished(*args, **kwargs):
+        raise NotImplementedError()
+
+    for check in (checks.check_bytes_per_token, checks.check_quantize_int8, checks.check_dequantize_int8, checks.check_int8_linear):
+        with pytest.raises(NotImplementedError):
+            check(unfinished)

@@ -38,6 +38,25 @@ def mutating_merge(ids, pair, new_id):
     return out
 
 
+def first_occurrence_merge(ids, pair, new_id):
+    for i in range(len(ids) - 1):
+        if (ids[i], ids[i + 1]) == tuple(pair):
+            return ids[:i] + [new_id] + ids[i + 2:]
+    return list(ids)
+
+
+def overlaps_from_the_right(ids, pair, new_id):
+    out, i = [], len(ids) - 1
+    while i >= 0:
+        if i >= 1 and (ids[i - 1], ids[i]) == tuple(pair):
+            out.append(new_id)
+            i -= 2
+        else:
+            out.append(ids[i])
+            i -= 1
+    return out[::-1]
+
+
 def leftmost_encode(text, merges):
     ids = []
     for chunk in bpe.pretokenize(text):
@@ -80,6 +99,8 @@ def strict_per_token_decode(ids, vocab):
 
 @pytest.mark.parametrize("check,buggy,message", [
     (checks.check_bpe_merge, overlapping_merge, r"returned \[9\], expected \[9, 5\]: occurrences overlap here"),
+    (checks.check_bpe_merge, first_occurrence_merge, r"returned \[9, 3, 1, 2\], .*you replaced only the first occurrence"),
+    (checks.check_bpe_merge, overlaps_from_the_right, r"returned \[5, 9\], expected \[9, 5\]: occurrences overlap here"),
     (checks.check_bpe_merge, mutating_merge, r"changed its input list to \[9, 3, 9\]: build and return a new list"),
     (checks.check_bpe_encode, frequency_encode, r"you merged the most frequent pair .* merges are applied by rank"),
     (checks.check_bpe_encode, leftmost_encode, r"returned \[257, 99\], expected \[97, 256\]: 'b' \+ 'c' was learned first"),

@@ -46,6 +46,51 @@ def coarse_default(n, loss, offsets=None):  # a default grid of 10 values: too c
     return fit_power_law(n, loss, np.linspace(0, min(loss), 11)[:-1] if offsets is None else offsets)
 
 
+def integer_arithmetic(n_params, n_tokens):
+    return 6 * n_params * n_tokens  # int64 arrays wrap around 2^63
+
+
+def _fit_comparing_by(score):
+    def fit(n, loss, offsets=None):
+        n, loss = np.asarray(n, dtype=np.float64), np.asarray(loss, dtype=np.float64)
+        offsets = np.linspace(0.0, loss.min(), 1001)[:-1] if offsets is None else offsets
+        X = np.stack([np.ones_like(n), -np.log(n)], axis=1)
+        best = None
+        for E in offsets:
+            coef = np.linalg.lstsq(X, np.log(loss - E), rcond=None)[0]
+            value = score(X @ coef, E, loss)
+            if best is None or value < best[0]:
+                best = (value, float(E), float(np.exp(coef[0])), float(coef[1]))
+        return best[1:]
+    return fit
+
+
+own_line = _fit_comparing_by(lambda line, E, loss: np.sum((line - np.log(loss - E)) ** 2))
+linear_residuals = _fit_comparing_by(lambda line, E, loss: np.sum((loss - E - np.exp(line)) ** 2))
+
+
+def least_squares_in_linear_space(n, loss, offsets=None):
+    """For each E, alpha on a grid and A in closed form, minimising the squared errors of the losses themselves."""
+    n, loss = np.asarray(n, dtype=np.float64), np.asarray(loss, dtype=np.float64)
+    offsets = np.linspace(0.0, loss.min(), 1001)[:-1] if offsets is None else offsets
+    alphas = np.linspace(0.01, 1.0, 991)
+    x = n[None, :] ** -alphas[:, None]
+    best = None
+    for E in offsets:
+        y = loss - E
+        A = (x @ y) / (x * x).sum(1)
+        sse = ((y[None, :] - A[:, None] * x) ** 2).sum(1)
+        i = int(sse.argmin())
+        if best is None or sse[i] < best[0]:
+            best = (sse[i], float(E), float(A[i]), float(alphas[i]))
+    return best[1:]
+
+
+def fixed_twenty(flops, tokens_per_param=20.0):
+    n = math.sqrt(flops / (6 * 20))
+    return n, 20 * n
+
+
 def forgot_six(flops, tokens_per_param=20.0):
     n = math.sqrt(flops / tokens_per_param)
     return n, tokens_per_param * n
@@ -60,6 +105,15 @@ def ratio_inverted(flops, tokens_per_param=20.0):
     (checks.check_training_flops, forward_only, r"= 2ND: that is the forward pass only\. The backward pass costs twice"),
     (checks.check_training_flops, not_proportional, r"training_flops\(2,000, 2,000\) should be 24,000,000.*in proportion to N and to D"),
     (checks.check_training_flops, scalars_only, r"training_flops should work elementwise on numpy arrays: .* it raised TypeError"),
+    (checks.check_training_flops, integer_arithmetic, (r"for int64 arrays N = \[175e9\], D = \[300e9\] .*computed in "
+                                                       r"int64 arithmetic.*wrapped around without a warning")),
+    (checks.check_fit_power_law, own_line, (r"noisy losses .*you returned E = 0, .*the offset whose own line fits best, "
+                                            r"in log\(loss - E\).*favours small E")),
+    (checks.check_fit_power_law, linear_residuals, (r"you returned E = 0.805, .*the offset whose law fits the losses "
+                                                    r"themselves best, in linear space")),
+    (checks.check_fit_power_law, least_squares_in_linear_space, (r"you returned E = 0.824, alpha = 0.335, expected "
+                                                                 r"\(0.8, 0.3\): fit log\(loss - E\) .*by least squares")),
+    (checks.check_compute_optimal, fixed_twenty, r"returned D / N = 20: you used 20 whatever the ratio given"),
     (checks.check_fit_power_law, no_offset, r"you returned E = 0 and alpha = .*did you fit log\(loss\) against log\(n\)\?"),
     (checks.check_fit_power_law, returns_a_list, r"should return a tuple \(E, A, alpha\), got list"),
     (checks.check_fit_power_law, coarse_default, r"with the default offsets \(1000 values in \[0, min\(loss\)\)"),

@@ -90,6 +90,14 @@ def no_up(x, w_gate, w_up, w_down):
     return F.linear(F.silu(F.linear(x, w_gate)), w_down)
 
 
+def down_transposed(x, w_gate, w_up, w_down):
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down.T)
+
+
+def silu_on_the_product(x, w_gate, w_up, w_down):
+    return F.linear(F.silu(F.linear(x, w_gate) * F.linear(x, w_up)), w_down)
+
+
 def whole_matrix(weight, n_heads):
     return rope_by_index(weight, 1)
 
@@ -115,6 +123,8 @@ def unchanged(weight, n_heads):
     (checks.check_swiglu, geglu, r"uses GELU on the gate \(that is GEGLU\)"),
     (checks.check_swiglu, glu, r"uses sigmoid\(a\) on the gate \(that is GLU\)"),
     (checks.check_swiglu, no_up, r"leaves out the up projection"),
+    (checks.check_swiglu, down_transposed, r"raised RuntimeError: .*F.linear\(h, w_down\), not w_down itself"),
+    (checks.check_swiglu, silu_on_the_product, r"applies SiLU to the product of the two projections"),
     (checks.check_rope_to_half, whole_matrix, r"permutes the rows of the whole matrix as one head"),
     (checks.check_rope_to_half, inverse, r"applies the inverse permutation"),
     (checks.check_rope_to_half, unchanged, r"returns the rows in their old order"),
@@ -124,3 +134,12 @@ def unchanged(weight, n_heads):
 def test_classic_bugs_get_specific_messages(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):
         check(buggy)
+
+
+def test_an_unfinished_exercise_raises_its_own_not_implemented_error():
+    def unfinished(*args, **kwargs):
+        raise NotImplementedError()
+
+    for check in (checks.check_rms_norm, checks.check_swiglu, checks.check_rope_to_half, checks.check_expand_kv_heads):
+        with pytest.raises(NotImplementedError):
+            check(unfinished)

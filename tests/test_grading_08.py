@@ -4,8 +4,8 @@ One `grading.grade` run grades three students: the reference (full marks), the u
 (zero) and one student with four planted bugs, one per exercise, whose targeted tests are disjoint:
 
 * bytes_per_token: one KV cache shared by the whole batch -> the visible test and `kv`;
-* quantize_int8: a division by the scale even where it is 0 -> `zero` only (an exact zero row happens to
-  give q = 0, since NaN casts to int8 as 0 here; a row whose scale underflows to 0 does not);
+* quantize_int8: a division by the scale even where it is 0 -> the visible test and `zero` (an exact zero row
+  happens to give q = 0, since NaN casts to int8 as 0 here; a row whose scale underflows to 0 does not);
 * dequantize_int8: the scale along the columns -> the visible test and `axis`;
 * int8_linear: the bias multiplied by the scale too -> the visible test and `bias`.
 
@@ -42,7 +42,7 @@ def failing(exercise: str, *names: str) -> set[str]:
 STUDENTS = {
     "reference": (CH.solved, set()),
     "untouched": (CH.untouched, set(CH.points)),
-    "planted": (planted, failing("bytes_per_token", "visible", "kv") | failing("quantize_int8", "zero")
+    "planted": (planted, failing("bytes_per_token", "visible", "kv") | failing("quantize_int8", "visible", "zero")
                 | failing("dequantize_int8", "visible", "axis") | failing("int8_linear", "visible", "bias")),
 }
 
@@ -55,4 +55,5 @@ graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouche
 def test_failures_carry_the_checks_messages(graded):
     messages = roundtrip.messages(graded, CH, "planted")
     assert "underflows to 0" in messages["quantize_int8-zero"]
+    assert "a division by a zero scale" in messages["quantize_int8-visible"]
     assert "you multiplied the bias by the scale too" in messages["int8_linear-visible"]

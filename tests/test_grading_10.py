@@ -3,11 +3,11 @@
 One `grading.grade` run grades three students: the reference (full marks), the untouched release
 (zero) and one student with three planted bugs, one per exercise, whose targeted tests are disjoint:
 
-* training_flops: 6 * N * D in integer arithmetic -> `overflow` only (int64 arrays of Chinchilla's size
-  wrap around 2^63; Python numbers and float arrays are right);
+* training_flops: 6 * N * D in integer arithmetic -> the visible test and `overflow` (int64 arrays of GPT-3's
+  and Chinchilla's sizes wrap around 2^63; Python numbers and float arrays are right);
 * fit_power_law: each offset judged by the residuals of its own line, in log(loss - E), instead of those of
-  log(loss) -> `logspace` only (exact power laws are recovered either way; noise invisible to the comparison in
-  log(loss) is not invisible in log(loss - E), whose scale changes with E);
+  log(loss) -> the visible test and `logspace` (exact power laws are recovered either way; noise invisible to
+  the comparison in log(loss) is not invisible in log(loss - E), whose scale changes with E);
 * compute_optimal: the 6 of 6ND forgotten -> the visible test and `budget`; `ratio` passes (D = rN holds).
 
 tests/test_hidden_10.py runs the same cells against more bugs, one at a time and without nbgrader.
@@ -39,7 +39,7 @@ def failing(exercise: str, *names: str) -> set[str]:
 STUDENTS = {
     "reference": (CH.solved, set()),
     "untouched": (CH.untouched, set(CH.points)),
-    "planted": (planted, failing("training_flops", "overflow") | failing("fit_power_law", "logspace")
+    "planted": (planted, failing("training_flops", "visible", "overflow") | failing("fit_power_law", "visible", "logspace")
                 | failing("compute_optimal", "visible", "budget")),
 }
 
@@ -53,3 +53,5 @@ def test_failures_carry_the_checks_messages(graded):
     messages = roundtrip.messages(graded, CH, "planted")
     assert "did you forget the 6 of C = 6ND?" in messages["compute_optimal-visible"]
     assert "wraps around 2^63" in messages["training_flops-overflow"]
+    assert "wrapped around without a warning" in messages["training_flops-visible"]
+    assert "the offset whose own line fits best, in log(loss - E)" in messages["fit_power_law-visible"]

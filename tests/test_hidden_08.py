@@ -76,7 +76,11 @@ def bytes_per_token(config, batch_size, context, dtype=torch.float32):
                                               (Q, Q.replace("clamp(-127, 127)", "clamp(-128, 128)"))),
      failing(QUANT, "visible", "channel", "round", "symmetric", "zero")),
     (QUANT, "division by a zero scale", mutate(QUANT, (Q, "q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)")),
-     failing(QUANT, "zero")),  # an exact zero row gives 0 / 0 = NaN, cast to int8 as 0 here; the underflowing row does not
+     failing(QUANT, "visible", "zero")),  # the visible check's row of 1.4e-44 (scale 0 in float32) catches it too
+    (QUANT, "division by a zero scale, unclamped: NaN and inf cast to int8", mutate(QUANT, (Q, "q = torch.round(w / scale[:, None]).to(torch.int8)")),
+     failing(QUANT, "visible")),  # the casts give 0 on this CPU, so q looks right; the visible check sees the cast
+    (QUANT, "guarded on all-zero rows, not on zero scales", mutate(QUANT, ("divisor = torch.where(scale > 0,", "divisor = torch.where(w.abs().amax(dim=1) > 0,")),
+     failing(QUANT, "visible", "zero")),
     (QUANT, "the scale in bfloat16", mutate(QUANT, ("    return q, scale", "    return q, scale.bfloat16()")),
      failing(QUANT, "visible", "channel", "round", "zero", "dtype")),  # 8 significant bits: the scales are off too
     (QUANT, "the scale in the weight's dtype", mutate(QUANT, ("    return q, scale", "    return q, scale.to(weight.dtype)")),

@@ -58,16 +58,16 @@ CASES = [
     (FLOPS, "forward pass only: 2ND", mutate(FLOPS, (SIX, "return 2.0 * n_params * n_tokens")),
      {f"{FLOPS}-visible", f"{FLOPS}-factor", f"{FLOPS}-overflow"}),
     (FLOPS, "integer arithmetic: 6 * N * D wraps around in int64", mutate(FLOPS, (SIX, "return 6 * n_params * n_tokens")),
-     {f"{FLOPS}-overflow"}),
+     {f"{FLOPS}-visible", f"{FLOPS}-overflow"}),  # the visible check's int64 arrays (GPT-3's size) catch it too
     (FLOPS, "correct: numpy float64 arrays", mutate(FLOPS, (SIX, "return 6 * np.asarray(n_params, dtype=np.float64) * np.asarray(n_tokens, dtype=np.float64)")),
      set()),
     # the power-law fit
     (FIT, "no offset: log(loss) against log(n)", NO_OFFSET, {f"{FIT}-visible", f"{FIT}-offset", f"{FIT}-logspace"}),
     (FIT, "offset chosen by the residuals of its own line, in log(loss - E)",
-     mutate(FIT, (SSE, "sse = float(np.sum((X @ coef - np.log(loss - E)) ** 2))")), {f"{FIT}-logspace"}),
+     mutate(FIT, (SSE, "sse = float(np.sum((X @ coef - np.log(loss - E)) ** 2))")), {f"{FIT}-visible", f"{FIT}-logspace"}),
     (FIT, "offset chosen by the residuals in linear space", mutate(FIT, (SSE, "sse = float(np.sum((loss - fitted) ** 2))")),
-     {f"{FIT}-logspace"}),
-    (FIT, "least squares in linear space", LINEAR_SPACE, {f"{FIT}-logspace"}),
+     {f"{FIT}-visible", f"{FIT}-logspace"}),
+    (FIT, "least squares in linear space", LINEAR_SPACE, {f"{FIT}-visible", f"{FIT}-logspace"}),  # the visible check's noisy losses too
     (FIT, "correct: np.polyfit per offset", '''
 def fit_power_law(n, loss, offsets=None):
     n, loss = np.asarray(n, dtype=np.float64), np.asarray(loss, dtype=np.float64)
@@ -89,7 +89,7 @@ def fit_power_law(n, loss, offsets=None):
      {f"{OPT}-visible", f"{OPT}-budget", f"{OPT}-ratio"}),  # the budget test's Chinchilla case (r = 20) fails too
     (OPT, "a fixed 20 tokens per parameter", mutate(OPT, (SPLIT, "n_params = math.sqrt(flops / (6 * 20))"),
                                                    ("return n_params, tokens_per_param * n_params", "return n_params, 20 * n_params")),
-     {f"{OPT}-ratio"}),
+     {f"{OPT}-visible", f"{OPT}-ratio"}),
     (OPT, "correct: D first", '''
 def compute_optimal(flops, tokens_per_param=20.0):
     n_tokens = (flops * tokens_per_param / 6) ** 0.5

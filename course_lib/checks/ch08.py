@@ -3,7 +3,7 @@
 Oracles: bytes counted on real tensors (``bytes_per_token_oracle``: the parameters of a ``GPT(config)``, the
 position table left out and the tied embedding once, plus the ``nbytes`` of a chapter 05 ``KVCache`` of
 ``context`` slots); int8 quantization as its float64 formula (``int8_reference``: scale = max |w| / 127 per
-row, q = round(w / scale)) and its properties (int8 levels in -127..127, every entry within half a step of
+row, q = round(w / scale), a scale that underflows to 0 in float32 taken as 0) and its properties (int8 levels in -127..127, every entry within half a step of
 the weight, each row's largest entry at +-127); the dequantized weight and the int8 layer as float64
 products (``q * scale[:, None]``, ``F.linear``); never course_lib.quantize's reference solutions.
 """
@@ -161,14 +161,22 @@ def int8_reference(weight):
     """The oracle of chapter 08's quantization checks: symmetric per-output-channel int8, as its float64 formula.
 
     weight (out, in) -> (q (out, in) int8, scale (out,) float64): scale[o] = max_i |w[o, i]| / 127 and
-    q = round(w / scale[:, None]) (half to even), computed in float64; an all-zero row gets scale 0 and q 0.
+    q = round(w / scale[:, None]) (half to even), computed in float64. A row whose scale is 0 in float32 gets
+    scale 0 and q 0: an all-zero row, and a row so small that max |w| / 127 underflows to 0 in float32 (max |w|
+    = 1.4e-44, a subnormal: in float64 its scale would be 1.1e-46 and its levels +-127).
     Code that works in float32 may round the other way where w / scale is within float32 rounding of a
     half-integer: ``int8_rounding_ties`` marks those entries, where q may differ by 1.
     """
     w = weight.detach().double()
-    scale = w.abs().amax(dim=1) / 127
+    absmax = w.abs().amax(dim=1)
+    scale = torch.where(_float32_scale(absmax) > 0, absmax / 127, 0.0)
     q = torch.round(w / torch.where(scale > 0, scale, 1.0)[:, None])
     return q.to(torch.int8), scale
+
+
+def _float32_scale(absmax):
+    """max |w| / 127 computed in float32, as the exercise's contract says (absmax (out,) -> (out,) float32)."""
+    return absmax.float() / 127
 
 
 def int8_rounding_ties(weight, slack: float = 1e-4):
@@ -180,21 +188,56 @@ def int8_rounding_ties(weight, slack: float = 1e-4):
     return ((ratio - ratio.floor()) - 0.5).abs() < slack
 
 
+_INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def _non_finite(t) -> str | None:
+    """'NaN' or 'an infinity' if the floating-point tensor t holds one, else None."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+        return "NaN" if t.isnan().any() else "an infinity"
+    return None
+
+
 class _NonFiniteWatch(TorchFunctionMode):
-    """Records the first torch operation, run inside it, whose floating-point result holds a NaN or an infinity."""
+    """Watches the torch operations run inside it: ``first``, the first whose floating-point result holds a NaN or
+    an infinity (name, kind); ``infinity``, the first whose result holds an infinity (name); ``cast``, the first
+    that turned a NaN or an infinity into integers (name, kind: undefined, 0 on one CPU and anything on another).
+
+    ``garbage(t)``: whether t holds such integers still, i.e. comes from that cast through operations that do not
+    replace entries (a later ``torch.where``, ``masked_fill`` or in-place write counts as a fix)."""
+
+    _FIXES = {"where", "masked_fill", "nan_to_num", "setitem", "index_put"}
 
     def __init__(self):
         super().__init__()
         self.first = None
+        self.infinity = None
+        self.cast = None
+        self._tainted: set[int] = set()  # data pointers of integer tensors that hold a cast NaN or infinity
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.first is None:
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
-                    self.first = (getattr(func, "__name__", str(func)), "NaN" if t.isnan().any() else "an infinity")
-                    break
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+        inputs = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        name = getattr(func, "__name__", str(func))
+        for t in outs:
+            kind = _non_finite(t)
+            if kind:
+                self.first = self.first or (name, kind)
+                if torch.isinf(t).any():
+                    self.infinity = self.infinity or name
+        integer_out = [t for t in outs if t.dtype in _INTEGER_DTYPES]
+        cast = next((_non_finite(a) for a in inputs if _non_finite(a)), None)
+        touches = any(a.data_ptr() in self._tainted for a in inputs)
+        if name.strip("_") in self._FIXES or (name.endswith("_") and not name.startswith("__")):
+            self._tainted -= {a.data_ptr() for a in inputs}  # entries replaced: assume the code fixed them
+        elif integer_out and (cast or touches):
+            self.cast = self.cast or (name, cast)
+            self._tainted |= {t.data_ptr() for t in integer_out}
         return out
+
+    def garbage(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.data_ptr() in self._tainted
 
 
 def _scale_dtype_message(dtype, name: str) -> str:
@@ -222,6 +265,7 @@ def _check_quantized(quantize_int8, weight, name: str) -> None:
     w = weight.double()
     absmax = w.abs().amax(dim=1)  # (out,) float64
     zero_rows = (absmax == 0).nonzero().flatten().tolist()
+    tiny_rows = ((absmax > 0) & (_float32_scale(absmax) == 0)).nonzero().flatten().tolist()  # scale underflows to 0
     if q.dtype != torch.int8:
         hint = (": round, then store the levels as 8-bit integers, q.to(torch.int8)" if q.is_floating_point()
                 else ": uint8 holds 0..255, no negative levels" if q.dtype == torch.uint8 else "")
@@ -263,6 +307,30 @@ def _check_quantized(quantize_int8, weight, name: str) -> None:
             fail(f"row {r} of this weight is all zeros ({name}), but your q has {int((q[r] != 0).sum())} nonzero "
                  f"level(s) there, e.g. {int(q[r][q[r] != 0][0])}{computed}: 0 / 0 is NaN, and a NaN cast to int8 is "
                  "undefined. Give an all-zero row scale 0 and divide it by 1 instead: torch.where(scale > 0, scale, 1)")
+    for r in tiny_rows:
+        top = absmax[r].item()
+        row = (f"row {r}'s largest |w| is {top:.2g} ({name}): its scale max |w| / 127 = {top / 127:.2g} is far below "
+               "the smallest positive float32 (1.4e-45), so in float32 it underflows to 0")
+        if scale[r] != 0:
+            fail(f"{row}, and scale[{r}] should be that 0, got {scale[r].item():.4g} (did you clamp the scale to a small "
+                 "minimum? Keep it 0 and guard the division instead: torch.where(scale > 0, scale, 1))")
+        if (q[r] != 0).any():
+            example = int(q[r][q[r] != 0][0])
+            if watch.infinity:
+                fail(f"{row}, and your q has {int((q[r] != 0).sum())} nonzero level(s) there, e.g. {example} (your "
+                     f"code computed an infinity in {watch.infinity}): a division by a zero scale, {top:.2g} / 0 "
+                     f"= inf (and 127 / {top:.2g} overflows to inf too). Guard the division by the scale itself, "
+                     "torch.where(scale > 0, scale, 1), not by whether the row is all zeros: a row whose scale is 0 "
+                     "quantizes to zeros, like an all-zero row")
+            fail(f"{row}, and your q has {int((q[r] != 0).sum())} nonzero level(s) there, e.g. {example}, with that "
+                 f"scale 0: you divided by a scale kept in higher precision (in float64 it is {top / 127:.2g}, not 0) "
+                 "than the one you return. Compute the scale in float32, the precision you return, and guard the "
+                 "division by that one: a row whose float32 scale is 0 quantizes to zeros, like an all-zero row")
+    if watch.garbage(q):
+        fail(f"your code turned {watch.cast[1]} into integers ({watch.cast[0]}) ({name}): casting NaN or an infinity "
+             "to int8 is undefined (0 on one CPU, any level on another). It came from a division by a zero scale: "
+             "0 / 0 for an all-zero row, w / 0 = inf for a row whose scale underflows to 0. Guard the division: "
+             "torch.where(scale > 0, scale, 1)")
     if (q == -128).any():
         r, c = (int(i) for i in (q == -128).nonzero()[0])
         per_128 = torch.allclose(scale.double(), absmax / 128, rtol=1e-5, atol=0)
@@ -271,7 +339,7 @@ def _check_quantized(quantize_int8, weight, name: str) -> None:
                  "clamp to (-127, 127), not (-128, 127), with scale = max |w| / 127")
         fail(f"q[{r}, {c}] = -128 ({name}): symmetric int8 uses the levels -127..127 only, so that -w quantizes to "
              f"-q and zero is exactly 0; {cause}")
-    expected_scale = absmax / 127
+    expected_scale = torch.where(_float32_scale(absmax) > 0, absmax / 127, 0.0)
     bad = (scale.double() - expected_scale).abs() > 1e-6 * expected_scale
     if bad.any():
         r = int(bad.nonzero()[0])
@@ -292,7 +360,7 @@ def _check_quantized(quantize_int8, weight, name: str) -> None:
         fail(f"scale[{r}] should be max |w[{r}, :]| / 127 = {want:.6g}, got {got:.6g} ({name}){hint}")
     s = scale.double()
     error = (q.double() * s[:, None] - w).abs()
-    too_far = error > s[:, None] * (0.5 + 2e-4) + 1e-12 * w.abs()
+    too_far = (error > s[:, None] * (0.5 + 2e-4) + 1e-12 * w.abs()) & (s[:, None] > 0)  # a zero scale: q 0, checked
     ratio = w / torch.where(s > 0, s, 1.0)[:, None]
     ties = int8_rounding_ties(weight)
     if too_far.any():
@@ -308,7 +376,7 @@ def _check_quantized(quantize_int8, weight, name: str) -> None:
              f"{w[r, c].item():.6g} ({name}): off by {error[r, c].item() / s[r].item():.3g} steps, more than half a step. "
              f"q should be round(w / scale) = round({ratio[r, c].item():.4g})")
     top = q.abs().amax(dim=1).int()
-    short = (top != 127) & (absmax > 0)
+    short = (top != 127) & (expected_scale > 0)
     if short.any():
         r = int(short.nonzero()[0])
         fail(f"the largest |q| of row {r} is {int(top[r])}, expected 127 ({name}): each row's largest entry maps to "
@@ -323,14 +391,17 @@ def _check_quantized(quantize_int8, weight, name: str) -> None:
 
 def check_quantize_int8(quantize_int8) -> None:
     """Visible checks for chapter 08, exercise 2: a (6, 10) weight whose rows differ in size by up to 2000x, a
-    (4, 8) weight with an all-zero row, and a float64 weight, against the float64 formula and its properties."""
+    (4, 8) weight with an all-zero row and a row whose float32 scale underflows to 0 (largest |w| 1.4e-44), and a
+    float64 weight, against the float64 formula and its properties."""
     g = torch.Generator().manual_seed(802)
     rows = torch.tensor([1.0, 0.02, 3.0, 0.5, 40.0, 0.1])
     weight = torch.randn(6, 10, generator=g) * rows[:, None]
     _check_quantized(quantize_int8, weight, "a (6, 10) float32 weight")
     weight = torch.randn(4, 8, generator=g)
     weight[2] = 0.0
-    _check_quantized(quantize_int8, weight, "a (4, 8) float32 weight whose row 2 is all zeros")
+    weight[3] = 1.4e-44 * torch.tensor([1.0, -0.5, 0.0, 1.0, 0.5, -1.0, 0.0, 0.5])  # float32 subnormals
+    _check_quantized(quantize_int8, weight, "a (4, 8) float32 weight whose row 2 is all zeros and row 3 tiny, "
+                     "largest |w| 1.4e-44")
     weight = torch.randn(5, 7, generator=g, dtype=torch.float64) * 0.05
     _check_quantized(quantize_int8, weight, "a (5, 7) float64 weight")
     passed("quantize_int8")
@@ -362,6 +433,8 @@ def check_dequantize_int8(dequantize_int8) -> None:
         name = f"dequantize_int8(q, scale) for q ({out}, {inp})"
         try:
             w = dequantize_int8(q, scale)
+        except NotImplementedError:
+            raise  # the exercise is not done yet: say so plainly
         except Exception as error:  # noqa: BLE001 - any error is the learner's to see, with its cause
             fail(f"{name} raised {type(error).__name__}: {error} (scale has one entry per row of q, an output "
                  "channel: broadcast it as scale[:, None])")
@@ -428,6 +501,8 @@ def check_int8_linear(int8_linear) -> None:
         name = f"int8_linear(x, q, scale, {'bias' if b is not None else 'None'}) for {what}"
         try:
             y = int8_linear(x, q, scale, b)
+        except NotImplementedError:
+            raise
         except Exception as error:  # noqa: BLE001 - any error is the learner's to see, with its cause
             fail(f"{name} raised {type(error).__name__}: {error}" + (f" ({hint})" if hint else ""))
         assert_tensor(y, name)

@@ -95,6 +95,9 @@ def check_bpe_merge(bpe_merge) -> None:
     """Visible checks for chapter 09, exercise 1: replacement, left to right, no overlaps, input untouched."""
     ids = [1, 2, 3, 1, 2]
     got = _as_ids(bpe_merge(ids, (1, 2), 9), "bpe_merge", "[1, 2, 3, 1, 2]")
+    if got == [9, 3, 1, 2]:
+        fail("bpe_merge([1, 2, 3, 1, 2], (1, 2), 9) returned [9, 3, 1, 2], expected [9, 3, 9]: you replaced only the "
+             "first occurrence of the pair; replace every occurrence, scanning the whole list")
     if got != [9, 3, 9]:
         fail(f"bpe_merge([1, 2, 3, 1, 2], (1, 2), 9) returned {got}, expected [9, 3, 9]")
     if ids != [1, 2, 3, 1, 2]:

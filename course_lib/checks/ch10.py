@@ -76,7 +76,8 @@ def _number(value, what: str) -> float:
 
 
 def check_training_flops(training_flops) -> None:
-    """Visible checks for chapter 10, exercise 1: C = 6ND on small numbers, and linear in N and in D."""
+    """Visible checks for chapter 10, exercise 1: C = 6ND on small numbers, linear in N and in D, elementwise on
+    arrays, and without integer overflow on int64 arrays of real sizes (GPT-3's 175e9 parameters, 300e9 tokens)."""
     got = _number(training_flops(1_000, 2_000), "training_flops(1_000, 2_000)")
     if got == 2 * 1_000 * 2_000:
         fail("training_flops(1_000, 2_000) = 4,000,000 = 2ND: that is the forward pass only. The backward pass costs "
@@ -95,6 +96,19 @@ def check_training_flops(training_flops) -> None:
     if arrays.shape != (2,) or not np.allclose(arrays, [1.2e7, 1.2e10], rtol=1e-12, atol=0):
         fail(f"training_flops should work elementwise on numpy arrays: for N = [1e3, 1e4] and D = [2e3, 2e5] expected "
              f"[1.2e7, 1.2e10], got {arrays.tolist()}")
+    n_big, d_big = np.array([175_000_000_000], dtype=np.int64), np.array([300_000_000_000], dtype=np.int64)  # GPT-3
+    with np.errstate(over="ignore"):
+        got = np.asarray(training_flops(n_big, d_big))
+        wrapped = int((np.int64(6) * n_big * d_big)[0])
+    if got.shape != (1,) or not np.allclose(got.astype(np.float64), [3.15e23], rtol=1e-12, atol=0):
+        value = got.ravel()[0] if got.size else got
+        hint = ""
+        if not np.issubdtype(got.dtype, np.floating) or (got.size == 1 and int(value) == wrapped):
+            hint = (f": the product was computed in {got.dtype} arithmetic, and 6 x 175e9 x 300e9 = 3.15e23 is far beyond "
+                    f"the int64 limit 2^63 = 9.2e18, so it wrapped around without a warning (to {wrapped:,}). Compute in "
+                    "floating point: 6.0 * n_params * n_tokens")
+        fail(f"training_flops(N, D) for int64 arrays N = [175e9], D = [300e9] (GPT-3's size) should be [3.15e23], got "
+             f"{got.tolist()}{hint}")
     passed("training_flops")
 
 
@@ -105,8 +119,23 @@ def _fit(fit_power_law, n, loss, offsets, what: str):
     return tuple(_number(v, f"{name} ({what})") for v, name in zip(result, ("E", "A", "alpha")))
 
 
+def _offset_chosen_by(n, loss, offsets, scale: str):
+    """The (E, A, alpha) a fit gets when it compares the candidate offsets on the wrong `scale`: "line" (the residuals
+    of each E's own line, in log(loss - E)) or "loss" (the residuals of the losses themselves, in linear space)."""
+    X = np.stack([np.ones_like(n), -np.log(n)], axis=1)
+    best = None
+    for E in offsets:
+        coef = np.linalg.lstsq(X, np.log(loss - E), rcond=None)[0]
+        law = E + np.exp(X @ coef)
+        score = np.sum((X @ coef - np.log(loss - E)) ** 2) if scale == "line" else np.sum((loss - law) ** 2)
+        if best is None or score < best[0]:
+            best = (score, float(E), float(np.exp(coef[0])), float(coef[1]))
+    return best[1:]
+
+
 def check_fit_power_law(fit_power_law) -> None:
-    """Visible checks for chapter 10, exercise 2: known power laws recovered, with and without an offset grid."""
+    """Visible checks for chapter 10, exercise 2: known power laws recovered, with and without an offset grid, and
+    noisy losses whose noise only the comparison of the offsets in log(loss) cannot see."""
     n = np.logspace(3, 6, 7)
     E, A, alpha = 1.5, 20.0, 0.5
     loss = synthetic_losses(n, E, A, alpha)
@@ -122,11 +151,34 @@ def check_fit_power_law(fit_power_law) -> None:
     if abs(got_alpha - alpha) > 0.01 or abs(got_E - E) > 0.01:
         fail(f"with the default offsets (1000 values in [0, min(loss)) = [0, {loss.min():.4g})) expected E close to 1.5 "
              f"and alpha close to 0.5 (within 0.01), got E = {got_E:.4g}, alpha = {got_alpha:.4g}")
+    n = np.logspace(3, 7, 9)
+    E, A, alpha = 0.8, 6.0, 0.3
+    loss, _ = planted_noise_losses(n, E, A, alpha, [0.12, -0.15, 0.05, 0, 0.03, 0, 0, 0.1, -0.1])
+    offsets = np.round(np.arange(0, 843) * 0.001, 3)  # 0, 0.001, ..., 0.842: below min(loss) = 0.843
+    got_E, got_A, got_alpha = _fit(fit_power_law, n, loss, offsets, "noisy losses")
+    if abs(got_E - E) > 0.002 or abs(got_alpha - alpha) > 0.005:
+        what = (f"for noisy losses around 0.8 + 6 / n^0.3 (n = 1e3 ... 1e7; the noise is planted so that comparing the "
+                f"offsets by the residuals of log(loss) keeps E = 0.8 and alpha = 0.3) you returned E = {got_E:.4g}, "
+                f"alpha = {got_alpha:.4g}")
+        one_scale = ("Compare every candidate E on one scale: the sum of squared residuals of log(loss), "
+                     "log(loss) - log(E + A / n^alpha)")
+        for scale, mistake in (
+            ("line", "that is the offset whose own line fits best, in log(loss - E). That scale changes with E: a "
+                     "misfit d of the loss is about d / (loss - E) there, so the closer E comes to the losses, the "
+                     "larger the same misfit looks, and the comparison favours small E"),
+            ("loss", "that is the offset whose law fits the losses themselves best, in linear space: the large losses "
+                     "of the small models dominate that sum, and a power law's errors are relative"),
+        ):
+            wrong_E, _, wrong_alpha = _offset_chosen_by(n, loss, offsets, scale)
+            if abs(got_E - wrong_E) < 1e-9 and abs(got_alpha - wrong_alpha) < 1e-6:
+                fail(f"{what}: {mistake}. {one_scale}")
+        fail(f"{what}, expected (0.8, 0.3): fit log(loss - E) = log A - alpha log n by least squares for each E (a fit "
+             f"of the losses themselves, in linear space, lets the large losses dominate). {one_scale}")
     passed("fit_power_law")
 
 
 def check_compute_optimal(compute_optimal) -> None:
-    """Visible checks for chapter 10, exercise 3: 6ND = C and D = rN, on a worked example."""
+    """Visible checks for chapter 10, exercise 3: 6ND = C and D = rN, on a worked example, at r = 20 and r = 120."""
     result = compute_optimal(1.2e14)
     if not isinstance(result, tuple) or len(result) != 2:
         fail(f"compute_optimal should return a tuple (N, D), got {type(result).__name__}")
@@ -140,4 +192,14 @@ def check_compute_optimal(compute_optimal) -> None:
         fail(f"compute_optimal(1.2e14) with the default 20 tokens per parameter: D / N should be 20, got {d / n:.4g}")
     if abs(n - 1e6) > 1e-3:
         fail(f"compute_optimal(1.2e14) should give N = sqrt(1.2e14 / (6 x 20)) = 1e6 parameters, got {n:.6g}")
+    result = compute_optimal(1.2e14, 120.0)
+    if not isinstance(result, tuple) or len(result) != 2:
+        fail(f"compute_optimal(1.2e14, 120.0) should return a tuple (N, D), got {type(result).__name__}")
+    n, d = (_number(v, name) for v, name in zip(result, ("N", "D")))
+    if abs(d / n - 20) < 1e-9:
+        fail(f"compute_optimal(1.2e14, tokens_per_param=120.0) returned D / N = 20: you used 20 whatever the ratio "
+             "given; use tokens_per_param (r) in N = sqrt(C / (6 r)) and D = r N")
+    if abs(d / n - 120) > 1e-9 or abs(6 * n * d / 1.2e14 - 1) > 1e-9:
+        fail(f"compute_optimal(1.2e14, tokens_per_param=120.0) should give N = sqrt(1.2e14 / (6 x 120)) = 408,248 and "
+             f"D = 120 N = 48,989,795 (D / N = 120, 6ND = C), got N = {n:,.6g}, D = {d:,.6g}")
     passed("compute_optimal")

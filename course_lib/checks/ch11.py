@@ -79,7 +79,15 @@ def check_swiglu(swiglu) -> None:
     x = torch.randn(2, 3, C, generator=generator)
     w_gate, w_up = torch.randn(F_, C, generator=generator), torch.randn(F_, C, generator=generator)
     w_down = torch.randn(C, F_, generator=generator)
-    got = assert_tensor(swiglu(x, w_gate, w_up, w_down), "swiglu(x, w_gate, w_up, w_down)")
+    try:
+        got = swiglu(x, w_gate, w_up, w_down)
+    except NotImplementedError:
+        raise  # the exercise is not done yet: say so plainly
+    except RuntimeError as error:  # a shape error: most often a weight used the wrong way round
+        fail(f"swiglu(x, w_gate, w_up, w_down) for x (2, 3, {C}), w_gate and w_up ({F_}, {C}), w_down ({C}, {F_}) raised "
+             f"RuntimeError: {error}. The weights are nn.Linear-shaped (out, in): x W_gate^T and x W_up^T are (..., F), "
+             "and the product goes down through W_down^T, F.linear(h, w_down), not w_down itself")
+    got = assert_tensor(got, "swiglu(x, w_gate, w_up, w_down)")
     assert_shape(got, x.shape, "swiglu(x, w_gate, w_up, w_down)")
     expected = swiglu_oracle(x, w_gate, w_up, w_down)
     if _differs(got, expected):
@@ -94,6 +102,10 @@ def check_swiglu(swiglu) -> None:
         if not _differs(got, sig):
             fail("your swiglu uses sigmoid(a) on the gate (that is GLU); SwiGLU uses SiLU, a * sigmoid(a)")
         a = xd @ w_gate.double().T
+        product = a * (xd @ w_up.double().T)
+        if not _differs(got, (product * torch.sigmoid(product)) @ w_down.double().T):
+            fail("your swiglu applies SiLU to the product of the two projections: SiLU goes on the gate alone, "
+                 "SiLU(x W_gate^T), and then multiplies x W_up^T")
         if not _differs(got, (a * torch.sigmoid(a)) @ w_down.double().T):
             fail("your swiglu leaves out the up projection: SiLU(x W_gate^T) must be multiplied, element by element, by x W_up^T")
         fail(f"swiglu differs from (SiLU(x W_gate^T) * (x W_up^T)) W_down^T by up to {(got.double() - expected).abs().max().item():.3g}")
