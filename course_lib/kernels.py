@@ -33,6 +33,8 @@ MEASURED_ROWS = 64
 #: The seconds of timed calls per measurement (at least one call), of each kernel, in each of `ROUNDS` rounds.
 BUDGET_S = 0.002
 ROUNDS = 3
+#: The bytes a measurement cycles through when it does not know the model's (more than a CPU's caches).
+COLD_BYTES = 128 * 2**20
 
 ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 KERNEL_NAMES = ("F.linear", "oneDNN")
@@ -75,13 +77,23 @@ def _seconds_per_call(run) -> float:
     return best
 
 
-def measure(weight, bias, x) -> dict[str, float]:
-    """Seconds per call of each kernel on this product: {kernel name: seconds}, the kernels taking turns."""
+def measure(weight, bias, x, cycle_bytes: int = COLD_BYTES) -> dict[str, float]:
+    """Seconds per call of each kernel on this product: {kernel name: seconds}, the kernels taking turns.
+
+    A decode step reads each weight once, then all the model's other weights before it reads this one again:
+    from memory when the model outsizes the caches, from a cache when it is small. A loop over one weight would
+    always read it from a cache, and could rank the kernels by a speed no decode step of a large model sees.
+    So each timed call reads the next of several copies of the weight, cycle_bytes in all (the model's weights;
+    at least one copy, at most 1024).
+    """
+    copies = max(1, min(1024, math.ceil(cycle_bytes / (weight.numel() * weight.element_size()))))
+    weights = [weight] + [weight.clone() for _ in range(copies - 1)]
     with torch.no_grad():
         times = {name: math.inf for name in KERNELS}
-        for _ in range(2):  # two turns each, so that a burst of background load hits both
+        for _ in range(3):  # three turns each, so that a burst of background load hits both
             for name, kernel in KERNELS.items():
-                times[name] = min(times[name], _seconds_per_call(lambda: kernel(x, weight, bias)))
+                seconds = _seconds_per_call(lambda: [kernel(x, w, bias) for w in weights]) / copies
+                times[name] = min(times[name], seconds)
     return times
 
 
@@ -91,8 +103,9 @@ def _eligible(weight, x) -> bool:
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
 
 
-def choose(weight, bias, x) -> str:
-    """The kernel ``linear`` runs for this product: "F.linear" or "oneDNN" (measured once per combination)."""
+def choose(weight, bias, x, cycle_bytes: int = COLD_BYTES) -> str:
+    """The kernel ``linear`` runs for this product: "F.linear" or "oneDNN" (measured once per combination, as
+    ``measure`` does with cycle_bytes: the bytes of the model the weight belongs to)."""
     rows = x.numel() // max(1, x.shape[-1])
     if not _eligible(weight, x) or rows > MEASURED_ROWS:
         return "F.linear"
@@ -101,14 +114,15 @@ def choose(weight, bias, x) -> str:
         return forced
     key = (*weight.shape, bias is not None, rows_bucket(rows), torch.get_num_threads())
     if key not in _chosen:
-        times = measure(weight, bias, x)
+        times = measure(weight, bias, x, cycle_bytes)
         _chosen[key] = min(times, key=times.get)
     return _chosen[key]
 
 
 def linear(module: nn.Linear, x):
     """``module(x)`` through the faster kernel for its shape on this machine: (..., in) -> (..., out)."""
-    return KERNELS[choose(module.weight, module.bias, x)](x, module.weight, module.bias)
+    kernel = choose(module.weight, module.bias, x, getattr(module, "cycle_bytes", COLD_BYTES))
+    return KERNELS[kernel](x, module.weight, module.bias)
 
 
 def chosen_kernels() -> dict[tuple, str]:
@@ -139,9 +153,14 @@ def use_fastest_kernels(model: nn.Module, rows=(1,)) -> nn.Module:
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = FastLinear
+    fast = [m for m in model.modules() if isinstance(m, FastLinear)]
+    weights = {id(m.weight): m.weight for m in fast}  # a tied weight once
+    model_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+    for module in fast:
+        module.cycle_bytes = model_bytes  # what a decode step reads between two reads of this weight
     with torch.no_grad():  # the decode steps to come run without gradients
-        for module in (m for m in model.modules() if isinstance(m, FastLinear)):
+        for module in fast:
             for n in rows:
                 x = torch.zeros(n, module.in_features, dtype=module.weight.dtype, device=module.weight.device)
-                choose(module.weight, module.bias, x)
+                choose(module.weight, module.bias, x, model_bytes)
     return model

@@ -48,9 +48,9 @@ def test_the_choice_is_measured_once_per_shape_rows_bucket_and_threads_then_kept
     calls = []
     real_measure = kernels.measure
 
-    def counting_measure(weight, bias, x):
+    def counting_measure(weight, bias, x, cycle_bytes):
         calls.append((tuple(weight.shape), x.numel() // x.shape[-1]))
-        return real_measure(weight, bias, x)
+        return real_measure(weight, bias, x, cycle_bytes)
 
     monkeypatch.setattr(kernels, "measure", counting_measure)
     layer = nn.Linear(64, 96)
@@ -67,9 +67,37 @@ def test_the_choice_is_the_faster_of_the_measured_times(monkeypatch):
     layer = nn.Linear(32, 32)
     for times, winner in (({"F.linear": 2.0, "oneDNN": 1.0}, "oneDNN"), ({"F.linear": 1.0, "oneDNN": 2.0}, "F.linear")):
         kernels.forget_choices()
-        monkeypatch.setattr(kernels, "measure", lambda weight, bias, x, times=times: times)
+        monkeypatch.setattr(kernels, "measure", lambda weight, bias, x, cycle_bytes, times=times: times)
         with torch.no_grad():
             assert choose(layer.weight, layer.bias, torch.randn(1, 32)) == winner
+
+
+def test_a_measurement_reads_the_weight_from_copies_as_large_as_the_model(monkeypatch):
+    seen = {name: set() for name in kernels.KERNELS}
+
+    def recorder(name):
+        def kernel(x, weight, bias=None):
+            seen[name].add(weight.data_ptr())
+            return F.linear(x, weight, bias)
+        return kernel
+
+    monkeypatch.setattr(kernels, "KERNELS", {name: recorder(name) for name in kernels.KERNELS})
+    weight = torch.randn(64, 32)  # 8 KiB
+    times = kernels.measure(weight, None, torch.randn(1, 32), cycle_bytes=10 * 8192)
+    assert set(times) == set(kernels.KERNEL_NAMES) and all(t > 0 for t in times.values())
+    assert all(len(pointers) == 10 for pointers in seen.values())  # 10 copies, the first the weight itself
+    assert all(weight.data_ptr() in pointers for pointers in seen.values())
+
+
+def test_use_fastest_kernels_measures_with_the_models_weight_bytes(monkeypatch):
+    cycles = []
+    monkeypatch.setattr(kernels, "measure", lambda weight, bias, x, cycle_bytes: cycles.append(cycle_bytes) or
+                        {"F.linear": 1.0, "oneDNN": 2.0})
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+    model[1].weight = nn.Parameter(model[0].weight.t().contiguous())
+    use_fastest_kernels(model)
+    assert cycles == [2 * 16 * 32 * 4] * 2
+    assert all(m.cycle_bytes == 2 * 16 * 32 * 4 for m in model)
 
 
 def test_what_is_not_a_float32_cpu_product_of_few_rows_without_gradients_runs_f_linear(monkeypatch):
