@@ -30,10 +30,11 @@ from torch import nn
 
 #: Products of more rows than this (a long prefill) are compute-bound, and run ``F.linear`` unmeasured.
 MEASURED_ROWS = 64
-#: The seconds of timed calls per measurement (at least one call), of each kernel, in each of `ROUNDS` rounds.
+#: The seconds of timed calls of each kernel (at least one call) in each of ``ROUNDS`` rounds of a measurement.
 BUDGET_S = 0.002
 ROUNDS = 3
-#: The bytes a measurement cycles through when it does not know the model's (more than a CPU's caches).
+#: The most bytes a measurement cycles through (more than a CPU's caches: each read then comes from memory),
+#: and what it cycles through when it does not know the model's size.
 COLD_BYTES = 128 * 2**20
 
 ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -62,38 +63,36 @@ def rows_bucket(rows: int) -> int:
     return 1 << max(0, rows - 1).bit_length()
 
 
-def _seconds_per_call(run) -> float:
-    """The time of one call of `run`, the best of ROUNDS rounds of enough calls to fill BUDGET_S."""
-    run()  # warm-up: first-call overheads, caches
+def _calls_to_time(run) -> int:
+    """Run once to warm up (first-call overheads, caches), once timed: how many calls fill BUDGET_S."""
+    run()
     start = time.perf_counter()
     run()
-    calls = max(1, min(1000, int(BUDGET_S / max(time.perf_counter() - start, 1e-7))))
-    best = math.inf
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        for _ in range(calls):
-            run()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
+    return max(1, min(1000, int(BUDGET_S / max(time.perf_counter() - start, 1e-7))))
 
 
 def measure(weight, bias, x, cycle_bytes: int = COLD_BYTES) -> dict[str, float]:
-    """Seconds per call of each kernel on this product: {kernel name: seconds}, the kernels taking turns.
+    """Seconds per call of each kernel on this product: {kernel name: seconds}, the best of ROUNDS rounds in
+    which the kernels take turns (so that a burst of background load hits both).
 
     A decode step reads each weight once, then all the model's other weights before it reads this one again:
     from memory when the model outsizes the caches, from a cache when it is small. A loop over one weight would
     always read it from a cache, and could rank the kernels by a speed no decode step of a large model sees.
-    So each timed call reads the next of several copies of the weight, cycle_bytes in all (the model's weights;
-    at least one copy, at most 1024).
+    So each timed call reads the next of several copies of the weight, cycle_bytes in all (the model's weights),
+    or COLD_BYTES if fewer (enough to come from memory); at least one copy.
     """
-    copies = max(1, min(1024, math.ceil(cycle_bytes / (weight.numel() * weight.element_size()))))
+    copies = max(1, math.ceil(min(cycle_bytes, COLD_BYTES) / (weight.numel() * weight.element_size())))
     weights = [weight] + [weight.clone() for _ in range(copies - 1)]
     with torch.no_grad():
+        runs = {name: (lambda kernel=kernel: [kernel(x, w, bias) for w in weights]) for name, kernel in KERNELS.items()}
+        calls = {name: _calls_to_time(run) for name, run in runs.items()}
         times = {name: math.inf for name in KERNELS}
-        for _ in range(3):  # three turns each, so that a burst of background load hits both
-            for name, kernel in KERNELS.items():
-                seconds = _seconds_per_call(lambda: [kernel(x, w, bias) for w in weights]) / copies
-                times[name] = min(times[name], seconds)
+        for _ in range(ROUNDS):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                for _ in range(calls[name]):
+                    run()
+                times[name] = min(times[name], (time.perf_counter() - start) / (calls[name] * copies))
     return times
 
 
