@@ -287,9 +287,9 @@ def format_decode(result: dict) -> str:
 def format_kernels(kernels: dict) -> str:
     """One line: which kernel ``course_lib.kernels`` chose for our float32 weights, per number of rows."""
     by_rows: dict[int, dict[str, int]] = {}
-    for (_, _, _, rows, _), name in sorted(kernels.items()):
-        by_rows.setdefault(rows, {}).setdefault(name, 0)
-        by_rows[rows][name] += 1
+    for choice, name in sorted(kernels.items()):
+        by_rows.setdefault(choice.rows, {}).setdefault(name, 0)
+        by_rows[choice.rows][name] += 1
     return ("kernels chosen for our float32 weights (course_lib.kernels, measured on this machine): " +
             "; ".join(f"{rows} row(s): " + ", ".join(f"{name} x{count}" for name, count in names.items())
                       for rows, names in by_rows.items()))

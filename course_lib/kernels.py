@@ -15,14 +15,17 @@ that time decoding against Hugging Face call it on our models. Chapter 05's KV c
 alone; it runs whatever its model's linear layers do.
 
 Set ``COURSE_LINEAR_KERNEL`` to ``F.linear`` or ``oneDNN`` to force one kernel (``auto``, the default,
-measures). Everything that is not a float32 product on the CPU with at most ``MEASURED_ROWS`` rows and no
-gradient to track (training, other dtypes, other devices, a prefill of many tokens) runs ``F.linear``.
+measures). Everything that is not a float32 product on the CPU of 1 to ``MEASURED_ROWS`` rows, with no
+gradient to track and no autocast (training, other dtypes, other devices, a prefill of many tokens), runs
+``F.linear``. Which kernel a product runs is measured, so two runs may round differently (within float32
+rounding): compare outputs with a tolerance, and tokens only where the winning logit leads by a margin.
 """
 from __future__ import annotations
 
 import math
 import os
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +51,17 @@ def onednn_linear(x, weight, bias=None):
 
 KERNELS = {"F.linear": F.linear, "oneDNN": onednn_linear}
 
-_chosen: dict[tuple, str] = {}  # (out, in, bias?, rows bucket, threads) -> kernel name, for this process
+class Choice(NamedTuple):
+    """What a kernel choice is kept under, for this process."""
+    out_features: int
+    in_features: int
+    bias: bool
+    rows: int  # the bucket: 1, 2, 4, 8, ... up to MEASURED_ROWS
+    threads: int
+    cycle_bytes: int  # the bytes cycled through while measuring (at most COLD_BYTES)
+
+
+_chosen: dict[Choice, str] = {}  # -> kernel name
 
 
 def _forced() -> str:
@@ -96,24 +109,28 @@ def measure(weight, bias, x, cycle_bytes: int = COLD_BYTES) -> dict[str, float]:
     return times
 
 
-def _eligible(weight, x) -> bool:
-    return (ONEDNN_AVAILABLE and weight.dtype == torch.float32 and x.dtype == torch.float32
-            and weight.device.type == "cpu" and x.device.type == "cpu" and weight.dim() == 2 and x.dim() >= 2
-            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
+def _eligible(weight, bias, x) -> bool:
+    """A float32 product on the CPU, with no gradient to track (oneDNN's op has no backward) and no autocast."""
+    tensors = (weight, x) if bias is None else (weight, bias, x)
+    return (ONEDNN_AVAILABLE and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+            and weight.dim() == 2 and x.dim() >= 2 and x.numel() > 0
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and not torch.is_autocast_enabled("cpu"))
 
 
 def choose(weight, bias, x, cycle_bytes: int = COLD_BYTES) -> str:
     """The kernel ``linear`` runs for this product: "F.linear" or "oneDNN" (measured once per combination, as
     ``measure`` does with cycle_bytes: the bytes of the model the weight belongs to)."""
     rows = x.numel() // max(1, x.shape[-1])
-    if not _eligible(weight, x) or rows > MEASURED_ROWS:
+    if not _eligible(weight, bias, x) or rows > MEASURED_ROWS:
         return "F.linear"
     forced = _forced()
     if forced != "auto":
         return forced
-    key = (*weight.shape, bias is not None, rows_bucket(rows), torch.get_num_threads())
+    cycle = min(cycle_bytes, COLD_BYTES)
+    key = Choice(*weight.shape, bias is not None, rows_bucket(rows), torch.get_num_threads(), cycle)
     if key not in _chosen:
-        times = measure(weight, bias, x, cycle_bytes)
+        times = measure(weight, bias, x, cycle)
         _chosen[key] = min(times, key=times.get)
     return _chosen[key]
 
@@ -124,8 +141,8 @@ def linear(module: nn.Linear, x):
     return KERNELS[kernel](x, module.weight, module.bias)
 
 
-def chosen_kernels() -> dict[tuple, str]:
-    """What ``linear`` chose so far: {(out, in, bias?, rows bucket, threads): kernel name}."""
+def chosen_kernels() -> dict[Choice, str]:
+    """What ``linear`` chose so far: {Choice(out, in, bias?, rows bucket, threads, bytes cycled): kernel name}."""
     return dict(_chosen)
 
 

@@ -27,7 +27,7 @@ def planted_a() -> dict:
         ATT: CH.mutate(ATT, MASKED, MASKED.replace(", causal)", ")")),
         # the mean includes the -100 padding positions -> padding only (the other tests have no padding)
         FWD: CH.mutate(FWD, LOSS, LOSS[:-1] + ', reduction="none").mean()'),
-        # config.bias ignored: biases always counted -> bias only (every other test uses bias=True)
+        # config.bias ignored: biases always counted -> bias, and the visible check (it counts a bias=False config)
         CNT: CH.mutate(CNT, "b = 1 if config.bias else 0", "b = 1"),
     })
 
@@ -52,7 +52,7 @@ STUDENTS = {
     "reference": (CH.solved, set()),
     "untouched": (CH.untouched, set(CH.points)),
     "planted_a": (planted_a, failing("causal_self_attention", "visible", "future", "heads") | failing("gpt_forward", "padding")
-                  | failing("gpt_param_count", "bias")),
+                  | failing("gpt_param_count", "visible", "bias")),
     "planted_b": (planted_b, failing("causal_self_attention", "visible", "self", "heads") | failing("gpt_forward", "visible", "tying")
                   | failing("gpt_param_count", "visible", "gpt2", "untied")),
 }

@@ -58,8 +58,8 @@ def test_the_choice_is_measured_once_per_shape_rows_bucket_and_threads_then_kept
         for rows in (1, 1, 5, 8, 6):  # 5, 6 and 8 share the bucket of 8
             assert choose(layer.weight, layer.bias, torch.randn(rows, 64)) in kernels.KERNEL_NAMES
     assert calls == [((96, 64), 1), ((96, 64), 5)]
-    assert set(kernels.chosen_kernels()) == {(96, 64, True, 1, torch.get_num_threads()),
-                                             (96, 64, True, 8, torch.get_num_threads())}
+    threads, cycle = torch.get_num_threads(), kernels.COLD_BYTES
+    assert set(kernels.chosen_kernels()) == {(96, 64, True, 1, threads, cycle), (96, 64, True, 8, threads, cycle)}
     assert [kernels.rows_bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
 
 
@@ -152,7 +152,7 @@ def test_use_fastest_kernels_keeps_parameters_ties_state_dict_and_outputs():
     assert model.lm_head.weight is model.transformer.wte.weight and [id(p) for p in model.parameters()] == parameters
     assert {k: v for k, v in model.state_dict().items()}.keys() == before.keys()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert {rows for (_, _, _, rows, _) in kernels.chosen_kernels()} == {1, 2}  # measured up front, as asked
+    assert {choice.rows for choice in kernels.chosen_kernels()} == {1, 2}  # measured up front, as asked
     with torch.no_grad():
         logits, _ = model(idx)
     assert torch.allclose(logits, before_logits, rtol=1e-4, atol=1e-5)
@@ -169,4 +169,37 @@ def test_fast_llama_decodes_hugging_faces_tokens():
     theirs = llama_to_hf(ours)
     use_fastest_kernels(ours, rows=(1, 3))
     prompt = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.allclose(ours(prompt)[0], theirs(prompt).logits, rtol=1e-4, atol=1e-5)
+    # the tokens of a random model: the leading logit leads by far more than float32 rounding for this seed
     assert torch.equal(generate_llama(ours, prompt, 10), hf_generate(theirs, prompt, 10))
+
+
+def test_a_weight_shared_by_two_layers_is_cycled_once(monkeypatch):
+    cycled = []
+    monkeypatch.setattr(kernels, "measure", lambda weight, bias, x, cycle_bytes: cycled.append(cycle_bytes)
+                        or {"F.linear": 1.0, "oneDNN": 2.0})
+    first, second = nn.Linear(16, 16), nn.Linear(16, 16)
+    second.weight = first.weight
+    model = nn.Sequential(first, second, nn.Linear(16, 8, bias=False))
+    use_fastest_kernels(model)
+    weight_bytes = (16 * 16 + 8 * 16) * 4  # the weights, the shared one counted once
+    assert first.cycle_bytes == second.cycle_bytes == weight_bytes and set(cycled) == {weight_bytes}
+
+
+@pytest.mark.parametrize("case", ["no rows", "trainable bias", "autocast", "float64", "too many rows"])
+def test_products_oneDNN_cannot_take_run_f_linear_unmeasured(monkeypatch, case):
+    monkeypatch.setattr(kernels, "measure", lambda *args: pytest.fail("measured a product F.linear must run"))
+    layer = nn.Linear(16, 8)
+    weight, bias, x = layer.weight.detach(), layer.bias.detach(), torch.randn(2, 16)
+    if case == "no rows":
+        x = torch.randn(0, 16)
+    elif case == "trainable bias":
+        bias = layer.bias  # requires_grad, and gradients are on
+    elif case == "float64":
+        weight, bias, x = weight.double(), bias.double(), x.double()
+    elif case == "too many rows":
+        x = torch.randn(kernels.MEASURED_ROWS + 1, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast"):
+        assert choose(weight, bias, x) == "F.linear"
+    assert kernels.chosen_kernels() == {}
