@@ -7,7 +7,7 @@ Which reads a given weight faster depends on the CPU, on the weight's shape, on 
 the thread count: on an AMD EPYC with AVX2, oneDNN read GPT-2 small's LM head about twice as fast as
 ``sgemm`` with two threads; on an Intel Xeon with AVX-512, ``sgemm`` reads near the bandwidth limit. No
 rule chosen on one machine holds on the other, so ``linear`` measures both the first time it meets a
-(weight shape, bias or not, rows, threads) combination and keeps the faster one for the process.
+(weight shape, bias or not, rows, threads, model size) combination and keeps the faster one for the process.
 
 ``use_fastest_kernels(model)`` makes every ``nn.Linear`` of a model run through ``linear`` (the model's
 parameters, state dict and outputs stay the same, within float32 rounding): the benchmarks and the chapters
@@ -50,6 +50,7 @@ def onednn_linear(x, weight, bias=None):
 
 
 KERNELS = {"F.linear": F.linear, "oneDNN": onednn_linear}
+
 
 class Choice(NamedTuple):
     """What a kernel choice is kept under, for this process."""
