@@ -265,6 +265,13 @@ def scale_bfloat16(weight):
     return q, scale.to(torch.bfloat16)
 
 
+def bfloat16_kept(weight):
+    """Quantizes a bfloat16 weight in bfloat16: its scale keeps 8 significant bits."""
+    w = weight.detach() if weight.dtype == torch.bfloat16 else weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127
+    return torch.round(w / torch.where(scale > 0, scale, 1)[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
 def scale_float16(weight):
     q, scale = quantize_int8(weight)
     return q, scale.half()
@@ -414,6 +421,7 @@ def loose_precision(x, q, scale, bias=None):
     (checks.check_quantize_int8, scale_in_float64_divided, (r"row 3's .*underflows to 0.*you divided by a scale kept "
                                                             r"in higher precision \(in float64 it is 1.1e-46, not 0\)")),
     (checks.check_quantize_int8, scale_float64, r"scale should be float32, got torch.float64 \(a \(6, 10\) float32"),
+    (checks.check_quantize_int8, bfloat16_kept, r"scale should be float32, got torch.bfloat16 \(a \(4, 6\) bfloat16 weight\)"),
     (checks.check_quantize_int8, scale_bfloat16, (r"scale should be float32, got torch.bfloat16 .*8 significant bits, "
                                                   r"so the scale is off from max \|w\| / 127 by up to 0.39%")),
     (checks.check_quantize_int8, scale_float16, r"scale should be float32, got torch.float16 .*11 significant bits"),

@@ -97,6 +97,14 @@ def strict_per_token_decode(ids, vocab):
     return "".join(vocab[i].decode("utf-8") for i in ids)
 
 
+def strict_decode(ids, vocab):
+    return b"".join(vocab[i] for i in ids).decode("utf-8")
+
+
+def ignoring_decode(ids, vocab):
+    return b"".join(vocab[i] for i in ids).decode("utf-8", errors="ignore")
+
+
 @pytest.mark.parametrize("check,buggy,message", [
     (checks.check_bpe_merge, overlapping_merge, r"returned \[9\], expected \[9, 5\]: occurrences overlap here"),
     (checks.check_bpe_merge, first_occurrence_merge, r"returned \[9, 3, 1, 2\], .*you replaced only the first occurrence"),
@@ -107,6 +115,8 @@ def strict_per_token_decode(ids, vocab):
     (checks.check_bpe_encode, _whole, r"the merge 'e' \+ ' ' crossed a pre-tokenization boundary"),
     (checks.check_bpe_decode, per_token_decode, r"returned '��', expected 'é' .* join the bytes of ALL tokens first"),
     (checks.check_bpe_decode, strict_per_token_decode, r"raised UnicodeDecodeError .* join the bytes of ALL tokens first"),
+    (checks.check_bpe_decode, strict_decode, r"raised UnicodeDecodeError: bytes that are not UTF-8 must become '\\ufffd'"),
+    (checks.check_bpe_decode, ignoring_decode, r"returned 'hi', expected 'h\ufffdi\ufffd': .* dropping it \(errors=\"ignore\"\)"),
 ])
 def test_classic_bugs_get_specific_messages(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):

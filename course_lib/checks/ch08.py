@@ -391,8 +391,8 @@ def _check_quantized(quantize_int8, weight, name: str) -> None:
 
 def check_quantize_int8(quantize_int8) -> None:
     """Visible checks for chapter 08, exercise 2: a (6, 10) weight whose rows differ in size by up to 2000x, a
-    (4, 8) weight with an all-zero row and a row whose float32 scale underflows to 0 (largest |w| 1.4e-44), and a
-    float64 weight, against the float64 formula and its properties."""
+    (4, 8) weight with an all-zero row and a row whose float32 scale underflows to 0 (largest |w| 1.4e-44), a
+    float64 and a bfloat16 weight (the scale float32 for both), against the float64 formula and its properties."""
     g = torch.Generator().manual_seed(802)
     rows = torch.tensor([1.0, 0.02, 3.0, 0.5, 40.0, 0.1])
     weight = torch.randn(6, 10, generator=g) * rows[:, None]
@@ -404,6 +404,8 @@ def check_quantize_int8(quantize_int8) -> None:
                      "largest |w| 1.4e-44")
     weight = torch.randn(5, 7, generator=g, dtype=torch.float64) * 0.05
     _check_quantized(quantize_int8, weight, "a (5, 7) float64 weight")
+    weight = (torch.randn(4, 6, generator=g) * 0.05).bfloat16()  # a bfloat16 scale would err by up to 0.4%
+    _check_quantized(quantize_int8, weight, "a (4, 6) bfloat16 weight")
     passed("quantize_int8")
 
 

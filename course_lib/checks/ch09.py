@@ -179,4 +179,15 @@ def check_bpe_decode(bpe_decode) -> None:
         if got != expected:
             fail(f"bpe_decode({ids}, vocab) returned {got!r}, expected {expected!r} ({what}): a token's bytes need not "
                  "be a whole character; join the bytes of ALL tokens first, then decode UTF-8 once")
+    # a model may emit bytes that are not UTF-8 (a character cut short, a stray continuation byte): each bad
+    # sequence becomes U+FFFD, as bytes.decode("utf-8", errors="replace") and Hugging Face's GPT-2 tokenizer do
+    ids, expected = [104, 0xE6, 0x97, 105, 0xA9], "h\ufffdi\ufffd"
+    try:
+        got = bpe_decode(ids, vocab)
+    except UnicodeDecodeError:
+        fail(f"bpe_decode({ids}, vocab) raised UnicodeDecodeError: bytes that are not UTF-8 must become '\\ufffd' "
+             "(decode with errors=\"replace\"), not stop the decoding")
+    if got != expected:
+        fail(f"bpe_decode({ids}, vocab) returned {got!r}, expected {expected!r}: each byte sequence that is not UTF-8 "
+             "becomes one '\\ufffd' (errors=\"replace\"); dropping it (errors=\"ignore\") hides it")
     passed("bpe_decode")
