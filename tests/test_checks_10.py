@@ -86,6 +86,14 @@ def least_squares_in_linear_space(n, loss, offsets=None):
     return best[1:]
 
 
+def float_last(n_params, n_tokens):
+    return n_params * n_tokens * 6.0
+
+
+def float32_arithmetic(n_params, n_tokens):
+    return np.float32(6.0) * np.asarray(n_params, dtype=np.float32) * np.asarray(n_tokens, dtype=np.float32)
+
+
 def fixed_twenty(flops, tokens_per_param=20.0):
     n = math.sqrt(flops / (6 * 20))
     return n, 20 * n
@@ -107,6 +115,9 @@ def ratio_inverted(flops, tokens_per_param=20.0):
     (checks.check_training_flops, scalars_only, r"training_flops should work elementwise on numpy arrays: .* it raised TypeError"),
     (checks.check_training_flops, integer_arithmetic, (r"for int64 arrays N = \[175e9\], D = \[300e9\] .*computed in "
                                                        r"int64 arithmetic.*wrapped around without a warning")),
+    (checks.check_training_flops, float_last, (r"the integers were multiplied first and converted afterwards \(Python "
+                                               r"multiplies left to right.*wrapped around.*Put the float first")),
+    (checks.check_training_flops, float32_arithmetic, r"the result is float32, .*compute in float64"),
     (checks.check_fit_power_law, own_line, (r"noisy losses .*you returned E = 0, .*the offset whose own line fits best, "
                                             r"in log\(loss - E\).*favours small E")),
     (checks.check_fit_power_law, linear_residuals, (r"you returned E = 0.805, .*the offset whose law fits the losses "

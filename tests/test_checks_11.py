@@ -108,6 +108,11 @@ def inverse(weight, n_heads):
     return weight.reshape(n_heads, 2, d // 2, columns).transpose(1, 2).reshape(rows, columns)
 
 
+def in_place(weight, n_heads):
+    weight.copy_(rope_to_half(weight, n_heads))
+    return weight
+
+
 def unchanged(weight, n_heads):
     return weight.clone()
 
@@ -128,6 +133,7 @@ def unchanged(weight, n_heads):
     (checks.check_rope_to_half, whole_matrix, r"permutes the rows of the whole matrix as one head"),
     (checks.check_rope_to_half, inverse, r"applies the inverse permutation"),
     (checks.check_rope_to_half, unchanged, r"returns the rows in their old order"),
+    (checks.check_rope_to_half, in_place, r"rope_to_half changed the weight it was given: return a new tensor"),
     (checks.check_expand_kv_heads, tiled, r"tiles the heads \(k0 k1 k2 k0 k1 k2\)"),
     (checks.check_expand_kv_heads, time_axis, r"repeats along the time axis"),
 ])

@@ -103,10 +103,18 @@ def check_training_flops(training_flops) -> None:
     if got.shape != (1,) or not np.allclose(got.astype(np.float64), [3.15e23], rtol=1e-12, atol=0):
         value = got.ravel()[0] if got.size else got
         hint = ""
-        if not np.issubdtype(got.dtype, np.floating) or (got.size == 1 and int(value) == wrapped):
-            hint = (f": the product was computed in {got.dtype} arithmetic, and 6 x 175e9 x 300e9 = 3.15e23 is far beyond "
-                    f"the int64 limit 2^63 = 9.2e18, so it wrapped around without a warning (to {wrapped:,}). Compute in "
+        overflow = ("6 x 175e9 x 300e9 = 3.15e23 is far beyond the int64 limit 2^63 = 9.2e18, so it wrapped around "
+                    "without a warning")
+        if not np.issubdtype(got.dtype, np.floating):
+            hint = (f": the product was computed in {got.dtype} arithmetic, and {overflow} (to {wrapped:,}). Compute in "
                     "floating point: 6.0 * n_params * n_tokens")
+        elif got.size == 1 and int(value) == wrapped:
+            hint = (f": the integers were multiplied first and converted afterwards (Python multiplies left to right: "
+                    f"n * d * 6.0 multiplies the integers first), and {overflow} (to {wrapped:,}). Put the float "
+                    "first: 6.0 * n_params * n_tokens")
+        elif got.dtype != np.float64:
+            hint = (f": the result is {got.dtype}, which keeps about {np.finfo(got.dtype).precision} significant digits; "
+                    "compute in float64 (Python floats, numpy's default)")
         fail(f"training_flops(N, D) for int64 arrays N = [175e9], D = [300e9] (GPT-3's size) should be [3.15e23], got "
              f"{got.tolist()}{hint}")
     passed("training_flops")

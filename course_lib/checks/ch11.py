@@ -116,7 +116,11 @@ def check_rope_to_half(rope_to_half) -> None:
     """Visible checks for chapter 11, exercise 3: within each head, the even rows first, then the odd rows."""
     n_heads, d_head, C = 2, 8, 3
     weight = torch.arange(n_heads * d_head * C, dtype=torch.float32).reshape(n_heads * d_head, C)  # row r holds 3r, 3r+1, 3r+2
-    got = assert_tensor(rope_to_half(weight, n_heads), "rope_to_half(weight, 2)")
+    given = weight.clone()
+    got = assert_tensor(rope_to_half(given, n_heads), "rope_to_half(weight, 2)")
+    if not torch.equal(given, weight):
+        fail("rope_to_half changed the weight it was given: return a new tensor (weight[order]), and leave the "
+             "caller's weight as it was (the Hugging Face state dict it came from still uses it)")
     assert_shape(got, weight.shape, "rope_to_half(weight, 2) for a (16, 3) weight")
     expected = weight[half_rows(n_heads, d_head)]
     if not torch.equal(got, expected):
