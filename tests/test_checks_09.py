@@ -67,6 +67,16 @@ def leftmost_encode(text, merges):
     return ids
 
 
+def highest_rank_encode(text, merges):
+    ids = []
+    for chunk in bpe.pretokenize(text):
+        chunk_ids = list(chunk.encode("utf-8"))
+        while (pair := max(zip(chunk_ids, chunk_ids[1:]), key=lambda p: merges.get(p, -1), default=None)) in merges:
+            chunk_ids = bpe.bpe_merge(chunk_ids, pair, merges[pair])
+        ids += chunk_ids
+    return ids
+
+
 def frequency_encode(text, merges):
     ids = []
     for chunk in bpe.pretokenize(text):
@@ -111,6 +121,7 @@ def ignoring_decode(ids, vocab):
     (checks.check_bpe_merge, overlaps_from_the_right, r"returned \[5, 9\], expected \[9, 5\]: occurrences overlap here"),
     (checks.check_bpe_merge, mutating_merge, r"changed its input list to \[9, 3, 9\]: build and return a new list"),
     (checks.check_bpe_encode, frequency_encode, r"you merged the most frequent pair .* merges are applied by rank"),
+    (checks.check_bpe_encode, highest_rank_encode, r"you merged the pair with the HIGHEST rank \(the latest learned"),
     (checks.check_bpe_encode, leftmost_encode, r"returned \[257, 99\], expected \[97, 256\]: 'b' \+ 'c' was learned first"),
     (checks.check_bpe_encode, _whole, r"the merge 'e' \+ ' ' crossed a pre-tokenization boundary"),
     (checks.check_bpe_decode, per_token_decode, r"returned '��', expected 'é' .* join the bytes of ALL tokens first"),

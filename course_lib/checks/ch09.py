@@ -132,6 +132,12 @@ def check_bpe_encode(bpe_encode) -> None:
              f"got {got}")
     merges = {(97, 98): 256, (98, 99): 257}  # 'a' 'b' learned first, then 'b' 'c'
     got = _as_ids(bpe_encode("abcbc", merges), "bpe_encode", "abcbc")
+    latest_first = [257, 99, 256]  # 'abcbc' with 'b' 'c' learned first: what merging the latest-learned pair first gives
+    if got == [97, 257, 257] and _as_ids(bpe_encode("abcbc", {(98, 99): 256, (97, 98): 257}), "bpe_encode",
+                                         "abcbc") == latest_first:
+        fail("bpe_encode('abcbc', {(97, 98): 256, (98, 99): 257}) returned [97, 257, 257]: you merged the pair with the "
+             "HIGHEST rank (the latest learned, new id 257) first; merges are applied lowest rank first, the order they "
+             "were learned: (97, 98) -> 256 first, giving [256, 99, 257]")
     if got == [97, 257, 257]:
         fail("bpe_encode('abcbc', {(97, 98): 256, (98, 99): 257}) returned [97, 257, 257]: you merged the most frequent pair "
              "('b', 'c' twice) first, but merges are applied by rank, the order they were learned: (97, 98) -> 256 first, "

@@ -50,6 +50,20 @@ def check_rms_norm(rms_norm) -> None:
                  "by its root mean square, sqrt(mean(x^2) + eps), and subtracts nothing")
         if not _differs(got, rms_norm_oracle(x, torch.ones(8), 1e-5)):
             fail("your rms_norm ignores weight: multiply the normalised x by the learned gain")
+        if not _differs(got, rms_norm_oracle(x, 1.0 + weight, 1e-5)):
+            fail("your rms_norm multiplies by (1 + weight): that is Gemma's convention, whose checkpoints store the gain "
+                 "minus 1. Llama's RMSNorm (and Hugging Face's LlamaRMSNorm) multiplies by weight itself")
+        squares = x.double() ** 2
+        if not _differs(got, x.double() / torch.sqrt(squares.sum(-1, keepdim=True) / 7 + 1e-5) * weight.double()):
+            fail("your rms_norm divides the sum of squares by n - 1 (8 - 1 here), as an unbiased variance does: the "
+                 "root MEAN square divides by n, mean(x^2)")
+        if not _differs(got, x.double() / torch.sqrt(squares.sum(-1, keepdim=True) + 1e-5) * weight.double()):
+            fail("your rms_norm divides by the Euclidean norm, sqrt(sum(x^2)): RMSNorm divides by the root MEAN square, "
+                 "sqrt(mean(x^2) + eps), so that a vector of ones stays ones")
+        for dim in (0, 1):
+            if not _differs(got, x.double() / torch.sqrt(squares.mean(dim, keepdim=True) + 1e-5) * weight.double()):
+                fail(f"your rms_norm takes the mean of the squares over axis {dim}: each vector is normalised on its own, "
+                     "over its features, the last axis (mean(x ** 2, dim=-1, keepdim=True))")
         worst = (got.double() - expected).abs().max().item()
         fail(f"rms_norm(x, weight, 1e-5) differs from x / sqrt(mean(x^2) + eps) * weight by up to {worst:.3g} "
              "(the mean of the squares over the last axis only)")
