@@ -122,6 +122,13 @@ def check_swiglu(swiglu) -> None:
                  "SiLU(x W_gate^T), and then multiplies x W_up^T")
         if not _differs(got, (a * torch.sigmoid(a)) @ w_down.double().T):
             fail("your swiglu leaves out the up projection: SiLU(x W_gate^T) must be multiplied, element by element, by x W_up^T")
+        up = xd @ w_up.double().T
+        if not _differs(got, (a * torch.sigmoid(a) * up * torch.sigmoid(up)) @ w_down.double().T):
+            fail("your swiglu applies SiLU to both projections: only the gate goes through SiLU; x W_up^T stays linear")
+        if not _differs(got, (a * torch.sigmoid(a) + up) @ w_down.double().T):
+            fail("your swiglu adds the two projections: the gate MULTIPLIES, element by element, SiLU(x W_gate^T) * x W_up^T")
+        if not _differs(got, (torch.relu(a) * up) @ w_down.double().T):
+            fail("your swiglu uses ReLU on the gate (that is ReGLU); SwiGLU uses SiLU, a * sigmoid(a)")
         fail(f"swiglu differs from (SiLU(x W_gate^T) * (x W_up^T)) W_down^T by up to {(got.double() - expected).abs().max().item():.3g}")
     passed("swiglu")
 
