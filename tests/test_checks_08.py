@@ -157,6 +157,10 @@ def head_twice(config, B, context, dtype=torch.float32):
     return _bytes(config, B, context, dtype, weights_extra=lambda c: c.vocab_size * c.n_embd)
 
 
+def floor_divided(config, B, context, dtype=torch.float32):
+    return round(bytes_per_token(config, B, context, dtype) * B) // B
+
+
 def always_four_bytes(config, B, context, dtype=torch.float32):
     return bytes_per_token(config, B, context)
 
@@ -390,6 +394,7 @@ def loose_precision(x, q, scale, bias=None):
     (checks.check_bytes_per_token, whole_step, (r"that is what the whole step reads; .*B = 8 tokens: divide by the "
                                                 r"batch size")),
     (checks.check_bytes_per_token, kv_shared, r"you divided the KV cache by the batch size too, as if it were shared"),
+    (checks.check_bytes_per_token, floor_divided, r"batch_size=7, .*you divided with //, which rounds down"),
     (checks.check_bytes_per_token, with_position_table, (r"context=0, dtype=the default torch.float32: .*you counted "
                                                          r"the position table transformer.wpe \(block_size x n_embd = "
                                                          r"16 x 8 = 128 numbers\)")),

@@ -115,6 +115,10 @@ def _bytes_mistakes(config, B: int, context: int, dtype, parts: dict):
                                    "(weight tying: lm_head.weight is transformer.wte.weight), read once, vocab_size x "
                                    f"n_embd = {config.vocab_size} x {C} = {E:,} numbers")),
     ]
+    if (W + B * K) * e % B:
+        mistakes.append(((W + B * K) * e // B, (f"you divided with //, which rounds down to a whole number: the step's "
+                                                f"{(W + B * K) * e:,} bytes shared by B = {B} tokens are "
+                                                f"{(W + B * K) * e / B:,.6g} bytes per token; divide with /")))
     mistakes += [((W + B * K) * size / B, (f"you counted {size} byte(s) per number, but a {dtype} takes {e} "
                                            "(torch.empty((), dtype=dtype).element_size()): the weights and the cache "
                                            "are stored in dtype"))
@@ -123,14 +127,15 @@ def _bytes_mistakes(config, B: int, context: int, dtype, parts: dict):
 
 
 def check_bytes_per_token(bytes_per_token) -> None:
-    """Visible checks for chapter 08, exercise 1: two small GPTs (with and without biases), batches 1, 8 and 64,
+    """Visible checks for chapter 08, exercise 1: two small GPTs (with and without biases), batches 1, 7, 8 and 64,
     contexts 0 to block_size, in float32, bfloat16, float16 and int8, against bytes counted on tensors."""
     from ..gpt import GPTConfig  # the model's sizes (chapter 04), not a chapter 08 solution
 
     small = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=8)
     no_bias = GPTConfig(vocab_size=37, block_size=24, n_layer=3, n_head=4, n_embd=16, bias=False)
     cases = [(small, 1, 0, None), (small, 1, 16, torch.float32), (small, 8, 5, torch.bfloat16),
-             (no_bias, 64, 24, torch.float16), (no_bias, 8, 10, torch.int8), (no_bias, 1, 7, torch.float32)]
+             (no_bias, 64, 24, torch.float16), (no_bias, 8, 10, torch.int8), (no_bias, 1, 7, torch.float32),
+             (small, 7, 9, torch.float32)]
     for config, B, context, dtype in cases:
         if dtype is None:  # the default dtype
             name = _describe(config, B, context, "the default torch.float32")
