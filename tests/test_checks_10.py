@@ -94,6 +94,11 @@ def float32_arithmetic(n_params, n_tokens):
     return np.float32(6.0) * np.asarray(n_params, dtype=np.float32) * np.asarray(n_tokens, dtype=np.float32)
 
 
+def whole_numbers(flops, tokens_per_param=20.0):
+    n = math.sqrt(flops / (6 * tokens_per_param))
+    return int(n), int(tokens_per_param * n)
+
+
 def fixed_twenty(flops, tokens_per_param=20.0):
     n = math.sqrt(flops / (6 * 20))
     return n, 20 * n
@@ -118,6 +123,7 @@ def ratio_inverted(flops, tokens_per_param=20.0):
     (checks.check_training_flops, float_last, (r"the integers were multiplied first and converted afterwards \(Python "
                                                r"multiplies left to right.*wrapped around.*Put the float first")),
     (checks.check_training_flops, float32_arithmetic, r"the result is float32, .*compute in float64"),
+    (checks.check_compute_optimal, whole_numbers, r"returned whole numbers, N = 408248 and D = 48989794: rounding them breaks"),
     (checks.check_fit_power_law, own_line, (r"noisy losses .*you returned E = 0, .*the offset whose own line fits best, "
                                             r"in log\(loss - E\).*favours small E")),
     (checks.check_fit_power_law, linear_residuals, (r"you returned E = 0.805, .*the offset whose law fits the losses "

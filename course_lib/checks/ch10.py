@@ -208,6 +208,10 @@ def check_compute_optimal(compute_optimal) -> None:
         fail(f"compute_optimal(1.2e14, tokens_per_param=120.0) returned D / N = 20: you used 20 whatever the ratio "
              "given; use tokens_per_param (r) in N = sqrt(C / (6 r)) and D = r N")
     if abs(d / n - 120) > 1e-9 or abs(6 * n * d / 1.2e14 - 1) > 1e-9:
+        if isinstance(result[0], int) or isinstance(result[1], int):
+            fail(f"compute_optimal(1.2e14, tokens_per_param=120.0) returned whole numbers, N = {result[0]!r} and D = "
+                 f"{result[1]!r}: rounding them breaks 6ND = C and D = 120 N (N = sqrt(1.2e14 / 720) = 408,248.29...). "
+                 "Return the floats; round only where you print them")
         fail(f"compute_optimal(1.2e14, tokens_per_param=120.0) should give N = sqrt(1.2e14 / (6 x 120)) = 408,248 and "
              f"D = 120 N = 48,989,795 (D / N = 120, 6ND = C), got N = {n:,.6g}, D = {d:,.6g}")
     passed("compute_optimal")
