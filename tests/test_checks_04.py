@@ -69,6 +69,24 @@ class SplitWithoutTranspose(CausalSelfAttention):
         return self.c_proj((weights @ v).transpose(1, 2).reshape(B, T, C))
 
 
+class SplitWithPlainReshape(CausalSelfAttention):  # nothing leaks, but position 0 is off (issue 24)
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.reshape(B, self.n_head, T, C // self.n_head) for t in self.c_attn(x).split(C, dim=2))
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        weights = gpt.masked_softmax(q @ k.transpose(-2, -1) / math.sqrt(C // self.n_head), causal)
+        return self.c_proj((weights @ v).reshape(B, T, C))
+
+
+class SplitPerHead(CausalSelfAttention):  # the fused projection read as H chunks of [q | k | v] (issue 24)
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).view(B, T, self.n_head, 3 * C // self.n_head).transpose(1, 2).split(C // self.n_head, dim=-1)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        weights = gpt.masked_softmax(q @ k.transpose(-2, -1) / math.sqrt(C // self.n_head), causal)
+        return self.c_proj((weights @ v).transpose(1, 2).reshape(B, T, C))
+
+
 class WithMaskBuffer(CausalSelfAttention):  # nanoGPT's persistent "bias" buffer: the shipped checkpoint would not load
     def __init__(self, config):
         super().__init__(config)
@@ -115,6 +133,10 @@ def count_with(**wrong):
     (checks.check_causal_self_attention, attention_with(lambda T: torch.ones(T, T, dtype=torch.bool).tril(1)),
      r"shifted up by one"),
     (checks.check_causal_self_attention, SplitWithoutTranspose, r"heads split without a transpose"),
+    (checks.check_causal_self_attention, SplitWithPlainReshape,
+     r"off by \d.* in a sequence of 5 tokens, but right for a single token: .*Is the head split wrong\? A plain reshape"),
+    (checks.check_causal_self_attention, SplitPerHead,
+     r"single token is off by \d.* changes with the q and k weights.*per-head view\(B, T, H, 3 \* Dh\)"),
     (checks.check_causal_self_attention, attention_scaled_by(lambda C, Dh: 1 / math.sqrt(C)),
      r"your scores are scaled by 1/sqrt\(C\) = 1/sqrt\(n_embd\).*scale them by 1/sqrt\(Dh\)"),
     (checks.check_causal_self_attention, attention_scaled_by(lambda C, Dh: 1.0), r"your scores are scaled by nothing"),

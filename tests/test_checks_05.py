@@ -35,6 +35,24 @@ def step_new_first(q, k, v, past_k, past_v):
     return y, torch.cat([k, past_k], dim=2), torch.cat([v, past_v], dim=2)
 
 
+def step_returns_repeated_cache(q, k, v, past_k, past_v):
+    y, keys, values = cached_attention_step(q, k, v, past_k, past_v)
+    group = q.shape[1] // keys.shape[1]
+    return y, keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)  # H heads, not H_kv
+
+
+@torch.inference_mode()
+def generate_reprefilling(model, idx, max_new_tokens, attention_mask=None):
+    """Right tokens, no cache use: every step runs the whole prefix through a fresh cache."""
+    B, T = idx.shape
+    mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask.new_ones(B, max_new_tokens)], 1)
+    out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)
+    for t in range(T, T + max_new_tokens):
+        logits = cached_forward(model, out[:, :t], KVCache.for_model(model, B, t), None if mask is None else mask[:, :t])
+        out[:, t] = logits[:, -1].argmax(-1)
+    return out
+
+
 @torch.inference_mode()
 def generate_twice(model, idx, max_new_tokens, attention_mask=None):
     cache = KVCache.for_model(model, idx.shape[0], idx.shape[1] + max_new_tokens + 1)
@@ -90,6 +108,10 @@ NEW_TOKENS_AT_THEIR_SLOTS = generate_planted((DECODE, DECODE.replace(", position
      r"the last new token is right, but tokens 0 and 1 of the chunk are off by up to \d.*causal mask missing"),
     (checks.check_cached_attention_step, step_unscaled, r"every new token is off .*offset by the P cached tokens"),
     (checks.check_cached_attention_step, step_new_first, r"the returned keys \(the cached ones first"),
+    (checks.check_cached_attention_step, step_returns_repeated_cache,
+     r"your returned keys have shape \(1, 4, 5, 8\): 4 heads, repeated for the queries. Return the cache with its 2"),
+    (checks.check_generate_cached, generate_reprefilling, r"the model embedded \d+ tokens .*re-feeds the prefix, so it "
+     r"does not use the cache"),
     (checks.check_cached_attention_step, lambda q, k, v, pk, pv: cached_attention_step(q, k, v, pk, pv)[0],
      r"should return a tuple \(y, keys, values\)"),
     (checks.check_generate_cached, generate_twice, r"(first new token is \d+|agree with greedy decoding without a cache for \d+ step)"),

@@ -128,6 +128,31 @@ def no_padding(model, input_ids, max_new_tokens, eos_token_id=None, pad_token_id
     return idx
 
 
+def _greedy_variant(pad_default, finished_by_prompt, finished_emit_eos):
+    """greedy_search with one of three contract slips (issue 24's adversarial pass)."""
+    def greedy(model, input_ids, max_new_tokens, eos_token_id=None, pad_token_id=None):
+        pad = pad_default(eos_token_id) if pad_token_id is None else pad_token_id
+        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        if finished_by_prompt and eos_token_id is not None:
+            finished = (input_ids == eos_token_id).any(1)
+        idx = input_ids
+        for _ in range(max_new_tokens):
+            if finished.all():
+                break
+            nxt = model(idx)[0][:, -1].argmax(-1)
+            if eos_token_id is not None:
+                nxt = torch.where(finished, eos_token_id if finished_emit_eos else pad, nxt)
+                finished = finished | (nxt == eos_token_id)
+            idx = torch.cat([idx, nxt[:, None]], 1)
+        return idx
+    return greedy
+
+
+eos_in_prompt_finishes = _greedy_variant(lambda eos: eos, True, False)
+pad_defaults_to_zero = _greedy_variant(lambda eos: 0, False, False)
+finished_rows_emit_eos = _greedy_variant(lambda eos: eos, False, True)
+
+
 def beam_modulo_k(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty=1.0):
     scores, beam, token, finished = beam_search_step(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty)
     flat = beam * log_probs.shape[-1] + token
@@ -165,6 +190,9 @@ def prompt_counted(log_probs, beam_scores, n, cur_len, prompt_len, length_penalt
     (checks.check_greedy_search, samples, "never samples"),
     (checks.check_greedy_search, never_stops, "stop the loop as soon as all rows have produced EOS"),
     (checks.check_greedy_search, no_padding, "a row that produced EOS emits padding"),
+    (checks.check_greedy_search, eos_in_prompt_finishes, "an EOS already in the prompt does not finish a row"),
+    (checks.check_greedy_search, pad_defaults_to_zero, "pad_token_id=None means pad with eos_token_id"),
+    (checks.check_greedy_search, finished_rows_emit_eos, "is pad_token_id ignored?"),
     (checks.check_beam_search_step, prompt_counted, "(7 + 1 - 4) ** 2 = 16"),
     (checks.check_beam_search_step, beam_modulo_k, "(index // V)"),
     (checks.check_beam_search_step, ranked_by_new_log_prob, "beam_scores + log_probs over all"),

@@ -64,7 +64,7 @@ CASES = [
     (STEP, "scaled by sqrt(H * Dh)", mutate(STEP, ("math.sqrt(Dh)", "math.sqrt(q.shape[1] * Dh)")),
      {f"{STEP}-visible", f"{STEP}-decode", f"{STEP}-chunk", f"{STEP}-prefill", f"{STEP}-gqa"}),
     (STEP, "returns the repeated keys as the cache", mutate(STEP, ("return weights @ v_all, keys, values", "return weights @ v_all, k_all, v_all")),
-     {f"{STEP}-cache"}),  # the visible check has H_kv = H
+     {f"{STEP}-visible", f"{STEP}-cache"}),  # visible: its GQA case checks the returned cache has H_kv heads (issue 24)
     (STEP, "correct: F.scaled_dot_product_attention with an explicit mask", mutate(STEP, (
         "weights = masked_softmax(q @ k_all.transpose(-2, -1) / math.sqrt(Dh), allowed)  # (B, H, T, P + T)\n    return weights @ v_all, keys, values",
         "return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed), keys, values")), set()),
@@ -79,6 +79,17 @@ CASES = [
     (GEN, "positions ignore the padding", mutate(GEN, ("positions = position_ids(attention_mask, 0, T, B, idx.device)",
                                                        "positions = position_ids(None, 0, T, B, idx.device)")),
      {f"{GEN}-visible", f"{GEN}-padding"}),  # named by the visible check: positions not shifted per row
+    (GEN, "no cache use: every step re-runs the whole prefix through a fresh cache", '''
+@torch.inference_mode()
+def generate_cached(model, idx, max_new_tokens, attention_mask=None):
+    B, T = idx.shape
+    mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask.new_ones(B, max_new_tokens)], dim=1)
+    out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)
+    for t in range(T, T + max_new_tokens):
+        logits = cached_forward(model, out[:, :t], KVCache.for_model(model, B, t), None if mask is None else mask[:, :t])
+        out[:, t] = logits[:, -1].argmax(dim=-1)
+    return out
+''', {f"{GEN}-visible"}),  # right tokens: only the visible check counts what the model is fed (issue 24)
     (GEN, "correct: positions left to cached_forward", mutate(GEN, (", positions)  # prefill", ")  # prefill"), (", position)", ")")), set()),
     (GEN, "correct: prefill all but the last prompt token, then feed it", '''
 @torch.inference_mode()

@@ -109,7 +109,7 @@ CASES = [
     (GREEDY, "an EOS in the prompt finishes the row", mutate(GREEDY, (
         "finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)  # (B,)",
         "finished = (idx == eos_token_id).any(dim=1) if eos_token_id is not None else "
-        "torch.zeros(idx.shape[0], dtype=torch.bool)")), failing(GREEDY, "padding")),
+        "torch.zeros(idx.shape[0], dtype=torch.bool)")), failing(GREEDY, "visible", "padding")),  # visible: issue 24
     # beam search step
     (BEAM, "length penalty counts the prompt", mutate(BEAM, (LENGTH, "(cur_len + 1) ** length_penalty")),
      failing(BEAM, "visible", "prompt")),

@@ -137,6 +137,39 @@ def _config(**sizes):
     return GPTConfig(**sizes)
 
 
+def _name_position_0_error(attn, x, first_error: float) -> None:
+    """Position 0 is off: tell a head split that mixes channels from a mask that leaves out the diagonal.
+
+    A single token attends to itself alone, with weight 1, whatever its query and key: the right output is
+    c_proj of its own value. A head split that mixes positions (a plain reshape to (B, H, T, Dh)) is right
+    there; one that reads q or k channels as values (a per-head view(B, T, H, 3 * Dh)) depends on the q and
+    k weights; a mask without the diagonal is wrong there with neither.
+    """
+    import copy
+
+    C = x.shape[-1]
+    one = x[:, :1]
+    with torch.no_grad():
+        y_one = attn(one)
+        single_error = (y_one.double() - _attention_oracle_of(attn, one, 2)).abs().max().item()
+        other_qk = copy.deepcopy(attn)
+        other_qk.c_attn.weight[:2 * C] += 1.0  # the q and k rows of the fused projection only
+        reads_qk = (other_qk(one) - y_one).abs().max().item() > 1e-6
+    if single_error <= 1e-4:
+        fail(f"your output at position 0 is off by {first_error:.3g} in a sequence of {x.shape[1]} tokens, but right for a "
+             "single token: in a sequence your heads mix up channels and positions. Is the head split wrong? A plain "
+             "reshape/view(B, H, T, Dh) of (B, T, C) lays a head's channels out as positions: split each of q, k, v with "
+             "view(B, T, H, Dh).transpose(1, 2), and merge the heads back with transpose(1, 2).reshape(B, T, C)")
+    if reads_qk:
+        fail(f"your output for a single token is off by {single_error:.3g} and changes with the q and k weights: one "
+             "token attends to itself alone, with weight 1, so its output is c_proj of its own value whatever q and k "
+             "are. Your values take channels of q or k: is the head split wrong? c_attn(x) is [q | k | v], C channels "
+             "each: split it with .split(C, dim=2) first, then each into heads with view(B, T, H, Dh).transpose(1, 2) "
+             "(a per-head view(B, T, H, 3 * Dh) reads the wrong channels)")
+    fail(f"your output at position 0 is off by {first_error:.3g}: position 0 must attend to itself, with weight 1 "
+         "(does your mask leave out the diagonal?)")
+
+
 def check_causal_self_attention(CausalSelfAttention) -> None:
     """Visible checks for chapter 04, exercise 1: shapes, no peeking at the future, the float64 oracle, GPT-2's names."""
     config = _config(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=8)
@@ -157,8 +190,7 @@ def check_causal_self_attention(CausalSelfAttention) -> None:
     expected = _attention_oracle_of(attn, x, 2)
     first_error = (y[:, 0].double() - expected[:, 0]).abs().max().item()
     if first_error > 1e-4:
-        fail(f"your output at position 0 is off by {first_error:.3g}: position 0 must attend to itself, with weight 1 "
-             "(does your mask leave out the diagonal?)")
+        _name_position_0_error(attn, x, first_error)
     for scale, mistake in ((1 / math.sqrt(8), "1/sqrt(C) = 1/sqrt(n_embd), the model's width"), (1.0, "nothing (no scale at all)"),
                            (1 / 8, "1/C")):
         if not _close(y, expected) and _close(y, _attention_oracle_of(attn, x, 2, scale)):

@@ -128,9 +128,19 @@ def _check_grouped_heads(cached_attention_step, g) -> None:
     past_k, past_v = torch.randn(B, H_kv, P, Dh, generator=g), torch.randn(B, H_kv, P, Dh, generator=g)
     q = torch.randn(B, H, T, Dh, generator=g)
     k, v = torch.randn(B, H_kv, T, Dh, generator=g), torch.randn(B, H_kv, T, Dh, generator=g)
-    y, _, _ = _unpack_step(cached_attention_step(q, k, v, past_k, past_v),
-                           "cached_attention_step with 4 query heads and 2 key/value heads")
+    y, keys, values = _unpack_step(cached_attention_step(q, k, v, past_k, past_v),
+                                   "cached_attention_step with 4 query heads and 2 key/value heads")
     assert_shape(y, (B, H, T, Dh), "y for 4 query heads over 2 key/value heads (B, H, T, Dh) = (1, 4, 2, 8)")
+    for name, got in (("keys", keys), ("values", values)):
+        if isinstance(got, torch.Tensor) and got.dim() == 4 and got.shape[1] == H and H != H_kv:
+            fail(f"with 4 query heads and 2 key/value heads, your returned {name} have shape {tuple(got.shape)}: "
+                 f"{H} heads, repeated for the queries. Return the cache with its {H_kv} key/value heads, "
+                 f"(B, H_kv, P + T, Dh) = ({B}, {H_kv}, {P + T}, {Dh}): repeat_interleave only the copy the scores "
+                 "use, or the cache grows H / H_kv times and the next step repeats it again")
+    assert_shape(keys, (B, H_kv, P + T, Dh), "the returned keys with 2 key/value heads (B, H_kv, P + T, Dh)")
+    assert_shape(values, (B, H_kv, P + T, Dh), "the returned values with 2 key/value heads (B, H_kv, P + T, Dh)")
+    assert_close(keys, torch.cat([past_k, k], dim=2), "the returned keys with 2 key/value heads (cached ones first)")
+    assert_close(values, torch.cat([past_v, v], dim=2), "the returned values with 2 key/value heads (cached ones first)")
     expected = attention_rows_oracle(q, k, v, past_k, past_v)
     tile = lambda t: t.repeat(1, H // H_kv, 1, 1)  # noqa: E731 - head h reads key/value head h % H_kv
     tiled = attention_rows_oracle(q, tile(k), tile(v), tile(past_k), tile(past_v))
@@ -146,7 +156,12 @@ def check_generate_cached(generate_cached) -> None:
     then two left-padded prompts with an attention mask, each against its prompt generated alone."""
     model = kv_test_model(seed=502)
     idx = torch.randint(0, 17, (1, 6), generator=torch.Generator().manual_seed(503))
-    out = generate_cached(model, idx, 12)
+    fed = []  # token rows the model embeds, call by call: each token should be fed once
+    hook = model.transformer.wte.register_forward_hook(lambda module, args, output: fed.append(args[0].numel()))
+    try:
+        out = generate_cached(model, idx, 12)
+    finally:
+        hook.remove()
     assert_tensor(out, "generate_cached(model, idx, 12)")
     assert_shape(out, (1, 18), "the output for a prompt of 6 tokens and 12 new ones (B, T + max_new_tokens)")
     if not torch.equal(out[:, :6], idx):
@@ -161,6 +176,11 @@ def check_generate_cached(generate_cached) -> None:
         fail(f"your new tokens agree with greedy decoding without a cache for {step} step(s), then differ: new token {step} "
              f"is {out[0, 6 + step].item()}, expected {expected[0, 6 + step].item()}. Is each new token fed once, at the "
              "next position (do the positions advance with the cache)?")
+    if sum(fed) > 6 + 12:
+        fail(f"your new tokens are right, but the model embedded {sum(fed)} tokens in {len(fed)} calls (per call: "
+             f"{fed[:5]}{' ...' if len(fed) > 5 else ''}) for a prompt of 6 and 12 new tokens: it re-feeds the prefix, "
+             "so it does not use the cache. Prefill the prompt once (6 tokens), then feed each new token once against "
+             "the same cache: 6 + 11 = 17 tokens in all")
     _check_left_padding(generate_cached, model)
     passed("generate_cached")
 

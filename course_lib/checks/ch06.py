@@ -151,8 +151,19 @@ def greedy_table_oracle(table: torch.Tensor, prompt: torch.Tensor, max_new_token
     return torch.tensor(rows)
 
 
+def _greedy_until_all_finished(table, prompt, max_new_tokens, eos, pad) -> torch.Tensor:
+    """The oracle's text, cut where the last row has produced its EOS (the loop stops there)."""
+    expected = greedy_table_oracle(table, prompt, max_new_tokens, eos=eos, pad=pad)
+    T = prompt.shape[1]
+    done = [(r == eos).nonzero() for r in expected[:, T:]]
+    if all(len(d) for d in done):
+        return expected[:, :T + max(int(d[0]) for d in done) + 1]
+    return expected
+
+
 def check_greedy_search(greedy_search) -> None:
-    """Greedy against a lookup-table model: argmax text, per-row EOS, finished rows padded, early stop."""
+    """Greedy against a lookup-table model: argmax text, per-row EOS, finished rows padded (pad_token_id, else EOS),
+    early stop, an EOS in the prompt finishes nothing."""
     g = torch.Generator().manual_seed(60)
     table = torch.randn(8, 8, generator=g)
     model = table_model(table)
@@ -164,20 +175,38 @@ def check_greedy_search(greedy_search) -> None:
         fail(f"greedy_search without EOS gave {out.tolist()}, expected the argmax text {expected.tolist()}: greedy "
              "appends the argmax of the LAST position's logits at every step, and never samples")
     eos = int(expected[0, 3])  # row 0 emits it at its 2nd new token
-    out = greedy_search(model, prompt, 6, eos_token_id=eos, pad_token_id=7)
-    expected = greedy_table_oracle(table, prompt, 6, eos=eos, pad=7)
-    keep = expected.shape[1]
-    done = [(r == eos).nonzero() for r in expected[:, 2:]]
-    if all(len(d) for d in done):
-        keep = 2 + max(int(d[0]) for d in done) + 1
-    expected = expected[:, :keep]
+    out = greedy_search(model, prompt, 6, eos_token_id=eos, pad_token_id=eos)
+    expected = _greedy_until_all_finished(table, prompt, 6, eos, eos)
     if out.shape[0] == expected.shape[0] and out.shape[1] > expected.shape[1] \
             and torch.equal(out[:, :expected.shape[1]], expected):
-        fail(f"greedy_search with eos_token_id={eos}, pad_token_id=7 went on to {out.shape[1]} tokens after every row "
-             f"had finished at {expected.shape[1]}: stop the loop as soon as all rows have produced EOS")
+        fail(f"greedy_search with eos_token_id={eos}, pad_token_id={eos} went on to {out.shape[1]} tokens after every "
+             f"row had finished at {expected.shape[1]}: stop the loop as soon as all rows have produced EOS")
     if out.shape != expected.shape or not torch.equal(out, expected):
-        fail(f"greedy_search with eos_token_id={eos}, pad_token_id=7 gave {out.tolist()}, expected {expected.tolist()} "
-             "(a row that produced EOS emits padding; the other rows go on)")
+        fail(f"greedy_search with eos_token_id={eos}, pad_token_id={eos} gave {out.tolist()}, expected "
+             f"{expected.tolist()} (a row that produced EOS emits padding; the other rows go on)")
+    pad = 0  # a pad that is not EOS: finished rows must emit it, not EOS
+    out = greedy_search(model, prompt, 6, eos_token_id=eos, pad_token_id=pad)
+    expected = _greedy_until_all_finished(table, prompt, 6, eos, pad)
+    if not (out.shape == expected.shape and torch.equal(out, expected)):
+        as_eos = _greedy_until_all_finished(table, prompt, 6, eos, eos)
+        hint = (f"your finished rows emit EOS ({eos}), not pad_token_id: is pad_token_id ignored?"
+                if out.shape == as_eos.shape and torch.equal(out, as_eos) else
+                "a finished row emits pad_token_id at every later step")
+        fail(f"greedy_search with eos_token_id={eos}, pad_token_id={pad} gave {out.tolist()}, expected "
+             f"{expected.tolist()}: {hint}")
+    out = greedy_search(model, prompt, 6, eos_token_id=eos)
+    expected = _greedy_until_all_finished(table, prompt, 6, eos, eos)
+    if not (out.shape == expected.shape and torch.equal(out, expected)):
+        fail(f"greedy_search with eos_token_id={eos} and no pad_token_id gave {out.tolist()}, expected "
+             f"{expected.tolist()}: pad_token_id=None means pad with eos_token_id ({eos}), not with 0 or any other "
+             "token")
+    eos_prompt = torch.tensor([[eos, 2], [3, 4], [5, 6]])  # row 0's prompt holds EOS: it still generates
+    out = greedy_search(model, eos_prompt, 6, eos_token_id=eos, pad_token_id=pad)
+    expected = _greedy_until_all_finished(table, eos_prompt, 6, eos, pad)
+    if not (out.shape == expected.shape and torch.equal(out, expected)):
+        fail(f"greedy_search with eos_token_id={eos}, pad_token_id={pad} and the prompt {eos_prompt.tolist()} gave "
+             f"{out.tolist()}, expected {expected.tolist()}: an EOS already in the prompt does not finish a row, "
+             "only a generated EOS does (start with no row finished)")
     passed("greedy_search")
 
 
