@@ -175,6 +175,9 @@ def prompt_counted(log_probs, beam_scores, n, cur_len, prompt_len, length_penalt
 
 @pytest.mark.parametrize("check, fn, message", [
     (checks.check_apply_temperature, divide_by_zero, "temperature 0 gave NaN"),
+    (checks.check_apply_temperature, lambda logits, t: logits / max(t, 1e-10), r"return exactly 0 at the maximum and -inf"),
+    (checks.check_apply_temperature, lambda logits, t: logits, r"returned the logits unchanged"),
+    (checks.check_apply_temperature, lambda logits, t: torch.softmax(logits / t, -1), r"those are probabilities; return logits"),
     (checks.check_apply_temperature, multiplied, "multiplies the logits by the temperature"),
     (checks.check_apply_temperature, one_hot_probabilities_at_zero, "a 1/0 one-hot is probabilities"),
     (checks.check_top_k_filter, exactly_k, "three logits tied"),

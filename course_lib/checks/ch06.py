@@ -33,6 +33,11 @@ def check_apply_temperature(apply_temperature) -> None:
         if tau != 1.0 and torch.allclose(torch.softmax(out.double(), -1), torch.softmax(logits.double() * tau, -1)):
             fail(f"apply_temperature(logits, {tau}) multiplies the logits by the temperature: divide them by it "
                  "(tau < 1 must sharpen the distribution, tau > 1 flatten it)")
+        if tau != 1.0 and torch.equal(out, logits):
+            fail(f"apply_temperature(logits, {tau}) returned the logits unchanged: divide them by the temperature")
+        if (out >= 0).all() and torch.allclose(out.double().sum(-1), torch.ones(2, dtype=torch.float64)):
+            fail(f"apply_temperature(logits, {tau}) returned rows summing to 1: those are probabilities; return logits, "
+                 "logits / tau (the sampler applies the softmax)")
         assert_close(torch.softmax(out.double(), dim=-1), expected, f"softmax of your output for temperature {tau} "
                      f"(expected p(token 0) = {expected[0, 0].item():.4f})", rtol=1e-5, atol=1e-6)
     out = apply_temperature(logits.clone(), 0.0)
@@ -44,6 +49,10 @@ def check_apply_temperature(apply_temperature) -> None:
              "maximum and -inf elsewhere (a 1/0 one-hot is probabilities, and its softmax is not one-hot)")
     assert_close(probs, torch.nn.functional.one_hot(logits.argmax(-1), 7).double(),
                  "softmax of your output for temperature 0 (one-hot on the argmax)")
+    is_max = logits == logits.amax(-1, keepdim=True)
+    if not ((out[is_max] == 0).all() and torch.isneginf(out[~is_max]).all()):
+        fail(f"temperature 0 returned {out[0].tolist()} for row 0: its softmax is one-hot, but return exactly 0 at the "
+             "maximum and -inf elsewhere (dividing by a tiny temperature gives huge finite logits instead)")
     try:
         apply_temperature(logits, -1.0)
     except ValueError:
