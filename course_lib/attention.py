@@ -40,8 +40,8 @@ def additive_attention(query, keys, values, W_q, W_k, v, mask=None):
     """Additive (Bahdanau) attention: score(q, k) = v . tanh(W_q q + W_k k).
 
     query: (..., Tq, Dq)   keys: (..., Tk, Dk)   values: (..., Tk, Dv)
-    W_q: (Dq, A)   W_k: (Dk, A)   v: (A,)   mask: bool, broadcastable to (..., Tq, Tk)
-    Returns (context (..., Tq, Dv), weights (..., Tq, Tk)).
+    W_q: (Dq, A)   W_k: (Dk, A)   v: (A,)   mask: bool, broadcastable to (..., Tq, Tk), True = keep.
+    Returns (context (..., Tq, Dv), weights (..., Tq, Tk)); masked keys get exactly zero weight.
     """
     projected_q = (query @ W_q).unsqueeze(-2)  # (..., Tq, 1, A)
     projected_k = (keys @ W_k).unsqueeze(-3)  # (..., 1, Tk, A)
@@ -55,7 +55,8 @@ def scaled_dot_product_attention(q, k, v, mask=None):
 
     q: (..., Tq, Dk)   k: (..., Tk, Dk)   v: (..., Tk, Dv)
     mask: bool, broadcastable to (..., Tq, Tk), True = attend.
-    Returns (out (..., Tq, Dv), weights (..., Tq, Tk)).
+    Returns (out (..., Tq, Dv), weights (..., Tq, Tk)). A query whose keys are all masked gets
+    all-zero weights and an all-zero output (not NaN).
     """
     d_k = q.shape[-1]
     scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., Tq, Tk)

@@ -74,7 +74,32 @@ def additive_tanh_each(query, keys, values, W_q, W_k, v, mask=None):
     return weights @ values, weights
 
 
+def additive_mask_ignored(query, keys, values, W_q, W_k, v, mask=None):
+    energies = torch.tanh((query @ W_q)[..., :, None, :] + (keys @ W_k)[..., None, :, :]) @ v
+    weights = torch.softmax(energies, -1)
+    return weights @ values, weights
+
+
+def sdpa_nan_on_fully_masked(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, -1)
+    return weights @ v, weights
+
+
+def sdpa_uniform_on_fully_masked(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -1e9)
+    weights = torch.softmax(scores, -1)
+    return weights @ v, weights
+
+
 @pytest.mark.parametrize("check,buggy,message", [
+    (checks.check_additive_attention, additive_mask_ignored, r"padding mask \(True = keep; key 3 masked\) your weights give key 3 .* ignored or inverted"),
+    (checks.check_scaled_dot_product_attention, sdpa_nan_on_fully_masked, r"query 2 no key at all.*nan.*0/0 = NaN.*masked_softmax"),
+    (checks.check_scaled_dot_product_attention, sdpa_uniform_on_fully_masked, r"query 2 no key at all.*expected all zeros \(no key may get weight\).*masked_softmax"),
     (checks.check_masked_softmax, softmax_nan_on_fully_masked, r"fully masked row .* nan.*0/0 = NaN"),
     (checks.check_masked_softmax, softmax_uniform_on_fully_masked, r"fully masked row .* expected all zeros \(no key may get weight"),
     (checks.check_scaled_dot_product_attention, sdpa_inverted_mask, r"with a padding mask \(True = keep\) gives weight .* masked position"),

@@ -114,7 +114,57 @@ def rope_ignoring_positions(x, positions=None, base=10000.0):
     return positional.apply_rope(x, None, base)
 
 
+class NegInfFill(attention.MultiHeadAttention):
+    def forward(self, query, key, value, mask=None):
+        q, k, v = (attention.split_heads(W(t), self.n_heads) for W, t in ((self.W_q, query), (self.W_k, key), (self.W_v, value)))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, -1)
+        return self.W_o(attention.merge_heads(weights @ v)), weights
+
+
+class KeyValueSwapped(attention.MultiHeadAttention):
+    def forward(self, query, key, value, mask=None):
+        return super().forward(query, value, key, mask)
+
+
+def rope_with_theta(theta=None, shift=0):
+    """The tester's RoPE with a wrong theta (a function of Dh and base) or positions shifted by `shift`."""
+    def apply_rope(x, positions=None, base=10000.0):
+        d_head, time = x.shape[-1], x.shape[-2]
+        positions = torch.arange(time) if positions is None else positions
+        frequencies = (theta or (lambda d, b: b ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)))(d_head, base)
+        angle = (positions + shift).to(torch.float64)[..., None] * frequencies
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).flatten(-2)
+    return apply_rope
+
+
+def rope_base_ignored(x, positions=None, base=10000.0):
+    return positional.apply_rope(x, positions)
+
+
+def rope_positions_flattened(x, positions=None, base=10000.0):
+    time = x.shape[-2]
+    positions = torch.arange(time) if positions is None else positions
+    return positional.apply_rope(x, positions.reshape(-1)[-time:], base)
+
+
 @pytest.mark.parametrize("call,message", [
+    (lambda: checks.check_multi_head_attention(NegInfFill),
+     r"leaves query 1 of batch element 1 no key at all, your weights for that query hold 24 NaN.*0/0 = NaN.*masked_softmax"),
+    (lambda: checks.check_multi_head_attention(KeyValueSwapped), r"keys come from `value` and your values from `key`: the roles are swapped"),
+    (lambda: checks.check_apply_rope(rope_base_ignored), r"apply_rope\(x, base=100\.0\) gives the same result as apply_rope\(x\): `base` is ignored"),
+    (lambda: checks.check_apply_rope(rope_positions_flattened), r"positions \(2, 1, 5\).*rotates sequence 0 by the other sequence's positions"),
+    (lambda: checks.check_apply_rope(rope_with_theta(lambda d, b: b ** (-torch.arange(d // 2, dtype=torch.float64) / d))),
+     r"wrong angles: theta_i = 10000\^\(-i/Dh\) with i the pair index"),
+    (lambda: checks.check_apply_rope(rope_with_theta(lambda d, b: b ** (-torch.arange(0, 2 * d, 4, dtype=torch.float64) / d))),
+     r"wrong angles: theta_i = 10000\^\(-4i/Dh\)"),
+    (lambda: checks.check_apply_rope(rope_with_theta(lambda d, b: b ** (-torch.arange(0, d, 2, dtype=torch.float64).flip(0) / d))),
+     r"wrong angles: your frequencies are reversed"),
+    (lambda: checks.check_apply_rope(rope_with_theta(shift=1)), r"wrong angles: your positions start at 1"),
     (lambda: checks.check_apply_rope(rope_ignoring_positions), r"ignores `positions`"),
     (lambda: checks.check_heads(split_without_transpose, attention.merge_heads), r"looks like x\.view\(B, H, T, Dh\): that mixes positions and heads"),
     (lambda: checks.check_heads(attention.split_heads, merge_view_without_contiguous),

@@ -118,6 +118,25 @@ class DecoderIgnoringTargetMask(DecoderLayer):
         return super().forward(x, memory, None, memory_mask)
 
 
+class DecoderInvertingTargetMask(DecoderLayer):
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
+        return super().forward(x, memory, ~tgt_mask, memory_mask)
+
+
+class DecoderInvertingMemoryMask(DecoderLayer):
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
+        return super().forward(x, memory, tgt_mask, ~memory_mask)
+
+
+def padding_with_pad_id_zero(tokens, pad_id):
+    return (tokens != 0)[:, None, None, :]
+
+
+def padding_assumed_at_the_end(tokens, pad_id):
+    n_real = (tokens != pad_id).sum(1, keepdim=True)
+    return (torch.arange(tokens.shape[1]) < n_real)[:, None, None, :]
+
+
 class DecoderCrossAttendingToItself(DecoderLayer):
     def forward(self, x, memory, tgt_mask=None, memory_mask=None):
         return super().forward(x, x, tgt_mask, memory_mask)
@@ -163,6 +182,12 @@ MASKS = (make_padding_mask, make_causal_mask, make_target_mask)
     (checks.check_decoder_layer, (DecoderCrossAttendingToItself,), r"raised RuntimeError: .*keys and values are memory"),
     (checks.check_decoder_layer, (DecoderNormFirstIgnored,), r"pre-LN DecoderLayer \(norm_first=True\) computes post-LN"),
     (checks.check_decoder_layer, (DecoderNormalisingMemory,), r"pre-LN DecoderLayer .* normalises memory too"),
+    (checks.check_decoder_layer, (DecoderInvertingTargetMask,), r"post-LN DecoderLayer \(norm_first=False\) inverts tgt_mask"),
+    (checks.check_decoder_layer, (DecoderInvertingMemoryMask,), r"post-LN DecoderLayer \(norm_first=False\) inverts memory_mask"),
+    (checks.check_masks, (padding_with_pad_id_zero, make_causal_mask, make_target_mask),
+     r"left-padded tokens .* with pad_id 3.*your mask is tokens != 0: the pad id is hard-coded"),
+    (checks.check_masks, (padding_assumed_at_the_end, make_causal_mask, make_target_mask),
+     r"left-padded tokens .* with pad_id 3.*it assumes padding at the end"),
 ])
 def test_classic_bugs_get_specific_messages(check, args, message):
     with pytest.raises(checks.CheckFailed, match=message):

@@ -115,7 +115,8 @@ STUDENTS = {
                             {"masked_softmax-visible", "masked_softmax-fully_masked"}),
     "mask_ignored": (lambda: CH.solved({"additive_attention-solution": CH.mutate(
         "additive_attention-solution", "masked_softmax(energies, mask)", "masked_softmax(energies)")}),
-        {"additive_attention-mask"}),
+        # the visible check runs a padding mask too (issue 24: an ignored mask must fail where the learner sees it)
+        {"additive_attention-visible", "additive_attention-mask"}),
     "infinite_loop": (lambda: CH.solved({SDPA: "def scaled_dot_product_attention(q, k, v, mask=None):\n    while True:\n        pass\n"}),
                       CH.tests_of("scaled_dot_product_attention")),
     "tampered": (tampered, {"scaled_dot_product_attention-visible", "scaled_dot_product_attention-scale"}),

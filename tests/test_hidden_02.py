@@ -87,7 +87,7 @@ CASES = [
      {"multi_head_attention-visible", "multi_head_attention-mask", "multi_head_attention-fully_masked"}),  # visible: its padding-mask case
     ("multi_head_attention", "-inf softmax", mutate("multi_head_attention", ("masked_softmax(scores, mask)",
                                                                           'torch.softmax(scores if mask is None else scores.masked_fill(~mask, float("-inf")), dim=-1)')),
-     {"multi_head_attention-fully_masked"}),
+     {"multi_head_attention-visible", "multi_head_attention-fully_masked"}),  # visible: its query with no key (issue 24)
     ("multi_head_attention", "values from key", mutate("multi_head_attention", ("self.W_v(value)", "self.W_v(key)")),
      {"multi_head_attention-visible", "multi_head_attention-cross"}),  # visible: its cross-attention case (self-attention passes key is value)
     ("multi_head_attention", "keys and values from query", mutate("multi_head_attention", ("self.W_k(key)", "self.W_k(query)"), ("self.W_v(value)", "self.W_v(query)")),
@@ -114,11 +114,12 @@ CASES = [
      {"apply_rope-visible"}),  # a consistent rotation by -p*theta: only the formula itself tells
     ("apply_rope", "frequencies base^(-i/Dh)", mutate("apply_rope", ("torch.arange(0, d_head, 2, dtype", "torch.arange(0, d_head // 2, dtype")),
      {"apply_rope-visible", "apply_rope-frequencies"}),
-    ("apply_rope", "base ignored", mutate("apply_rope", ("theta = base **", "theta = 10000.0 **")), {"apply_rope-frequencies"}),
+    ("apply_rope", "base ignored", mutate("apply_rope", ("theta = base **", "theta = 10000.0 **")),
+     {"apply_rope-visible", "apply_rope-frequencies"}),  # visible: its base=100 case (issue 24)
     ("apply_rope", "positions ignored", mutate("apply_rope", ("if positions is None:", "if True:")),
      {"apply_rope-visible", "apply_rope-positions"}),
     ("apply_rope", "positions (T,) only", mutate("apply_rope", ("positions.to(torch.float64)[..., None]", "positions.to(torch.float64)[:, None]")),
-     {"apply_rope-positions"}),
+     {"apply_rope-visible", "apply_rope-positions"}),  # visible: its (B, 1, T) positions (issue 24)
     ("apply_rope", "correct, complex float32", ROPE_FLOAT32_COMPLEX, set()),
 ]
 

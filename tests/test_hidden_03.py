@@ -80,7 +80,8 @@ CASES = {
     "padding_not_combined": ("masks", mutate("masks", ("make_padding_mask(tgt, pad_id) & ", "")), {"masks-visible", "masks-combined"}),
     "padding_on_query_axis": ("masks", mutate("masks", ("make_padding_mask(tgt, pad_id) &", "make_padding_mask(tgt, pad_id).transpose(-1, -2) &")),
                               {"masks-visible", "masks-combined"}),
-    "pad_id_hard_coded": ("masks", mutate("masks", ("tokens != pad_id", "tokens != 0")), {"masks-padding"}),
+    "pad_id_hard_coded": ("masks", mutate("masks", ("tokens != pad_id", "tokens != 0")),
+                          {"masks-visible", "masks-padding"}),  # visible: its left-padded batch with pad_id 3 (issue 24)
     "padding_inverted": ("masks", mutate("masks", ("tokens != pad_id", "tokens == pad_id")), {"masks-visible", "masks-padding"}),
     "padding_on_query_shape": ("masks", mutate("masks", ("[:, None, None, :]", "[:, None, :, None]")), {"masks-visible", "masks-padding"}),
     # --- encoder layer

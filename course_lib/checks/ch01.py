@@ -87,7 +87,7 @@ def _name_the_wrong_formula(weights, query, keys, W_q, W_k, v) -> None:
 
 
 def check_additive_attention(additive_attention) -> None:
-    """Visible checks for chapter 01, exercise 2 (no mask; the hidden tests add masks and batches)."""
+    """Visible checks for chapter 01, exercise 2: no mask, then a padding mask (the hidden tests add batches)."""
     gen = torch.Generator().manual_seed(102)
     query, keys, values = torch.randn(2, 3, generator=gen), torch.randn(4, 5, generator=gen), torch.randn(4, 6, generator=gen)
     W_q, W_k, v = torch.randn(3, 7, generator=gen), torch.randn(5, 7, generator=gen), torch.randn(7, generator=gen)
@@ -99,6 +99,16 @@ def check_additive_attention(additive_attention) -> None:
     _name_the_wrong_formula(weights, query, keys, W_q, W_k, v)
     assert_close(weights, expected_weights, "your attention weights")
     assert_close(context, expected_context, "your context vectors")
+    mask = torch.tensor([True, True, True, False])  # key 3 is padding; True = keep
+    context, weights = unpack_pair(additive_attention(query, keys, values, W_q, W_k, v, mask), "additive_attention",
+                                   ("context", "weights"))
+    assert_shape(weights, (2, 4), "weights for 2 queries and 4 keys with a padding mask")
+    if (weights.detach()[:, 3] != 0).any():
+        fail(f"with a padding mask (True = keep; key 3 masked) your weights give key 3 {weights[:, 3].tolist()}; a masked "
+             "key must get exactly 0. Is the mask ignored or inverted? Pass it on: masked_softmax(energies, mask)")
+    expected_context, expected_weights = additive_attention_oracle(query, keys, values, W_q, W_k, v, mask)
+    assert_close(weights, expected_weights, "your attention weights with a padding mask (key 3 masked)")
+    assert_close(context, expected_context, "your context vectors with a padding mask (key 3 masked)")
     passed("additive_attention")
 
 
@@ -126,4 +136,20 @@ def check_scaled_dot_product_attention(scaled_dot_product_attention) -> None:
     assert_masked_are_zero(weights, mask.expand(4, 6), "your attention weights with a padding mask (True = keep)")
     assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask),
                  "your output with a padding mask")
+    # Query 2 may attend to no key at all (as a sequence that is all padding): its weights and output must be 0.
+    no_keys = mask.expand(4, 6).clone()
+    no_keys[2] = False
+    out, weights = unpack_pair(scaled_dot_product_attention(q, k, v, no_keys), "scaled_dot_product_attention", ("out", "weights"))
+    row, out_row = weights.detach()[2], out.detach()[2]
+    if not (torch.isfinite(row).all() and torch.isfinite(out_row).all()):
+        fail(f"with a mask that leaves query 2 no key at all, your weights for query 2 are {row.tolist()} and its output "
+             f"{out_row.tolist()}; expected all zeros. Scores filled with -inf give softmax 0/0 = NaN on such a row: "
+             "call your masked_softmax(scores, mask) from exercise 1, which gives a fully masked row all-zero weights")
+    if (row != 0).any():
+        fail(f"with a mask that leaves query 2 no key at all, your weights for query 2 are {row.tolist()}; expected all "
+             "zeros (no key may get weight): call your masked_softmax(scores, mask) from exercise 1 and check that it "
+             "passes its own visible check")
+    expected_weights = _softmax64(q.double() @ k.double().T / math.sqrt(8), no_keys)
+    assert_close(weights, expected_weights, "your attention weights with a mask that leaves query 2 no key")
+    assert_close(out, expected_weights @ v.double(), "your output with a mask that leaves query 2 no key (its output must be 0)")
     passed("scaled_dot_product_attention")

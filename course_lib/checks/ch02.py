@@ -155,6 +155,7 @@ def check_multi_head_attention(MultiHeadAttention) -> None:
         unmasked = oracle(query, key, value, average_attn_weights=False)[1]
         inverted = oracle(query, key, value, key_padding_mask=keep, average_attn_weights=False)[1]
         values_from_key = oracle(query, key, key, key_padding_mask=~keep)[0]
+        roles_swapped = oracle(query, value, key, key_padding_mask=~keep, average_attn_weights=False)[1]
     if isinstance(weights, torch.Tensor) and tuple(weights.shape) == (2, n_heads, 3, 3):
         fail("in cross-attention (3 queries, 6 keys) your weights have shape (2, 4, 3, 3), expected (2, 4, 3, 6): your keys "
              "come from `query`. Project keys from `key` and values from `value`: self.W_k(key), self.W_v(value)")
@@ -165,11 +166,36 @@ def check_multi_head_attention(MultiHeadAttention) -> None:
     if _close(weights, unmasked):
         fail("with a padding mask (B, 1, 1, Tk) your weights are the same as without it: the mask never reaches the "
              "softmax. Pass it on: masked_softmax(scores, mask)")
+    if _close(weights, roles_swapped) and not _close(weights, expected_weights):
+        fail("in cross-attention your keys come from `value` and your values from `key`: the roles are swapped. "
+             "Keys are what a query is matched on, self.W_k(key); values are what is handed over, self.W_v(value)")
     assert_close(weights, expected_weights, "your weights of cross-attention with a padding mask (vs torch.nn.MultiheadAttention, "
                  "whose key_padding_mask is our mask inverted)")
     if _close(out, values_from_key):
         fail("in cross-attention your output uses `key` as the values: project the values from `value`, self.W_v(value)")
     assert_close(out, expected_out, "your output of cross-attention with a padding mask (vs torch.nn.MultiheadAttention)")
+
+    # A query with no key to attend to (mask (B, 1, Tq, Tk), query 1 of batch 1 all False): weights 0, output W_o's bias
+    none_for_one = keep[:, None, None, :].expand(2, 1, 3, 6).clone()
+    none_for_one[1, 0, 1] = False
+    with torch.no_grad():
+        out, weights = unpack_pair(module(query, key, value, none_for_one), "MultiHeadAttention.forward", ("out", "weights"))
+    assert_shape(weights, (2, n_heads, 3, 6), "the weights of cross-attention with a query that has no key")
+    row, out_row = weights[1, :, 1], out[1, 1]
+    if not (torch.isfinite(row).all() and torch.isfinite(out_row).all()):
+        fail(f"with a mask (2, 1, 3, 6) that leaves query 1 of batch element 1 no key at all, your weights for that query "
+             f"hold {int((~torch.isfinite(row)).sum())} NaN or infinite value(s) and its output {out_row[:4].tolist()}...; "
+             "expected all-zero weights and the output W_o's bias. Scores filled with -inf give softmax 0/0 = NaN on such a "
+             "row: use masked_softmax(scores, mask) (chapter 01), which gives a fully masked row all-zero weights")
+    if (row != 0).any():
+        fail(f"with a mask (2, 1, 3, 6) that leaves query 1 of batch element 1 no key at all, your weights for that query are "
+             f"not all zero (the largest is {row.abs().max().item():.4g}): no key may get weight. Use masked_softmax(scores, "
+             "mask) (chapter 01), which zeroes a fully masked row")
+    assert_close(out_row, module.W_o.bias.detach(), "your output for a query with no key (expected W_o's bias: the heads are 0)")
+    expected_out, expected_weights = oracle(query, key, value, key_padding_mask=~keep, average_attn_weights=False)
+    others = torch.ones(2, 3, dtype=torch.bool)
+    others[1, 1] = False
+    assert_close(out[others], expected_out[others], "your output for the queries that have keys (vs torch.nn.MultiheadAttention)")
     passed("MultiHeadAttention")
 
 
@@ -235,12 +261,16 @@ def check_sinusoidal_encoding(sinusoidal_encoding) -> None:
 
 # --- RoPE ----------------------------------------------------------------------------------
 
-def rope_oracle(x, positions=None, base: float = 10000.0) -> torch.Tensor:
-    """RoPE as complex numbers, in float64: z_i = x[2i] + j x[2i+1] becomes z_i * exp(j * pos * base^(-2i/Dh))."""
+def rope_oracle(x, positions=None, base: float = 10000.0, theta=None) -> torch.Tensor:
+    """RoPE as complex numbers, in float64: z_i = x[2i] + j x[2i+1] becomes z_i * exp(j * pos * base^(-2i/Dh)).
+
+    ``theta`` (Dh/2 float64 frequencies), if given, replaces base^(-2i/Dh): the checks use it to recognise wrong ones.
+    """
     x64 = x.double()
     time, d_head = x.shape[-2], x.shape[-1]
     positions = torch.arange(time) if positions is None else positions
-    theta = torch.tensor([base ** (-2 * i / d_head) for i in range(d_head // 2)], dtype=torch.float64)
+    if theta is None:
+        theta = torch.tensor([base ** (-2 * i / d_head) for i in range(d_head // 2)], dtype=torch.float64)
     angle = positions.double()[..., None] * theta
     z = torch.complex(x64[..., 0::2], x64[..., 1::2]) * torch.polar(torch.ones_like(angle), angle)
     return torch.stack((z.real, z.imag), dim=-1).flatten(-2)
@@ -252,6 +282,26 @@ def _rope_rotate_half(x, positions=None, base: float = 10000.0) -> torch.Tensor:
     order = torch.stack((torch.arange(half), torch.arange(half) + half), dim=-1).flatten()  # [0, h, 1, h+1, ...]
     rotated = rope_oracle(x[..., order], positions, base)
     return rotated[..., torch.argsort(order)]
+
+
+def _rope_frequency_hint(x, out) -> None:
+    """Name the classic wrong frequencies or positions behind apply_rope(x) (x (..., 5, 8), default positions)."""
+    if _close(out, rope_oracle(x)):
+        return
+    i = torch.arange(4, dtype=torch.float64)  # the pair index, Dh = 8
+    wrong = {
+        "theta_i = 10000^(-i/Dh) with i the pair index: the exponent is 2i/Dh (2i is the column of the pair's first "
+        "feature), so your frequencies fall only half as fast as they should": rope_oracle(x, theta=10000 ** (-i / 8)),
+        "theta_i = 10000^(-4i/Dh): the exponent is doubled twice (arange(0, Dh, 2) already holds 2i)":
+            rope_oracle(x, theta=10000 ** (-4 * i / 8)),
+        "your frequencies are reversed: pair 0 must turn fastest (theta_0 = 1 radian per position) and the last pair "
+        "slowest, theta_i = base^(-2i/Dh)": rope_oracle(x, theta=10000 ** (-2 * i / 8).flip(0)),
+        "your positions start at 1: by default token t sits at position t, and token 0 is not rotated at all":
+            rope_oracle(x, torch.arange(1, 6)),
+    }
+    for mistake, expected in wrong.items():
+        if _close(out, expected):
+            fail(f"apply_rope(x) is RoPE with the wrong angles: {mistake}")
 
 
 def check_apply_rope(apply_rope) -> None:
@@ -270,6 +320,7 @@ def check_apply_rope(apply_rope) -> None:
     if _close(out, rope_oracle(x, -torch.arange(5))) and not _close(out, expected):
         fail("your rotation goes the wrong way: position p turns the pair (a, b) counter-clockwise, to "
              "(a cos t - b sin t, a sin t + b cos t) with t = p * theta_i")
+    _rope_frequency_hint(x, out)
     assert_close(out, expected.float(), "apply_rope(x) (vs the complex-number formula)")
     positions = torch.tensor([7, 3, 0, 12, 5])  # not 0..T-1: as for tokens after a cache, or in another order
     moved = assert_tensor(apply_rope(x, positions), "apply_rope(x, positions)")
@@ -278,4 +329,30 @@ def check_apply_rope(apply_rope) -> None:
              "rotates by 0, 1, ..., T-1 always; token t must turn by positions[t] * theta_i (a cached decode step's "
              "token sits at position P, not 0)")
     assert_close(moved, rope_oracle(x, positions).float(), "apply_rope(x, positions) for positions 7, 3, 0, 12, 5")
+    other_base = assert_tensor(apply_rope(x, base=100.0), "apply_rope(x, base=100.0)")
+    if _close(other_base, rope_oracle(x)) and not _close(other_base, rope_oracle(x, base=100.0)):
+        fail("apply_rope(x, base=100.0) gives the same result as apply_rope(x): `base` is ignored (10000 is hard-coded). "
+             "theta_i = base^(-2i/Dh) with the `base` argument (long-context models raise it)")
+    assert_close(other_base, rope_oracle(x, base=100.0).float(), "apply_rope(x, base=100.0) (theta_i = 100^(-2i/Dh))")
+    # one row of positions per sequence, (B, 1, T): as when each sequence of a batch starts at its own offset
+    batch = torch.randn(2, 2, 5, 8, generator=torch.Generator().manual_seed(206))
+    per_row = torch.tensor([[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]]).view(2, 1, 5)
+    try:
+        rotated = assert_tensor(apply_rope(batch, per_row), "apply_rope(x, positions) for x (2, 2, 5, 8) and positions (2, 1, 5)")
+    except NotImplementedError:
+        raise  # an unfinished exercise says so itself
+    except RuntimeError as error:
+        fail(f"apply_rope(x, positions) for x (2, 2, 5, 8) and positions (2, 1, 5) raised RuntimeError: "
+             f"{(str(error).splitlines() or [''])[0]} positions may have leading dimensions that broadcast against x.shape[:-1]: "
+             "compute the angles as positions[..., None] * theta, shape (..., T, Dh/2)")
+    assert_shape(rotated, batch.shape, "apply_rope(x, positions) for x (2, 2, 5, 8) and positions (2, 1, 5)")
+    expected = rope_oracle(batch, per_row)
+    if not _close(rotated, expected):
+        for b in range(2):
+            for flat in (rope_oracle(batch[b], per_row[0, 0]), rope_oracle(batch[b], per_row[1, 0])):
+                if _close(rotated[b], flat) and not _close(rotated[b], expected[b]):
+                    fail(f"apply_rope(x, positions) with positions (2, 1, 5) (sequence 0 at positions 0..4, sequence 1 at "
+                         f"6..10) rotates sequence {b} by the other sequence's positions: keep the batch dimension of "
+                         "`positions` (do not flatten it); the angles are positions[..., None] * theta, which broadcasts")
+    assert_close(rotated, expected.float(), "apply_rope(x, positions) for positions (2, 1, 5), one row per sequence")
     passed("apply_rope")

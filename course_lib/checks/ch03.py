@@ -154,6 +154,20 @@ def check_masks(make_padding_mask, make_causal_mask, make_target_mask) -> None:
     if not torch.equal(padding[:, 0, 0], expected):
         fail(f"make_padding_mask gives {padding[:, 0, 0].int().tolist()} for tokens {tokens.tolist()} with pad_id 0, "
              f"expected {expected.int().tolist()} (True on the real tokens, False on padding)")
+    # another pad id (3), padding on the left (as a batch padded for generation), and token 0 as a real token
+    tokens3 = torch.tensor([[3, 3, 0, 6], [5, 0, 7, 8]])
+    padding = _as_bool_mask(make_padding_mask(tokens3, 3), "make_padding_mask(tokens, 3) for tokens (2, 4)", (2, 1, 1, 4))
+    expected = tokens3 != 3
+    if not torch.equal(padding[:, 0, 0], expected):
+        got = padding[:, 0, 0]
+        lengths = expected.sum(1, keepdim=True)
+        hint = ("your mask is tokens != 0: the pad id is hard-coded. Compare with the `pad_id` argument: tokens != pad_id"
+                if torch.equal(got, tokens3 != 0) else
+                "your mask keeps the first n tokens of each row (n = the number of real tokens): it assumes padding at the "
+                "end. Padding may be anywhere (here on the left): mark exactly the positions where tokens == pad_id"
+                if torch.equal(got, torch.arange(4) < lengths) else "False exactly where tokens == pad_id")
+        fail(f"make_padding_mask gives {got.int().tolist()} for the left-padded tokens {tokens3.tolist()} with pad_id 3, "
+             f"expected {expected.int().tolist()}: {hint}")
 
     causal = _as_bool_mask(make_causal_mask(4), "make_causal_mask(4)", (1, 1, 4, 4))
     expected = torch.tril(torch.ones(4, 4, dtype=torch.bool))
@@ -302,6 +316,16 @@ def check_decoder_layer(DecoderLayer) -> None:
                          "encoder's output (already normalised) is the cross-attention's keys and values as it is"] = (
                     oracle(x, normalised_memory, **masks))
             _diagnose(out, mistakes)
+            if not _close(out, expected):
+                # an inverted mask inside the layer gives the right output when it is handed the inverted mask
+                for mask_name, inverted in (("tgt_mask", (~tgt_mask, memory_mask)), ("memory_mask", (tgt_mask, ~memory_mask))):
+                    try:
+                        flipped = layer(x, memory, *inverted)
+                    except Exception:  # noqa: BLE001 (a diagnosis only: the parity message below says what is wrong)
+                        continue
+                    if _close(flipped, expected):
+                        fail(f"{name} inverts {mask_name}: it attends exactly where {mask_name} is False. Our masks say "
+                             f"True = may attend; pass {mask_name} to the attention as it is (only PyTorch's layers want ~mask)")
         _parity(out, expected, f"{name} with target and memory masks", f"torch.nn.TransformerDecoderLayer(norm_first={norm_first})",
                 PRE_LN_DECODER if norm_first else POST_LN_DECODER)
     passed("DecoderLayer")
