@@ -83,6 +83,17 @@ draft_cropped_without_min = planted(speculative_step, "draft_cache.crop(min(draf
                                     "draft_cache.crop(n + a)")
 
 
+draft_cropped_to_zero = planted(speculative_step, "draft_cache.crop(min(draft_cache.length, n + a))",
+                                "draft_cache.crop(0)")
+target_fed_newest_only = planted(speculative_step, "torch.cat([tokens[:, target_cache.length:], drafts]",
+                                 "torch.cat([tokens[:, -1:] if target_cache.length else tokens, drafts]")
+u_without_generator = planted(speculative_step, "u = torch.rand(K, generator=generator, dtype=torch.float64)",
+                              "u = torch.rand(K, dtype=torch.float64)")
+next_token_by_argmax = planted(speculative_step, "draw_token(next_probs, generator)", "next_probs.argmax().view(1, 1)")
+target_ignores_temperature = planted(speculative_step, "p = probs_from_logits(logits[0, -(K + 1):], do_sample, temperature)",
+                                     "p = probs_from_logits(logits[0, -(K + 1):], do_sample, 1.0)")
+
+
 def fails_at_k_zero(target, draft, tokens, target_cache, draft_cache, K, **kwargs):
     if K == 0:
         torch.stack([])  # what torch.stack(q) does with no drafts
@@ -106,6 +117,11 @@ def step_without_rollback(target, draft, tokens, target_cache, draft_cache, K, *
     (checks.check_speculative_accept, residual_swapped, r"your next_probs is max\(0, q - p\), normalised"),
     (checks.check_speculative_accept, counts_every_acceptance, r"before the FIRST rejection"),
     (checks.check_speculative_step, draft_cropped_without_min, r"crop it to min\(draft_cache.length, n \+ a\)"),
+    (checks.check_speculative_step, draft_cropped_to_zero, r"draft cache holds 0 slots, expected min\(its length, n \+ a\) = \d+\. .*re-feeds the whole prefix"),
+    (checks.check_speculative_step, target_fed_newest_only, r"the target cache held 2 of the n = 6 committed tokens .*feed it everything it lacks"),
+    (checks.check_speculative_step, u_without_generator, r"same seeded generator gave different tokens .*u = torch.rand\(K, generator=generator"),
+    (checks.check_speculative_step, next_token_by_argmax, r"60 sampled steps all gave token 5.*do not take its argmax"),
+    (checks.check_speculative_step, target_ignores_temperature, r"the target's probabilities ignore the temperature"),
     (checks.check_speculative_step, fails_at_k_zero, r"K = 0 must work .* no draft pass"),
     (checks.check_speculative_step, step_without_rollback, r"target cache holds \d+ slots, expected n \+ a = \d+ .*crop"),
     (checks.check_speculative_step, bonus_missing_step, r"all K = \d drafts were accepted, so the step must add K \+ 1 = \d tokens \(the last one is the bonus token"),
