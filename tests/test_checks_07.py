@@ -70,12 +70,16 @@ def counts_every_acceptance(p, q, draft_tokens, u):
     return n, r / r.sum()
 
 
-def planted(function, old: str, new: str):
-    """The course's function with one line of its source replaced (a planted bug), in its module's namespace."""
+def planted(function, old: str, new: str, *more: str):
+    """The course's function with one line of its source replaced (a planted bug), in its module's namespace;
+    `more`: further (old, new) pairs of the same bug."""
     source = inspect.getsource(function)
-    assert old in source
+    pairs = [(old, new), *zip(more[::2], more[1::2])]
+    for old, new in pairs:
+        assert old in source
+        source = source.replace(old, new)
     namespace = dict(vars(inspect.getmodule(function)))
-    exec(source.replace(old, new), namespace)  # noqa: S102 - the course's own code, one line changed
+    exec(source, namespace)  # noqa: S102 - the course's own code, one line changed
     return namespace[function.__name__]
 
 
@@ -92,6 +96,11 @@ u_without_generator = planted(speculative_step, "u = torch.rand(K, generator=gen
 next_token_by_argmax = planted(speculative_step, "draw_token(next_probs, generator)", "next_probs.argmax().view(1, 1)")
 target_ignores_temperature = planted(speculative_step, "p = probs_from_logits(logits[0, -(K + 1):], do_sample, temperature)",
                                      "p = probs_from_logits(logits[0, -(K + 1):], do_sample, 1.0)")
+
+q_without_temperature = planted(  # drafts drawn at the temperature, but q reported at temperature 1
+    speculative_step, "probs = probs_from_logits(cached_forward(draft, new, draft_cache)[0, -1], do_sample, temperature)",
+    "logits_d = cached_forward(draft, new, draft_cache)[0, -1]; probs = probs_from_logits(logits_d, do_sample, temperature)",
+    "q.append(probs)", "q.append(probs_from_logits(logits_d, do_sample, 1.0))")
 
 
 def fails_at_k_zero(target, draft, tokens, target_cache, draft_cache, K, **kwargs):
@@ -122,6 +131,7 @@ def step_without_rollback(target, draft, tokens, target_cache, draft_cache, K, *
     (checks.check_speculative_step, u_without_generator, r"same seeded generator gave different tokens .*u = torch.rand\(K, generator=generator"),
     (checks.check_speculative_step, next_token_by_argmax, r"60 sampled steps all gave token 5.*do not take its argmax"),
     (checks.check_speculative_step, target_ignores_temperature, r"the target's probabilities ignore the temperature"),
+    (checks.check_speculative_step, q_without_temperature, r"a draft identical to the target, sampled .*q must be the distribution each draft was drawn from"),
     (checks.check_speculative_step, fails_at_k_zero, r"K = 0 must work .* no draft pass"),
     (checks.check_speculative_step, step_without_rollback, r"target cache holds \d+ slots, expected n \+ a = \d+ .*crop"),
     (checks.check_speculative_step, bonus_missing_step, r"all K = \d drafts were accepted, so the step must add K \+ 1 = \d tokens \(the last one is the bonus token"),

@@ -271,3 +271,15 @@ def _check_sampling(speculative_step, target, draft, expected) -> None:
         fail(f"K = 0, temperature {T}: token {top} has probability {target_p[top]:.3f} (softmax(logits / {T:g})), "
              f"about 20 of 60 draws, but you drew it {drawn.count(top)} times: the target's probabilities ignore the "
              "temperature; use probs_from_logits(logits, do_sample, temperature) for the target as for the draft")
+    # a draft identical to the target, sampled at temperature 5: p = q at every draft, so p/q = 1 > u and every
+    # draft is accepted, whatever the draws
+    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(target, 1)
+    for round_ in range(15):
+        tc.crop(min(tc.length, 11))
+        dc.crop(min(dc.length, 11))
+        new, a = _run_step(speculative_step, f"identical draft, temperature {T}", target, target, tokens, tc, dc, 2,
+                           do_sample=True, temperature=T, generator=generator)
+        if int(a) != 2:
+            fail(f"a draft identical to the target, sampled at temperature {T}: p = q at every draft, so p/q = 1 > u "
+                 f"and all K = 2 drafts must be accepted, but sampled round {round_} accepted {int(a)}. q must be the "
+                 "distribution each draft was drawn from, softmax(draft logits / temperature), the same as p")
