@@ -269,8 +269,8 @@ def _check_sampling(speculative_step, target, draft, expected) -> None:
              "do not take its argmax")
     if drawn.count(top) > 40:
         fail(f"K = 0, temperature {T}: token {top} has probability {target_p[top]:.3f} (softmax(logits / {T:g})), "
-             f"about 20 of 60 draws, but you drew it {drawn.count(top)} times: the target's probabilities ignore the "
-             "temperature; use probs_from_logits(logits, do_sample, temperature) for the target as for the draft")
+             f"about {60 * target_p[top]:.0f} of 60 draws, but you drew it {drawn.count(top)} times: the target's "
+             "probabilities ignore the temperature; use probs_from_logits(logits, do_sample, temperature) for the target as for the draft")
     # a draft identical to the target, sampled at temperature 5: p = q at every draft, so p/q = 1 > u and every
     # draft is accepted, whatever the draws
     tc, dc = KVCache.for_model(target, 1), KVCache.for_model(target, 1)
