@@ -76,7 +76,10 @@ def speculative_step(target, draft, tokens, target_cache, draft_cache, num_draft
     but the newest (which the next round feeds), and the draft cache min(its length, n + a): it never
     fed its last proposal, so it is one slot short when all K are accepted, and crop can only forget.
     Neither cache keeps a rejected proposal. K = 0 is plain decoding with the target: no draft pass,
-    a = 0, one token drawn from the target's distribution. Returns the extended tokens and a.
+    a = 0, one token drawn from the target's distribution. Sampling (do_sample=True): both models'
+    probabilities are softmax(logits / temperature) (probs_from_logits), and every random draw (the
+    drafts, u, the next token) uses `generator`, so a seeded generator repeats the round exactly.
+    Returns the extended tokens and a.
     """
     n, K = tokens.shape[1], num_draft_tokens
     # 1. draft K tokens, one at a time (its first pass also feeds the committed tokens its cache lacks)

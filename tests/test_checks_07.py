@@ -70,17 +70,37 @@ def counts_every_acceptance(p, q, draft_tokens, u):
     return n, r / r.sum()
 
 
-def planted(function, old: str, new: str):
-    """The course's function with one line of its source replaced (a planted bug), in its module's namespace."""
+def planted(function, old: str, new: str, *more: str):
+    """The course's function with one line of its source replaced (a planted bug), in its module's namespace;
+    `more`: further (old, new) pairs of the same bug."""
     source = inspect.getsource(function)
-    assert old in source
+    pairs = [(old, new), *zip(more[::2], more[1::2])]
+    for old, new in pairs:
+        assert old in source
+        source = source.replace(old, new)
     namespace = dict(vars(inspect.getmodule(function)))
-    exec(source.replace(old, new), namespace)  # noqa: S102 - the course's own code, one line changed
+    exec(source, namespace)  # noqa: S102 - the course's own code, one line changed
     return namespace[function.__name__]
 
 
 draft_cropped_without_min = planted(speculative_step, "draft_cache.crop(min(draft_cache.length, n + a))",
                                     "draft_cache.crop(n + a)")
+
+
+draft_cropped_to_zero = planted(speculative_step, "draft_cache.crop(min(draft_cache.length, n + a))",
+                                "draft_cache.crop(0)")
+target_fed_newest_only = planted(speculative_step, "torch.cat([tokens[:, target_cache.length:], drafts]",
+                                 "torch.cat([tokens[:, -1:] if target_cache.length else tokens, drafts]")
+u_without_generator = planted(speculative_step, "u = torch.rand(K, generator=generator, dtype=torch.float64)",
+                              "u = torch.rand(K, dtype=torch.float64)")
+next_token_by_argmax = planted(speculative_step, "draw_token(next_probs, generator)", "next_probs.argmax().view(1, 1)")
+target_ignores_temperature = planted(speculative_step, "p = probs_from_logits(logits[0, -(K + 1):], do_sample, temperature)",
+                                     "p = probs_from_logits(logits[0, -(K + 1):], do_sample, 1.0)")
+
+q_without_temperature = planted(  # drafts drawn at the temperature, but q reported at temperature 1
+    speculative_step, "probs = probs_from_logits(cached_forward(draft, new, draft_cache)[0, -1], do_sample, temperature)",
+    "logits_d = cached_forward(draft, new, draft_cache)[0, -1]; probs = probs_from_logits(logits_d, do_sample, temperature)",
+    "q.append(probs)", "q.append(probs_from_logits(logits_d, do_sample, 1.0))")
 
 
 def fails_at_k_zero(target, draft, tokens, target_cache, draft_cache, K, **kwargs):
@@ -106,6 +126,12 @@ def step_without_rollback(target, draft, tokens, target_cache, draft_cache, K, *
     (checks.check_speculative_accept, residual_swapped, r"your next_probs is max\(0, q - p\), normalised"),
     (checks.check_speculative_accept, counts_every_acceptance, r"before the FIRST rejection"),
     (checks.check_speculative_step, draft_cropped_without_min, r"crop it to min\(draft_cache.length, n \+ a\)"),
+    (checks.check_speculative_step, draft_cropped_to_zero, r"draft cache holds 0 slots, expected min\(its length, n \+ a\) = \d+\. .*re-feeds the whole prefix"),
+    (checks.check_speculative_step, target_fed_newest_only, r"the target cache held 2 of the n = 6 committed tokens .*feed it everything it lacks"),
+    (checks.check_speculative_step, u_without_generator, r"same seeded generator gave different tokens .*u = torch.rand\(K, generator=generator"),
+    (checks.check_speculative_step, next_token_by_argmax, r"60 sampled steps all gave token 5.*do not take its argmax"),
+    (checks.check_speculative_step, target_ignores_temperature, r"the target's probabilities ignore the temperature"),
+    (checks.check_speculative_step, q_without_temperature, r"a draft identical to the target, sampled .*q must be the distribution each draft was drawn from"),
     (checks.check_speculative_step, fails_at_k_zero, r"K = 0 must work .* no draft pass"),
     (checks.check_speculative_step, step_without_rollback, r"target cache holds \d+ slots, expected n \+ a = \d+ .*crop"),
     (checks.check_speculative_step, bonus_missing_step, r"all K = \d drafts were accepted, so the step must add K \+ 1 = \d tokens \(the last one is the bonus token"),

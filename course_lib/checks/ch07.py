@@ -129,11 +129,12 @@ def cache_matches_tokens(model, cache, tokens) -> float:
     return (logits - model(tokens)[0][:, -1]).abs().max().item()
 
 
-def _run_step(speculative_step, round_, target, draft, tokens, tc, dc, K):
+def _run_step(speculative_step, round_, target, draft, tokens, tc, dc, K, **sampling):
     """speculative_step's result, or a failure that says what the exception most likely means."""
     n, before = tokens.shape[1], dc.length
+    sampling = sampling or {"do_sample": False}
     try:
-        return speculative_step(target, draft, tokens, tc, dc, K, do_sample=False, accept=speculative_accept_oracle)
+        return speculative_step(target, draft, tokens, tc, dc, K, accept=speculative_accept_oracle, **sampling)
     except NotImplementedError:
         raise  # not written yet: nothing to explain
     except Exception as error:  # noqa: BLE001 - the learner's code may raise anything; say what it means
@@ -157,7 +158,7 @@ def check_speculative_step(speculative_step) -> None:
     expected = greedy_oracle(target, tokens, 30)
     tc, dc = KVCache.for_model(target, 1), KVCache.for_model(draft, 1)
     for round_ in range(10):
-        n, K = tokens.shape[1], (1 + round_) % 5  # K = 1, 2, 3, 4, 0, 1, ...
+        n, K, before = tokens.shape[1], (1 + round_) % 5, dc.length  # K = 1, 2, 3, 4, 0, 1, ...
         result = _run_step(speculative_step, round_, target, draft, tokens, tc, dc, K)
         if not isinstance(result, tuple) or len(result) != 2:
             fail(f"speculative_step should return (tokens, a), got {type(result).__name__}")
@@ -177,6 +178,15 @@ def check_speculative_step(speculative_step) -> None:
         if dc.length > n + a:
             fail(f"round {round_}: after the step the draft cache holds {dc.length} slots, more than n + a = {n + a}: "
                  "it still holds rejected draft tokens (roll it back with draft_cache.crop)")
+        # K draft passes leave n + K - 1 slots (the last draft is not fed); K = 0 needs no draft pass (one that only
+        # feeds what the draft cache lacks does no harm)
+        kept = min(n + K - 1, n + a) if K else before
+        if dc.length < kept or (K and dc.length != kept):
+            fail(f"round {round_} (K = {K}, a = {a}): after the step the draft cache holds {dc.length} slots, expected "
+                 f"min(its length, n + a) = {kept}. Either it was cropped too far (forget only the rejected drafts, "
+                 "draft_cache.crop(min(draft_cache.length, n + a)); cropping more re-feeds the whole prefix to the "
+                 "draft every round), or its first pass did not feed every committed token it lacked "
+                 "(tokens[:, draft_cache.length:])")
         for model, cache, name in ((target, tc, "target"), (draft, dc, "draft")):
             gap = cache_matches_tokens(model, cache, new)
             if gap > 1e-4:
@@ -186,6 +196,7 @@ def check_speculative_step(speculative_step) -> None:
         if not torch.equal(tokens, expected[:, :tokens.shape[1]]):
             fail(f"round {round_}: greedy verification must reproduce the target's greedy tokens exactly; "
                  f"expected {expected[0, n:tokens.shape[1]].tolist()} after position {n}, got {tokens[0, n:].tolist()}")
+    _check_target_lacking_more(speculative_step, target, draft, expected)
     tc, dc = KVCache.for_model(target, 1), KVCache.for_model(target, 1)
     tokens = torch.tensor([[1, 2]])
     for K in (1, 3):
@@ -195,4 +206,80 @@ def check_speculative_step(speculative_step) -> None:
             fail(f"with a draft identical to the target all K = {K} drafts are accepted, and the step must add K + 1 = "
                  f"{K + 1} tokens (the last one is the bonus token, drawn from the target's distribution after the "
                  f"drafts); yours added {tokens.shape[1] - n}")
+    _check_sampling(speculative_step, target, draft, expected)
     passed("speculative_step")
+
+
+def _check_target_lacking_more(speculative_step, target, draft, expected) -> None:
+    """A target cache that lacks 4 committed tokens, not just the newest: all of them are fed first."""
+    from ..kv_cache import KVCache, cached_forward
+
+    tokens, K = expected[:, :6], 2
+    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(draft, 1)
+    with torch.no_grad():
+        cached_forward(target, tokens[:, :2], tc)  # the target cache holds 2 of the 6 tokens
+        cached_forward(draft, tokens[:, :5], dc)  # the draft cache holds all but the newest
+    what = ("the target cache held 2 of the n = 6 committed tokens (4 lacking): feed it everything it lacks, "
+            "tokens[:, target_cache.length:], then the K drafts, in one pass (not just the newest token)")
+    try:
+        new, a = speculative_step(target, draft, tokens, tc, dc, K, do_sample=False, accept=speculative_accept_oracle)
+    except Exception as error:  # noqa: BLE001 - the learner's code may raise anything; say what it means
+        fail(f"{what}; your step raised {type(error).__name__}: {error}")
+    a = int(a)
+    if (tuple(new.shape) != (1, 6 + a + 1) or not torch.equal(new, expected[:, :new.shape[1]]) or tc.length != 6 + a
+            or cache_matches_tokens(target, tc, new) > 1e-4):
+        fail(f"{what}. Expected the target's greedy tokens {expected[0, 6:6 + a + 1].tolist()} after position 6 and "
+             f"{6 + a} slots in the target cache, got {new[0, 6:].tolist()} and {tc.length}")
+
+
+def _check_sampling(speculative_step, target, draft, expected) -> None:
+    """Sampling: the seeded generator makes every draw; the target's probabilities honour the temperature."""
+    from ..kv_cache import KVCache
+
+    runs = []
+    for global_seed in (1, 2):  # the global random state differs, the generator's does not
+        with torch.random.fork_rng():
+            torch.manual_seed(global_seed)
+            tokens, generator = expected[:, :4], torch.Generator().manual_seed(7)
+            tc, dc = KVCache.for_model(target, 1), KVCache.for_model(draft, 1)
+            for round_ in range(3):
+                tokens, _ = _run_step(speculative_step, f"sampled {round_}", target, draft, tokens, tc, dc, 3,
+                                      do_sample=True, generator=generator)
+            runs.append(tokens[0, 4:].tolist())
+    if runs[0] != runs[1]:
+        fail(f"two sampled runs with the same seeded generator gave different tokens ({runs[0]}, then {runs[1]}): every "
+             "random draw must use `generator`: the drafts, u = torch.rand(K, generator=generator, ...) and the next "
+             "token (draw_token(probs, generator))")
+    # K = 0 with temperature 5 at a point where the target is sure of token 5 (0.944 at temperature 1): token 5 has
+    # probability 0.331 at temperature 5, so about 20 of 60 draws
+    tokens, generator, T = expected[:, :12], torch.Generator().manual_seed(8), 5.0
+    with torch.no_grad():
+        target_p = torch.softmax(target(tokens)[0][0, -1].double() / T, dim=-1)
+        top = int(target_p.argmax())
+    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(draft, 1)
+    drawn = []
+    for round_ in range(60):
+        tc.crop(min(tc.length, 11))
+        new, _ = _run_step(speculative_step, f"K = 0, temperature {T}", target, draft, tokens, tc, dc, 0,
+                           do_sample=True, temperature=T, generator=generator)
+        drawn.append(int(new[0, -1]))
+    if len(set(drawn)) == 1:
+        fail(f"K = 0, temperature {T}: 60 sampled steps all gave token {drawn[0]}, whose probability is "
+             f"{target_p[drawn[0]]:.3f}: draw the next token from next_probs (draw_token(next_probs, generator)), "
+             "do not take its argmax")
+    if drawn.count(top) > 40:
+        fail(f"K = 0, temperature {T}: token {top} has probability {target_p[top]:.3f} (softmax(logits / {T:g})), "
+             f"about {60 * target_p[top]:.0f} of 60 draws, but you drew it {drawn.count(top)} times: the target's "
+             "probabilities ignore the temperature; use probs_from_logits(logits, do_sample, temperature) for the target as for the draft")
+    # a draft identical to the target, sampled at temperature 5: p = q at every draft, so p/q = 1 > u and every
+    # draft is accepted, whatever the draws
+    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(target, 1)
+    for round_ in range(15):
+        tc.crop(min(tc.length, 11))
+        dc.crop(min(dc.length, 11))
+        new, a = _run_step(speculative_step, f"identical draft, temperature {T}", target, target, tokens, tc, dc, 2,
+                           do_sample=True, temperature=T, generator=generator)
+        if int(a) != 2:
+            fail(f"a draft identical to the target, sampled at temperature {T}: p = q at every draft, so p/q = 1 > u "
+                 f"and all K = 2 drafts must be accepted, but sampled round {round_} accepted {int(a)}. q must be the "
+                 "distribution each draft was drawn from, softmax(draft logits / temperature), the same as p")

@@ -142,6 +142,9 @@ def check_schedule_step(schedule_step) -> None:
         fail(f"budget 8, 10 free blocks: expected [('a', 1), ('b', 1), ('c', 6)] and nothing preempted, got {pairs}, {gone}")
     running, waiting = state()
     pairs, gone = _call(schedule_step, running, waiting, 3, 20, "a and b take one block each, c needs 3, 1 is left")
+    if any(name == "c" for name, _ in pairs):
+        fail(f"c was admitted with {pairs}: a and b took 2 of the 3 free blocks and c needs 3, only 1 is left. Subtract "
+             "each scheduled sequence's blocks_needed(n) from the free blocks")
     if ("d", 3) in pairs:
         fail("d overtook c: when the first waiting request does not fit, admission stops (first come, first served)")
     if pairs != [("a", 1), ("b", 1)] or gone:
@@ -156,6 +159,31 @@ def check_schedule_step(schedule_step) -> None:
     if gone != ["c"] or pairs != [("a", 1), ("b", 1)]:
         fail(f"no free block and a needs one: c (the most recent) is preempted, its 3 blocks are enough for a and b: "
              f"expected c preempted and [('a', 1), ('b', 1)], got {pairs}, {gone}")
+    running = [fake_sequence("a", 9, 8, 1), fake_sequence("b", 5, 4, 1), fake_sequence("c", 5, 4, 1)]
+    pairs, gone = _call(schedule_step, running, [], 0, 50, "no free block, a needs 2, b and c hold 1 each")
+    if gone == ["c", "a"]:
+        fail("preempted ['c', 'a']: a needs 2 blocks and preempting c freed only 1; keep preempting the most recent "
+             "running sequence (b next) while fewer blocks are free than a needs. a itself goes only when nobody "
+             "else is left")
+    if gone != ["c", "b"] or pairs != [("a", 1)]:
+        fail(f"no free block, a needs 2, b and c hold 1 each: c then b are preempted and a is scheduled; expected "
+             f"[('a', 1)] and preempted ['c', 'b'], got {pairs}, preempted {gone}")
+    running = [fake_sequence("a", 40, 8, 2)]  # prefilling: 32 tokens need 8 new blocks
+    pairs, gone = _call(schedule_step, running, [fake_sequence("w", 3, 0, 0)], 1, 64, "a alone does not fit")
+    if gone != ["a"]:
+        fail(f"a is the only running sequence, wants 32 tokens and 8 blocks, and 1 block is free: nobody else is left "
+             f"to preempt, so a itself is preempted (and step 1 ends, nothing is admitted); a running sequence that "
+             f"does not fit is never skipped. Expected [] and preempted ['a'], got {pairs}, preempted {gone}")
+    if pairs:
+        fail(f"a was preempted, so nothing is scheduled: expected [], got {pairs}")
+    running = [fake_sequence("a", 9, 8, 2), fake_sequence("p", 30, 8, 2)]  # p prefills: 22 tokens to go
+    pairs, gone = _call(schedule_step, running, [fake_sequence("w", 3, 0, 0)], 20, 8, "a running prefill, budget 8")
+    if pairs[:1] == [("a", 1)] and not any(name == "p" for name, _ in pairs):
+        fail(f"got {pairs}: the running p (30 tokens, 8 cached) was skipped because its 22 tokens exceed the 7 left of "
+             "the budget. A running prefill gets a chunk too: min(n_tokens - n_cached, tokens left) = 7")
+    if pairs != [("a", 1), ("p", 7)] or gone:
+        fail(f"budget 8, 20 free blocks, a decodes and the running p has 22 tokens to prefill: expected [('a', 1), "
+             f"('p', 7)] (w gets no token: the budget is spent), got {pairs}, preempted {gone}")
     resumed = fake_sequence("p", 20, 8, 2)  # waiting, 8 of its 20 tokens already cached (a shared prefix found)
     pairs, gone = _call(schedule_step, [], [resumed], 10, 16, "a waiting sequence with 8 tokens cached")
     if pairs != [("p", 12)] or gone:
