@@ -21,6 +21,16 @@ def unscaled(q, key_pool, value_pool, block_tables, context_lens):
 def unmasked(q, key_pool, value_pool, block_tables, context_lens):
     return paged_attention(q, key_pool, value_pool, block_tables, torch.full_like(context_lens, block_tables.shape[1] * key_pool.shape[1]))
 
+def one_past_the_end(q, key_pool, value_pool, block_tables, context_lens):
+    room = block_tables.shape[1] * key_pool.shape[1]
+    return paged_attention(q, key_pool, value_pool, block_tables, (context_lens + 1).clamp(max=room))
+
+def first_table_for_all(q, key_pool, value_pool, block_tables, context_lens):
+    return paged_attention(q, key_pool, value_pool, block_tables[:1].expand_as(block_tables), context_lens)
+
+def over_dh(q, key_pool, value_pool, block_tables, context_lens):
+    return paged_attention(q / math.sqrt(q.shape[-1]), key_pool, value_pool, block_tables, context_lens)
+
 def resumed_from_zero(running, waiting, free, budget):  # a waiting sequence's n_cached ignored
     scheduled, preempted = schedule_step(running, waiting, free, budget)
     return [(s, n + s.n_cached if s in waiting else n) for s, n in scheduled], preempted
@@ -73,6 +83,9 @@ def scheduler(mistake):
     (checks.check_paged_attention, lambda *args: paged_attention(*args).double(), "should return q's dtype"),
     (checks.check_schedule_step, resumed_from_zero, "wants its 12 uncached tokens"),
     (checks.check_paged_attention, unmasked, "you attend to every slot of the blocks"),
+    (checks.check_paged_attention, one_past_the_end, "you included position context_lens\\[b\\] too"),
+    (checks.check_paged_attention, first_table_for_all, "every sequence read the blocks of sequence 0"),
+    (checks.check_paged_attention, over_dh, "divided by Dh"),
     (checks.check_schedule_step, lambda r, w, f, b: ([(s, s.n_tokens - s.n_cached) for s in r + w], []), "does not fit in what is left"),
 ])
 def test_each_classic_bug_gets_its_message(check, buggy, message, capsys):

@@ -99,6 +99,17 @@ def check_paged_attention(paged_attention) -> None:
     one_less = contiguous_attention(q, key_pool, value_pool, tables, (lengths - 1).clamp(min=1))
     if torch.allclose(got[:2], one_less[:2], atol=1e-4) and not torch.allclose(got, expected, atol=1e-4):
         fail("off by one: context_lens[b] counts the newest token too; sequence b attends to positions 0 .. context_lens[b] - 1")
+    one_more = contiguous_attention(q, key_pool, value_pool, tables, (lengths + 1).clamp(max=tables.shape[1] * 4))
+    if torch.allclose(got[[0, 2]], one_more[[0, 2]], atol=1e-4) and not torch.allclose(got, expected, atol=1e-4):
+        fail("off by one: sequence b attends to positions 0 .. context_lens[b] - 1, context_lens[b] positions in all; "
+             "you included position context_lens[b] too (mask with p < context_lens[b], not <=)")
+    first_table = contiguous_attention(q, key_pool, value_pool, tables[:1].expand_as(tables), lengths)
+    if torch.allclose(got, first_table, atol=1e-4) and not torch.allclose(got, expected, atol=1e-4):
+        fail("every sequence read the blocks of sequence 0: sequence b's keys and values are in the blocks of ITS row "
+             "of the table, block_tables[b]")
+    over_dh = contiguous_attention(q / math.sqrt(8), key_pool, value_pool, tables, lengths)
+    if torch.allclose(got, over_dh, atol=1e-4) and not torch.allclose(got, expected, atol=1e-4):
+        fail("the scores are divided by Dh: divide q . k by sqrt(Dh)")
     assert_close(got, expected, "paged_attention (against contiguous attention in float64)")
     passed("paged_attention")
 
