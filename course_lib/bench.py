@@ -135,8 +135,8 @@ def read_bandwidths(nbytes: int, repeats: int = 3, threads=(1, 2), widths=READ_W
     The ways: its sum (``tensor.sum()``), and a matrix-vector product with it as a weight (nbytes / 4 / width,
     width), for each width, through ``F.linear`` (MKL's sgemm) and through oneDNN's inner product (the two kernels
     ``course_lib.kernels.linear`` chooses from); each at each thread count: the best of `repeats` timed reads after one
-    warm-up. Which way is fastest depends on the CPU and its libraries: on an AMD EPYC with AVX2 a one-thread
-    sum outran sgemm, on an Intel Xeon with AVX-512 sgemm outran the sum. Returns {(way, threads): bytes/s};
+    warm-up. Which way is fastest depends on the CPU and its libraries: on an AMD EPYC a one-thread sum
+    outran sgemm, on an Intel Xeon sgemm outran the sum. Returns {(way, threads): bytes/s};
     the thread count is restored.
     """
     buffer = torch.ones(max(1, nbytes // 4))

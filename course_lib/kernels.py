@@ -4,8 +4,8 @@ A decode step multiplies a few rows (one new token per sequence) by every weight
 about the time to read the weights. PyTorch ships two CPU kernels for the float32 product ``x W^T + b``:
 ``F.linear``, which calls MKL's ``sgemm``, and oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``).
 Which reads a given weight faster depends on the CPU, on the weight's shape, on the number of rows and on
-the thread count: on an AMD EPYC with AVX2, oneDNN read GPT-2 small's LM head about twice as fast as
-``sgemm`` with two threads; on an Intel Xeon with AVX-512, ``sgemm`` reads near the bandwidth limit. No
+the thread count: on an AMD EPYC, oneDNN read GPT-2 small's LM head about twice as fast as ``sgemm``
+with two threads; on an Intel Xeon, ``sgemm`` reads near the bandwidth limit. No
 rule chosen on one machine holds on the other, so ``linear`` measures both the first time it meets a
 (weight shape, bias or not, rows, threads, model size) combination and keeps the faster one for the process.
 
