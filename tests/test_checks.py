@@ -131,6 +131,27 @@ def test_assert_finite_reports_nan():
         checks.assert_finite(torch.tensor([[0.0, float("nan")]]), "w")
 
 
+def test_call_learner_names_the_call_and_lets_an_unfinished_exercise_through():
+    from course_lib.checks.core import call_learner
+
+    def shape_error():
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)\nmore detail")
+
+    def unfinished():
+        raise NotImplementedError("exercise 1: your code here")
+
+    assert call_learner(lambda: 7, "f(x)") == 7
+    with pytest.raises(checks.CheckFailed, match=r"^f\(x\) raised RuntimeError: mat1 and mat2 shapes cannot be multiplied "
+                                                r"\(2x3 and 4x5\) \(use x @ w\.T\)$"):
+        call_learner(shape_error, "f(x)", "use x @ w.T")
+    with pytest.raises(NotImplementedError, match="your code here"):  # a RuntimeError subclass, yet not the learner's bug
+        call_learner(unfinished, "f(x)", errors=Exception)
+    with pytest.raises(ValueError):  # not among `errors`: raised as itself
+        call_learner(lambda: int("x"), "f(x)")
+    with pytest.raises(checks.CheckFailed, match=r"raised ValueError: invalid literal"):
+        call_learner(lambda: int("x"), "f(x)", errors=Exception)
+
+
 def test_no_two_chapters_export_the_same_check():
     """course_lib.checks re-exports every chapter with `import *`: a name two chapters export would
     silently shadow the earlier one, and a notebook would run the other chapter's check."""

@@ -10,7 +10,8 @@ import math
 import torch
 from torch import nn
 
-from .core import assert_close, assert_finite, assert_rows_sum_to_one, assert_shape, assert_tensor, fail, passed, unpack_pair
+from .core import (assert_close, assert_finite, assert_rows_sum_to_one, assert_shape, assert_tensor, call_learner, fail,
+                   passed, unpack_pair)
 
 __all__ = ["check_heads", "check_multi_head_attention", "check_sinusoidal_encoding", "check_apply_rope",
            "torch_multihead_attention", "randomize_parameters", "sinusoidal_oracle", "rope_oracle"]
@@ -142,14 +143,10 @@ def check_multi_head_attention(MultiHeadAttention) -> None:
     query, key, value = (torch.randn(2, length, d_model, generator=gen) for length in (3, 6, 6))
     keep = torch.tensor([[True] * 5 + [False], [True] * 4 + [False] * 2])  # (B, Tk): the last keys are padding
     with torch.no_grad():
-        try:
-            result = module(query, key, value, keep[:, None, None, :])
-        except NotImplementedError:
-            raise  # an unfinished exercise says so itself
-        except RuntimeError as error:
-            fail(f"cross-attention (3 queries; 6 keys and values; a padding mask of shape (2, 1, 1, 6)) raised RuntimeError: "
-                 f"{(str(error).splitlines() or [''])[0]} The scores must be (B, H, Tq, Tk) = (2, 4, 3, 6): keys come from `key`, "
-                 "values from `value` (self.W_k(key), self.W_v(value)), and nothing may assume Tq = Tk")
+        result = call_learner(lambda: module(query, key, value, keep[:, None, None, :]),
+                              "cross-attention (3 queries; 6 keys and values; a padding mask of shape (2, 1, 1, 6))",
+                              "the scores must be (B, H, Tq, Tk) = (2, 4, 3, 6): keys come from `key`, values from `value` "
+                              "(self.W_k(key), self.W_v(value)), and nothing may assume Tq = Tk")
         out, weights = unpack_pair(result, "MultiHeadAttention.forward", ("out", "weights"))
         expected_out, expected_weights = oracle(query, key, value, key_padding_mask=~keep, average_attn_weights=False)
         unmasked = oracle(query, key, value, average_attn_weights=False)[1]
@@ -337,15 +334,11 @@ def check_apply_rope(apply_rope) -> None:
     # one row of positions per sequence, (B, 1, T): as when each sequence of a batch starts at its own offset
     batch = torch.randn(2, 2, 5, 8, generator=torch.Generator().manual_seed(206))
     per_row = torch.tensor([[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]]).view(2, 1, 5)
-    try:
-        rotated = assert_tensor(apply_rope(batch, per_row), "apply_rope(x, positions) for x (2, 2, 5, 8) and positions (2, 1, 5)")
-    except NotImplementedError:
-        raise  # an unfinished exercise says so itself
-    except RuntimeError as error:
-        fail(f"apply_rope(x, positions) for x (2, 2, 5, 8) and positions (2, 1, 5) raised RuntimeError: "
-             f"{(str(error).splitlines() or [''])[0]} positions may have leading dimensions that broadcast against x.shape[:-1]: "
-             "compute the angles as positions[..., None] * theta, shape (..., T, Dh/2)")
-    assert_shape(rotated, batch.shape, "apply_rope(x, positions) for x (2, 2, 5, 8) and positions (2, 1, 5)")
+    name = "apply_rope(x, positions) for x (2, 2, 5, 8) and positions (2, 1, 5)"
+    rotated = assert_tensor(call_learner(lambda: apply_rope(batch, per_row), name,
+                                         "positions may have leading dimensions that broadcast against x.shape[:-1]: "
+                                         "compute the angles as positions[..., None] * theta, shape (..., T, Dh/2)"), name)
+    assert_shape(rotated, batch.shape, name)
     expected = rope_oracle(batch, per_row)
     if not _close(rotated, expected):
         for b in range(2):

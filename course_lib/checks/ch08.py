@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .core import ATOL, RTOL, assert_close, assert_shape, assert_tensor, fail, passed, unpack_pair
+from .core import ATOL, RTOL, assert_close, assert_shape, assert_tensor, call_learner, fail, passed, unpack_pair
 
 __all__ = ["check_bytes_per_token", "check_quantize_int8", "check_dequantize_int8", "check_int8_linear",
            "bytes_per_token_oracle", "int8_reference", "int8_rounding_ties"]
@@ -438,13 +438,8 @@ def check_dequantize_int8(dequantize_int8) -> None:
     for out, inp in ((5, 5), (6, 10)):
         q, scale = _int8_pair(g, out, inp)
         name = f"dequantize_int8(q, scale) for q ({out}, {inp})"
-        try:
-            w = dequantize_int8(q, scale)
-        except NotImplementedError:
-            raise  # the exercise is not done yet: say so plainly
-        except Exception as error:  # noqa: BLE001 - any error is the learner's to see, with its cause
-            fail(f"{name} raised {type(error).__name__}: {error} (scale has one entry per row of q, an output "
-                 "channel: broadcast it as scale[:, None])")
+        w = call_learner(lambda: dequantize_int8(q, scale), name,
+                         "scale has one entry per row of q, an output channel: broadcast it as scale[:, None]", Exception)
         assert_tensor(w, name)
         if not w.is_floating_point():
             fail(f"{name} returned {w.dtype}: the dequantized weight is real numbers, float32: "
@@ -506,12 +501,7 @@ def check_int8_linear(int8_linear) -> None:
         (torch.randn(5, 10, generator=g, dtype=torch.float64), bias, "a float64 x (5, 10)", ""),
     ):
         name = f"int8_linear(x, q, scale, {'bias' if b is not None else 'None'}) for {what}"
-        try:
-            y = int8_linear(x, q, scale, b)
-        except NotImplementedError:
-            raise
-        except Exception as error:  # noqa: BLE001 - any error is the learner's to see, with its cause
-            fail(f"{name} raised {type(error).__name__}: {error}" + (f" ({hint})" if hint else ""))
+        y = call_learner(lambda: int8_linear(x, q, scale, b), name, hint, Exception)
         assert_tensor(y, name)
         if y.dtype != x.dtype:
             fail(f"{name} returned {y.dtype}: the output should be in x's dtype, {x.dtype} (compute in it, "

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-__all__ = ["RTOL", "ATOL", "CheckFailed", "fail", "passed", "unpack_pair", "assert_tensor", "assert_shape",
+__all__ = ["RTOL", "ATOL", "CheckFailed", "fail", "call_learner", "passed", "unpack_pair", "assert_tensor", "assert_shape",
            "assert_finite", "assert_close", "assert_rows_sum_to_one", "assert_masked_are_zero", "greedy_oracle"]
 
 RTOL = 1e-5
@@ -29,6 +29,18 @@ class CheckFailed(AssertionError):
 
 def fail(message: str):
     raise CheckFailed(message)
+
+
+def call_learner(call, name: str, hint: str = "", errors=(RuntimeError,)):
+    """Return ``call()``, the learner's code run on a check's input. An error of `errors` (a shape that does not
+    broadcast, say) becomes a ``CheckFailed`` naming the call, the error's first line and the `hint`; an
+    unfinished exercise's ``NotImplementedError`` passes through as itself."""
+    try:
+        return call()
+    except NotImplementedError:
+        raise
+    except errors as error:
+        fail(f"{name} raised {type(error).__name__}: {(str(error).splitlines() or [''])[0]}" + (f" ({hint})" if hint else ""))
 
 
 def _index(flat_index: int, shape) -> tuple:
