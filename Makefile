@@ -45,7 +45,7 @@ $(PROXY): docs/hub/package.json docs/hub/package-lock.json
 OTHER_CPU = ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=SSE41
 
 test: setup system-packages hub ## the whole suite: library tests, nbval on solutions/ (twice: as is, as on another CPU), round trips, browser
-	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=15
 	env $(OTHER_CPU) $(BIN)/python -m pytest -n $(JOBS) --dist loadfile solutions/
 
 check: setup                   ## grade your own notebook: make check CH=01

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import load_notebook, nbgrader_cells, strip_solution_markers
+from tests.helpers import load_notebook, nbgrader_cells, strip_solution_markers
 
 
 class TestCells:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from course_lib import grading
-from tests.conftest import ROOT, load_notebook, nbgrader_cells, strip_solution_markers
+from tests.helpers import ROOT, load_notebook, nbgrader_cells, strip_solution_markers
 
 
 @dataclass(frozen=True)

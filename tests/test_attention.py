@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.attention import AdditiveAttention, additive_attention, masked_softmax, scaled_dot_product_attention
-from tests.conftest import assert_parity
+from tests.helpers import assert_parity
 
 
 def random_mask(shape, generator, keep=0.6):

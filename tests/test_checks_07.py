@@ -8,7 +8,7 @@ import torch
 
 from course_lib import checks
 from course_lib.speculative import speculative_accept, speculative_step
-from tests.test_speculative import bonus_missing_step
+from tests.planted import bonus_missing_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks
 

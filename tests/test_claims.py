@@ -9,7 +9,7 @@ import pytest
 from nbval.plugin import get_sanitize_patterns
 
 from course_lib.claims import above, below, between
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 @pytest.mark.parametrize("value, bound, text", [(2.4e-7, 1e-6, "2.4e-7, checked: below 1e-6"),

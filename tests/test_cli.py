@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.test_grading_01 import ACCIDENT_NOTES, CH, accidents
+from tests.helpers import ROOT
+from tests.planted import ACCIDENT_NOTES, accidents
+from tests.planted import CH01 as CH
 
 COURSE = [sys.executable, "-m", "course_lib.cli"]
 

@@ -13,7 +13,7 @@ import torch
 from course_lib import decoding as D
 from course_lib.gpt import GPT, GPTConfig
 from course_lib.hf import to_hf
-from tests.conftest import assert_parity
+from tests.helpers import assert_parity
 
 transformers = pytest.importorskip("transformers")
 from transformers.generation import logits_process as LP  # noqa: E402

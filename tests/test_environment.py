@@ -6,7 +6,7 @@ import tomllib
 
 import yaml
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def pyproject_pins() -> list[str]:

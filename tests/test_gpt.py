@@ -10,7 +10,7 @@ from torch import nn
 
 from course_lib.gpt import (GPT, CausalSelfAttention, GPTBlock, GPTConfig, attention_maps, count_parameters, estimate_loss,
                             gpt_param_count, gpt_sample, previous_token_score)
-from tests.conftest import assert_parity
+from tests.helpers import assert_parity
 
 
 def small_config(**overrides) -> GPTConfig:

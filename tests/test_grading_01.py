@@ -13,8 +13,9 @@ import shutil
 import pytest
 
 from course_lib import grading
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from tests.roundtrip import Chapter, assert_loses_exactly, digest, write_submissions
+from tests.planted import ACCIDENT_NOTES, accidents
 
 CH = Chapter("01-attention", "attention")
 SDPA = "scaled_dot_product_attention-solution"
@@ -32,7 +33,7 @@ def tampered() -> dict:
     another test cell switched to markdown, one cell's metadata stripped, the answer cell made a test worth 50."""
     import copy
 
-    from tests.conftest import nbgrader_cells
+    from tests.helpers import nbgrader_cells
 
     notebook = CH.solved({SDPA: UNSCALED})
     cells = nbgrader_cells(notebook)
@@ -47,34 +48,6 @@ def tampered() -> dict:
     batch["cell_type"] = "markdown"
     del batch["outputs"], batch["execution_count"]
     cells[SDPA]["metadata"]["nbgrader"].update(grade=True, points=50)
-    return notebook
-
-
-def accidents() -> dict:
-    """A perfect notebook with the accidents learners make: the masked_softmax answer copied and pasted below
-    itself (JupyterLab keeps its nbgrader metadata) and broken in the copy, a test cell pasted too, a cell with
-    another course's nbgrader metadata, the scaled_dot_product_attention answer switched to markdown, and an
-    extra cell at the end that raises."""
-    import copy
-
-    from tests.conftest import nbgrader_cells
-
-    notebook = CH.solved()
-    cells = nbgrader_cells(notebook)
-    index = notebook["cells"].index(cells["masked_softmax-solution"])
-    pasted = copy.deepcopy(cells["masked_softmax-solution"])
-    pasted["id"], pasted["source"] = "pasted-answer", "def masked_softmax(scores, mask=None):\n    return scores * 0\n"
-    pasted_test = copy.deepcopy(cells["masked_softmax-visible"])
-    pasted_test["id"] = "pasted-test"
-    notebook["cells"][index + 1:index + 1] = [pasted, pasted_test]
-    foreign = {"id": "foreign", "cell_type": "code", "execution_count": None, "outputs": [], "source": "1 / 0",
-               "metadata": {"nbgrader": {"grade": True, "grade_id": "q1-tests", "locked": True, "points": 5, "solution": False}}}
-    sdpa = cells[SDPA]
-    sdpa["cell_type"] = "markdown"
-    del sdpa["outputs"], sdpa["execution_count"]
-    raising = {"id": "scratch", "cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
-               "source": "raise RuntimeError('trying something')"}
-    notebook["cells"] += [foreign, raising]
     return notebook
 
 
@@ -97,11 +70,6 @@ NOT_THIS_NOTEBOOK = {
                                      "execution_count": None}]},
                          "none of this chapter's cells"),
 }
-
-
-ACCIDENT_NOTES = ["a copy of masked_softmax-solution was ignored", "a copy of masked_softmax-visible was ignored",
-                  "a cell with nbgrader metadata the course does not have (grade id 'q1-tests') was ignored",
-                  f"{SDPA} had been switched to markdown: it was graded as the code it holds"]
 
 
 # student -> (notebook, the tests that must fail)

@@ -12,7 +12,7 @@ import pytest
 
 from tests import roundtrip
 from tests.roundtrip import Chapter, round_trip
-from tests.test_hidden_02 import ROPE_ROTATE_HALF  # Hugging Face's pairing: a correct RoPE, not this course's
+from tests.planted import ROPE_ROTATE_HALF  # Hugging Face's pairing: a correct RoPE, not this course's
 
 CH = Chapter("02-multihead", "multihead")
 MHA, SIN, ROPE, HEADS = ("multi_head_attention-solution", "sinusoidal_encoding-solution", "apply_rope-solution", "heads-solution")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests import roundtrip
+from tests.helpers import failing
 from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("04-gpt", "gpt")
@@ -42,9 +43,6 @@ def planted_b() -> dict:
         CNT: CH.mutate(CNT, "head = 0 if tied else V * C", "head = V * C"),
     })
 
-
-def failing(exercise: str, *names: str) -> set[str]:
-    return {f"{exercise}-{name}" for name in names}
 
 
 # student -> (notebook, the tests that must fail)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 
 from tests import roundtrip
+from tests.helpers import failing
 from tests.roundtrip import Chapter, round_trip
-from tests.test_hidden_05 import DOUBLE_FEED
+from tests.planted import DOUBLE_FEED
 
 CH = Chapter("05-kv-cache", "kv_cache")
 STEP, GEN, SIZE = "cached_attention_step-solution", "generate_cached-solution", "kv_cache_bytes-solution"
@@ -41,9 +42,6 @@ def planted_b() -> dict:
         SIZE: CH.mutate(SIZE, FORMULA, FORMULA.replace("2 * ", "")),
     })
 
-
-def failing(exercise: str, *names: str) -> set[str]:
-    return {f"{exercise}-{name}" for name in names}
 
 
 # student -> (notebook, the tests that must fail)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests import roundtrip
+from tests.helpers import failing
 from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("06-decoding", "decoding")
@@ -45,9 +46,6 @@ def planted_b() -> dict:
         BEAM: CH.mutate(BEAM, "(cur_len + 1 - prompt_len) ** length_penalty", "(cur_len + 1) ** length_penalty"),
     })
 
-
-def failing(exercise: str, *names: str) -> set[str]:
-    return {f"{exercise}-{name}" for name in names}
 
 
 STUDENTS = {

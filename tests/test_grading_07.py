@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from tests import roundtrip
+from tests.helpers import failing
 from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("07-speculative", "speculative")
@@ -31,9 +32,6 @@ def planted() -> dict:
         STEP: solution.replace("draft_cache.crop(min(draft_cache.length, n + a))", "pass"),
     })
 
-
-def failing(exercise: str, *names: str) -> set[str]:
-    return {f"{exercise}-{name}" for name in names}
 
 
 STUDENTS = {

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 
 from tests import roundtrip
+from tests.helpers import failing
 from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("08-memory-bound", "memory_bound")
@@ -34,9 +35,6 @@ def planted() -> dict:
             "y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)", "y = F.linear(x, q.to(x.dtype))"),
     })
 
-
-def failing(exercise: str, *names: str) -> set[str]:
-    return {f"{exercise}-{name}" for name in names}
 
 
 STUDENTS = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from tests import roundtrip
+from tests.helpers import failing
 from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("09-tokenization", "tokenization")
@@ -47,9 +48,6 @@ def planted_b() -> dict:
                           '            pair = max(known, key=lambda p: counts[p]) if known else (-1, -1)'),
     })
 
-
-def failing(exercise: str, *names: str) -> set[str]:
-    return {f"{exercise}-{name}" for name in names}
 
 
 STUDENTS = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from tests import roundtrip
+from tests.helpers import failing
 from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("10-scaling-laws", "scaling_laws")
@@ -31,9 +32,6 @@ def planted() -> dict:
         OPT: CH.mutate(OPT, "n_params = math.sqrt(flops / (6 * tokens_per_param))", "n_params = math.sqrt(flops / tokens_per_param)"),
     })
 
-
-def failing(exercise: str, *names: str) -> set[str]:
-    return {f"{exercise}-{name}" for name in names}
 
 
 STUDENTS = {

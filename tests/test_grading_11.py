@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 
 from tests import roundtrip
+from tests.helpers import failing
 from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("11-modern-decoder", "modern_decoder")
@@ -31,9 +32,6 @@ def planted() -> dict:
     })
     return notebook
 
-
-def failing(exercise: str, *names: str) -> set[str]:
-    return {f"{exercise}-{name}" for name in names}
 
 
 STUDENTS = {

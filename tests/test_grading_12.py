@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from tests import roundtrip
+from tests.helpers import failing
 from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("12-serving", "serving")
@@ -29,9 +30,6 @@ def planted() -> dict:
         SCHED: CH.mutate(SCHED, "victim = candidates.pop()", "victim = candidates.pop(0)"),
     })
 
-
-def failing(exercise: str, *names: str) -> set[str]:
-    return {f"{exercise}-{name}" for name in names}
 
 
 STUDENTS = {

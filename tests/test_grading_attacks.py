@@ -19,7 +19,7 @@ import pytest
 from course_lib import grading
 from course_lib.grading import sandbox
 from course_lib.grading.limits import Confinement
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from tests.roundtrip import Chapter, digest, write_submissions
 
 pytestmark = [pytest.mark.slow,

@@ -5,7 +5,7 @@ import json
 import shutil
 
 from course_lib.grading import books
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def test_a_template_is_built_once_per_source_and_rebuilt_when_the_source_changes(tmp_path, monkeypatch):

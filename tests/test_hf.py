@@ -10,7 +10,7 @@ import torch
 
 from course_lib.gpt import GPT, GPTConfig, count_parameters, gpt_param_count, gpt_sample
 from course_lib.hf import from_hf, hf_config, to_hf
-from tests.conftest import assert_parity
+from tests.helpers import assert_parity
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -17,7 +17,8 @@ from torch import nn
 from course_lib import checks
 from course_lib.attention import masked_softmax
 from tests.cell_harness import TestCells
-from tests.conftest import ROOT
+from tests.helpers import ROOT
+from tests.planted import ROPE_ROTATE_HALF
 
 SOURCE = ROOT / "solutions" / "02-multihead" / "multihead.ipynb"
 HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "F": F, "nn": nn, "checks": checks, "masked_softmax": masked_softmax})
@@ -42,15 +43,6 @@ def sinusoidal_encoding(max_len, d_model):  # the Annotated Transformer's versio
     pe[:, 0::2] = torch.sin(position * div_term)
     pe[:, 1::2] = torch.cos(position * div_term)
     return pe
-'''
-ROPE_ROTATE_HALF = '''
-def apply_rope(x, positions=None, base=10000.0):  # Hugging Face's pairing (i, i + Dh/2): not this course's
-    half = x.shape[-1] // 2
-    if positions is None:
-        positions = torch.arange(x.shape[-2])
-    angle = positions[..., None].float() * base ** (-torch.arange(half).float() * 2 / x.shape[-1])
-    cos, sin = torch.cat([angle.cos()] * 2, dim=-1), torch.cat([angle.sin()] * 2, dim=-1)
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 '''
 ROPE_FLOAT32_COMPLEX = '''
 def apply_rope(x, positions=None, base=10000.0):  # complex numbers in float32: correct

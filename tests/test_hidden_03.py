@@ -18,7 +18,7 @@ from course_lib import checks
 from course_lib.attention import MultiHeadAttention
 from course_lib.layers import FeedForward, LayerNorm
 from tests.cell_harness import TestCells
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 SOURCE = ROOT / "solutions" / "03-transformer" / "transformer.ipynb"
 HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "F": F, "nn": nn, "checks": checks,

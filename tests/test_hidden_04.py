@@ -18,7 +18,7 @@ from course_lib import checks
 from course_lib.attention import masked_softmax
 from course_lib.gpt import GPTBlock, GPTConfig
 from tests.cell_harness import TestCells
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 SOURCE = ROOT / "solutions" / "04-gpt" / "gpt.ipynb"
 HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "F": F, "nn": nn, "checks": checks, "masked_softmax": masked_softmax,

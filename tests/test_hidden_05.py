@@ -17,7 +17,8 @@ from course_lib import checks
 from course_lib.attention import masked_softmax
 from course_lib.kv_cache import KVCache, cached_forward, position_ids
 from tests.cell_harness import TestCells
-from tests.conftest import ROOT
+from tests.helpers import ROOT
+from tests.planted import DOUBLE_FEED
 
 SOURCE = ROOT / "solutions" / "05-kv-cache" / "kv_cache.ipynb"
 HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "F": F, "checks": checks, "masked_softmax": masked_softmax,
@@ -30,24 +31,6 @@ MASK = "torch.ones(T, P + T, dtype=torch.bool, device=q.device).tril(diagonal=P)
 PREFILL = "logits = cached_forward(model, idx, cache, None if mask is None else mask[:, :T], positions)  # prefill"
 DECODE = "logits = cached_forward(model, out[:, t:t + 1], cache, None if mask is None else mask[:, :t + 1], position)"
 FORMULA = "return 2 * n_layer * batch_size * seq_len * H_kv * head_dim * element"
-
-# the classic bug as learners write it: prefill, then a loop that starts by feeding the last prompt token (again)
-DOUBLE_FEED = '''
-@torch.inference_mode()
-def generate_cached(model, idx, max_new_tokens, attention_mask=None):
-    B, T = idx.shape
-    cache = KVCache.for_model(model, B, T + max_new_tokens + 1)
-    mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask.new_ones(B, max_new_tokens + 1)], dim=1)
-    positions = position_ids(attention_mask, 0, T, B, idx.device)
-    cached_forward(model, idx, cache, None if mask is None else mask[:, :T], positions)  # prefill
-    token, position, out = idx[:, -1:], positions[:, -1:] + 1, idx
-    for t in range(T, T + max_new_tokens):
-        logits = cached_forward(model, token, cache, None if mask is None else mask[:, :t + 1], position)
-        token = logits[:, -1:].argmax(-1)
-        out = torch.cat([out, token], dim=1)
-        position = position + 1
-    return out
-'''
 
 CASES = [
     # the cached attention step

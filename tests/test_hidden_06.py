@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from course_lib import checks
 from tests.cell_harness import TestCells
-from tests.conftest import ROOT
+from tests.helpers import ROOT, failing
 
 SOURCE = ROOT / "solutions" / "06-decoding" / "decoding.ipynb"
 HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "F": F, "checks": checks})
@@ -36,9 +36,6 @@ ALL_DONE = "if finished.all():"
 TOPK_FLAT = "scores, flat = torch.topk(total, num_candidates, dim=-1)"
 LENGTH = "(cur_len + 1 - prompt_len) ** length_penalty"
 
-
-def failing(exercise: str, *names: str) -> set[str]:
-    return {f"{exercise}-{name}" for name in names}
 
 
 CASES = [

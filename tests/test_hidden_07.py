@@ -19,7 +19,7 @@ from course_lib.gpt import GPT, GPTConfig, gpt_sample
 from course_lib.kv_cache import KVCache, cached_forward
 from course_lib.speculative import draw_token, probs_from_logits
 from tests.cell_harness import TestCells
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks
 

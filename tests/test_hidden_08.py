@@ -16,7 +16,7 @@ from torch import nn
 from course_lib import checks
 from course_lib.gpt import GPT, GPTConfig, gpt_param_count
 from tests.cell_harness import TestCells
-from tests.conftest import ROOT
+from tests.helpers import ROOT, failing
 
 SOURCE = ROOT / "solutions" / "08-memory-bound" / "memory_bound.ipynb"
 GPT2_SMALL = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
@@ -35,9 +35,6 @@ Q = "q = torch.round(w / divisor[:, None]).clamp(-127, 127).to(torch.int8)"
 Y = "y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)"
 ADD = "return y if bias is None else y + bias.to(x.dtype)"
 
-
-def failing(exercise: str, *names: str) -> set[str]:
-    return {f"{exercise}-{name}" for name in names}
 
 
 CASES = [

@@ -22,7 +22,7 @@ from course_lib.bpe import (BPETokenizer, bytes_to_unicode, count_pairs, hf_enco
                             text_nats, train_bpe, train_hf_bpe, vocab_from_merges)
 from course_lib.data import default_corpus
 from tests.cell_harness import TestCells
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 SOURCE = ROOT / "solutions" / "09-tokenization" / "tokenization.ipynb"
 HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "time": time, "Counter": Counter, "checks": checks,

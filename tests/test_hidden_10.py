@@ -16,7 +16,7 @@ import pytest
 
 from course_lib import checks
 from tests.cell_harness import TestCells
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 SOURCE = ROOT / "solutions" / "10-scaling-laws" / "scaling_laws.ipynb"
 HARNESS = TestCells(SOURCE, {"np": np, "math": math, "checks": checks})

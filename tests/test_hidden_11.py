@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from course_lib import checks
 from course_lib.positional import apply_rope, apply_rope_half
 from tests.cell_harness import TestCells
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 SOURCE = ROOT / "solutions" / "11-modern-decoder" / "modern_decoder.ipynb"
 HARNESS = TestCells(SOURCE, {"torch": torch, "F": F, "checks": checks, "apply_rope": apply_rope, "apply_rope_half": apply_rope_half})

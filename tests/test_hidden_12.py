@@ -15,7 +15,7 @@ import torch
 from course_lib import checks
 from course_lib.attention import masked_softmax
 from tests.cell_harness import TestCells
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 SOURCE = ROOT / "solutions" / "12-serving" / "serving.ipynb"
 HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "checks": checks, "masked_softmax": masked_softmax})

@@ -17,7 +17,7 @@ from course_lib import assets
 from course_lib.gpt import GPT, GPTConfig, gpt_sample
 from course_lib.kv_cache import (ConcatKVCache, GQASelfAttention, KVCache, cached_attention_step, cached_forward,
                                  generate_cached, kv_cache_bytes)
-from tests.conftest import assert_parity
+from tests.helpers import assert_parity
 
 
 def gpt(block_size=256, seed=0, **sizes) -> GPT:

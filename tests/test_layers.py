@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.layers import FeedForward, LayerNorm, layer_norm
-from tests.conftest import assert_parity
+from tests.helpers import assert_parity
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 4, 16), (2, 3, 4, 64)])

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.attention import MultiHeadAttention, merge_heads, split_heads
-from tests.conftest import assert_parity
+from tests.helpers import assert_parity
 
 
 def randomized(d_model, n_heads, generator, bias=True, dropout=0.0):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from course_lib.positional import LearnedPositionalEmbedding, alibi_bias, alibi_slopes, apply_rope, sinusoidal_encoding
-from tests.conftest import assert_parity
+from tests.helpers import assert_parity
 
 
 # --- sinusoidal ----------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from course_lib import grading
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from tests.prose import is_shown, prose_numbers, shown_values, unshown_numbers
 
 #: Per chapter: numbers the prose cites rather than computes, each with its source.

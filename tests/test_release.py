@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from course_lib import grading
-from tests.conftest import ROOT, load_notebook, nbgrader_cells, strip_solution_markers
+from tests.helpers import ROOT, load_notebook, nbgrader_cells, strip_solution_markers
 
 CHAPTERS = grading.chapters(ROOT)
 

@@ -13,7 +13,7 @@ import nbclient
 import nbformat
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 SKIPPED = {"00-orientation", "04-gpt", "07-speculative", "08-memory-bound"}
 CHAPTERS = sorted(p.name for p in (ROOT / "notebooks").iterdir() if p.is_dir() and p.name not in SKIPPED)

@@ -22,7 +22,7 @@ from course_lib.gpt import GPT, GPTConfig, count_parameters
 from course_lib.scaling import (FAMILY_SHAPES, LADDER, RECIPE, RESULTS, RUN_FIELDS, ScalingRecipe, compute_optimal, fit_power_law,
                                 family_group, gpt_non_embedding, isoflop_minimum, load_results, non_embedding_parameters, planned_runs,
                                 reusable_runs,                                 power_law, train_point, training_flops)
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -28,7 +28,7 @@ from course_lib.gpt import GPT, GPTConfig
 from course_lib.kv_cache import generate_cached
 from course_lib.serving import (Engine, PagedKVCache, Request, make_trace, paged_attention, paged_forward,
                                 schedule_step, slot_mapping, static_batching)
-from tests.conftest import assert_parity
+from tests.helpers import assert_parity
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

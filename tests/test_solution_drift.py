@@ -14,7 +14,7 @@ import pkgutil
 import pytest
 
 import course_lib
-from tests.conftest import ROOT, load_notebook, nbgrader_cells, strip_solution_markers
+from tests.helpers import ROOT, load_notebook, nbgrader_cells, strip_solution_markers
 
 
 def course_lib_definitions() -> dict[str, list]:

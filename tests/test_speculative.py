@@ -18,6 +18,7 @@ from course_lib.gpt import GPT, GPTConfig, gpt_sample
 from course_lib.kv_cache import KVCache, cached_forward
 from course_lib.speculative import (SpeculativeOutput, draw_token, expected_tokens_per_round, plain_cached_generate,
                                     probs_from_logits, speculative_accept, speculative_generate, speculative_step)
+from tests.planted import bonus_missing_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks
 
@@ -298,17 +299,6 @@ def test_the_caches_are_rolled_back_to_the_committed_tokens():
         fresh = KVCache.for_model(target, 1)
         cached_forward(target, tokens[:, :-1], fresh)
         torch.testing.assert_close(tc.storage[..., :tc.length, :], fresh.storage[..., :fresh.length, :], rtol=1e-5, atol=1e-5)
-
-
-def bonus_missing_step(target, draft, tokens, target_cache, draft_cache, K, **kwargs):
-    """Planted: when all K drafts are accepted, no bonus token is added (caches cropped to match)."""
-    n = tokens.shape[1]
-    tokens, a = speculative_step(target, draft, tokens, target_cache, draft_cache, K, **kwargs)
-    if a == K and K > 0:
-        tokens = tokens[:, :-1]
-        target_cache.crop(n + a - 1)
-        draft_cache.crop(min(draft_cache.length, n + a - 1))
-    return tokens, a
 
 
 @pytest.mark.parametrize("step,ok", [(speculative_step, True), (bonus_missing_step, False)])

@@ -12,7 +12,7 @@ from course_lib import checks
 from course_lib.data import BOS, DIGIT_VOCAB_SIZE, EOS, PAD, Seq2SeqBatch, reversal_batch
 from course_lib.transformer import (DecoderLayer, EncoderLayer, Transformer, exact_match, make_causal_mask,
                                     make_padding_mask, make_target_mask, shift_right, train_transformer, transformer_loss)
-from tests.conftest import assert_parity
+from tests.helpers import assert_parity
 
 
 def lengths_mask(lengths, T):

@@ -20,7 +20,7 @@ import textwrap
 import pytest
 
 from course_lib import grading
-from tests.conftest import ROOT, load_notebook
+from tests.helpers import ROOT, load_notebook
 
 CHAPTERS = grading.chapters(ROOT)
 
