@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import CharTokenizer, default_corpus, get_batch
-from .gpt import GPT, GPTConfig
+from .gpt import GPT, GPTConfig, gpt_layers
 from .kernels import ONEDNN_AVAILABLE, chosen_kernels, onednn_linear, use_fastest_kernels
 from .kv_cache import generate_cached
 from .quantize import decode_weight_bytes, quantize_weights
@@ -111,9 +111,7 @@ def greedy_uncached(model, idx, max_new_tokens: int):
     tr = model.transformer
     for _ in range(max_new_tokens):
         x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in tr.h:
-            x = block(x)
-        nxt = model.lm_head(tr.ln_f(x[:, -1])).argmax(-1, keepdim=True)
+        nxt = model.lm_head(gpt_layers(model, x)[:, -1]).argmax(-1, keepdim=True)
         idx = torch.cat([idx, nxt], dim=1)
     return idx
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -116,9 +117,11 @@ class GPTBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = GPTMLP(config)
 
-    def forward(self, x):
-        """x (B, T, C) -> (B, T, C)."""
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, attend: Callable | None = None):
+        """x (..., C) -> (..., C). attend(attn, h) -> (..., C), if given, computes the attention of this block's
+        module ``attn`` over its normed input h another way (against a cache, say); by default the module is called."""
+        h = self.ln_1(x)
+        x = x + (self.attn(h) if attend is None else attend(self.attn, h))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -167,13 +170,25 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length must be <= block_size = {self.config.block_size}, got {T}")
         positions = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))  # (B, T, C)
-        for block in self.transformer.h:
-            x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
+        logits = self.lm_head(gpt_layers(self, x))  # (B, T, V)
         loss = None
         if targets is not None:  # the mean over the real targets only: -100 marks padding
             loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
         return logits, loss
+
+
+def gpt_layers(model: GPT, x, attend: Callable | None = None):
+    """The block stack of a GPT, the one layer loop of every way of running it: embedded tokens x (..., C) ->
+    the final LayerNorm of the last block's output (..., C), ready for the LM head.
+
+    attend(layer, attn, h) -> (..., C), if given, is the attention step of block ``layer`` (its module ``attn``,
+    its normed input h): the cached forward (chapter 05) and the paged one (chapter 12) read and write their
+    caches there. By default each block calls its attention module (training, decoding without a cache).
+    """
+    tr = model.transformer
+    for layer, block in enumerate(tr.h):
+        x = block(x, None if attend is None else partial(attend, layer))
+    return tr.ln_f(x)
 
 
 def gpt_param_count(config: GPTConfig, tied: bool = True) -> int:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import masked_softmax
+from .gpt import gpt_layers
 
 
 class KVCache:
@@ -282,11 +283,9 @@ def cached_forward(model, idx, cache, attention_mask=None, positions=None):
         allowed = attention_allowed(query_slots, cache.key_slots(T), attention_mask, cache.window)
     tr = model.transformer
     x = tr.wte(idx) + tr.wpe(positions)  # (B, T, C)
-    for layer, block in enumerate(tr.h):
-        x = x + cached_attention(block.attn, block.ln_1(x), cache, layer, allowed)
-        x = x + block.mlp(block.ln_2(x))
+    x = gpt_layers(model, x, lambda layer, attn, h: cached_attention(attn, h, cache, layer, allowed))
     cache.advance(T)
-    return model.lm_head(tr.ln_f(x))
+    return model.lm_head(x)
 
 
 @torch.inference_mode()

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -149,8 +151,10 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.n_embd, config.eps)
         self.mlp = SwiGLU(config.n_embd, config.intermediate_size)
 
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, attend: Callable):
+        """x (..., C) -> (..., C). attend(attn, h) -> (..., C) is the attention of the module ``attn`` over the normed
+        input h at the tokens' positions (``attn(h, cos, sin)``, or against a cache)."""
+        x = x + attend(self.self_attn, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -184,13 +188,20 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length must be <= block_size = {self.config.block_size}, got {T}")
         x = self.model.embed_tokens(idx)  # (B, T, C): no position table, positions enter through RoPE
         cos, sin = rope_cos_sin(torch.arange(T, device=idx.device), self.config.head_dim, self.config.rope_base, x.dtype)
-        for block in self.model.layers:
-            x = block(x, cos, sin)
-        logits = self.lm_head(self.model.norm(x))
+        logits = self.lm_head(llama_layers(self, x, lambda layer, attn, h: attn(h, cos, sin)))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
         return logits, loss
+
+
+def llama_layers(model: Llama, x, attend: Callable):
+    """The block stack of a Llama, the one layer loop of the training and the cached forward: embedded tokens
+    x (..., C) -> the final RMSNorm of the last block's output (..., C). attend(layer, attn, h) -> (..., C) is the
+    attention step of block ``layer`` (its module ``attn``, its normed input h)."""
+    for layer, block in enumerate(model.model.layers):
+        x = block(x, partial(attend, layer))
+    return model.model.norm(x)
 
 
 def llama_param_count(config: LlamaConfig) -> int:
@@ -224,12 +235,6 @@ def cached_llama_attention(attn: LlamaAttention, x, cache: KVCache, layer: int, 
     return attn.o_proj(y.transpose(1, 2).reshape(B, T, attn.n_head * attn.head_dim))
 
 
-def cached_swiglu(mlp: SwiGLU, x):
-    """The SwiGLU MLP through its three modules (so that ``kernels.use_fastest_kernels`` reaches them):
-    (B, T, C) -> (B, T, C)."""
-    return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
-
-
 @torch.no_grad()
 def llama_cached_forward(model: Llama, idx, cache: KVCache):
     """Run the model over new tokens idx (B, T) at positions cache.length .. cache.length + T - 1; logits (B, T, V).
@@ -251,11 +256,9 @@ def llama_cached_forward(model: Llama, idx, cache: KVCache):
         allowed = attention_allowed(torch.arange(past, past + T, device=idx.device), cache.key_slots(T), None, cache.window)
     x = model.model.embed_tokens(idx)
     cos, sin = rope_cos_sin(torch.arange(past, past + T, device=idx.device), c.head_dim, c.rope_base, x.dtype)
-    for layer, block in enumerate(model.model.layers):
-        x = x + cached_llama_attention(block.self_attn, block.input_layernorm(x), cache, layer, cos, sin, allowed)
-        x = x + cached_swiglu(block.mlp, block.post_attention_layernorm(x))
+    x = llama_layers(model, x, lambda layer, attn, h: cached_llama_attention(attn, h, cache, layer, cos, sin, allowed))
     cache.advance(T)
-    return model.lm_head(model.model.norm(x))
+    return model.lm_head(x)
 
 
 @torch.inference_mode()

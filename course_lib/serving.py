@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from .attention import masked_softmax
 from .decoding import process_logits
+from .gpt import gpt_layers
 from .kv_cache import KVCache, cached_forward
 
 # ----------------------------------------------------------------------------------------------------
@@ -365,9 +366,10 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_a
         context = torch.tensor([chunks[i][1] + 1 for i in decode])
     x = tr.wte(ids) + tr.wpe(positions)  # (N, C)
     N, C = x.shape
-    for layer, block in enumerate(tr.h):
-        attn, H = block.attn, block.attn.n_head
-        q, k, v = attn.c_attn(block.ln_1(x)).split(C, dim=1)
+
+    def attend(layer, attn, h):  # every chunk's attention in block `layer`, through the block tables
+        H = attn.n_head
+        q, k, v = attn.c_attn(h).split(C, dim=1)
         q, k, v = (t.view(N, H, C // H) for t in (q, k, v))
         key_pool, value_pool = cache.storage[layer, 0], cache.storage[layer, 1]  # (N_blocks, S, H, Dh)
         key_pool.view(-1, H, C // H).index_copy_(0, slots, k)  # each new key into its slot
@@ -379,10 +381,9 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_a
             if len(tokens) > 1:
                 a, b = int(ends[i]) - len(tokens), int(ends[i])
                 y[a:b] = _chunk_attention(q[a:b], key_pool, value_pool, table, start, S, slots_of)
-        x = x + attn.c_proj(y.reshape(N, C))
-        x = x + block.mlp(block.ln_2(x))
-    last = tr.ln_f(x[ends - 1])  # (len(chunks), C)
-    return model.lm_head(last)
+        return attn.c_proj(y.reshape(N, C))
+
+    return model.lm_head(gpt_layers(model, x, attend)[ends - 1])  # (len(chunks), V): each chunk's last token
 
 
 # ----------------------------------------------------------------------------------------------------
