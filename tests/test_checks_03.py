@@ -5,16 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib import checks, layers, transformer
+from course_lib import checks, transformer
 from course_lib.transformer import DecoderLayer, EncoderLayer, make_causal_mask, make_padding_mask, make_target_mask
-
-
-def test_reference_implementations_pass_every_visible_check(capsys):
-    checks.check_layer_norm(layers.layer_norm)
-    checks.check_masks(make_padding_mask, make_causal_mask, make_target_mask)
-    checks.check_encoder_layer(EncoderLayer)
-    checks.check_decoder_layer(DecoderLayer)
-    assert capsys.readouterr().out.count("all visible checks passed") == 4
 
 
 def ln_unbiased(x, weight, bias, eps=1e-5):
@@ -205,20 +197,3 @@ def test_seeded_parameters_is_deterministic_and_perturbs_norm_gains():
     b = checks.seeded_parameters(transformer.EncoderLayer(8, 2, 16), seed=1)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert (a.norm1.weight - 1).abs().max() < 1.5 and not torch.equal(a.norm1.weight, torch.ones(8))
-
-
-class UnfinishedEncoderLayer(EncoderLayer):
-    def forward(self, x, mask=None):
-        raise NotImplementedError()
-
-
-class UnfinishedDecoderLayer(DecoderLayer):
-    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
-        raise NotImplementedError()
-
-
-@pytest.mark.parametrize("check,cls", [(checks.check_encoder_layer, UnfinishedEncoderLayer),
-                                       (checks.check_decoder_layer, UnfinishedDecoderLayer)])
-def test_an_unfinished_layer_raises_not_implemented_error_not_a_check_message(check, cls):
-    with pytest.raises(NotImplementedError):  # NotImplementedError is a RuntimeError: it must not become a shape hint
-        check(cls)

@@ -7,13 +7,7 @@ import pytest
 import torch
 
 from course_lib import checks
-from course_lib.serving import paged_attention, schedule_step, slot_mapping
-
-def test_reference_implementations_pass_every_visible_check(capsys):
-    checks.check_slot_mapping(slot_mapping)
-    checks.check_paged_attention(paged_attention)
-    checks.check_schedule_step(schedule_step)
-    assert capsys.readouterr().out.count("all visible checks passed") == 3
+from course_lib.serving import paged_attention, schedule_step
 
 def unscaled(q, key_pool, value_pool, block_tables, context_lens):
     return paged_attention(q * math.sqrt(q.shape[-1]), key_pool, value_pool, block_tables, context_lens)
