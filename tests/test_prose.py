@@ -40,13 +40,35 @@ CITED: dict[str, dict[str, str]] = {
     },
 
     "09-tokenization": {
+        "50,000": "Radford et al. (2019), Language Models are Unsupervised Multitask Learners, section 2.2 (byte-level "
+                  "BPE, a vocabulary of 50,257); OpenAI's released vocabulary, github.com/openai/gpt-2 (vocab.bpe: "
+                  "50,000 merges; encoder.json: 50,257 = 256 bytes + 50,000 merges + <|endoftext|>)",
     },
 
     "10-scaling-laws": {
         "0.076": "Kaplan et al. (2020), Scaling Laws for Neural Language Models, equation (1.1): alpha_N = 0.076",
+        "410.7": "Hoffmann et al. (2022), Training Compute-Optimal Large Language Models, arXiv:2203.15556, "
+                 "equation (10) (Approach 3): E = 1.69, A = 406.4, B = 410.7, alpha = 0.34, beta = 0.28",
+        "0.28": "Hoffmann et al. (2022), equation (10) (Approach 3): beta = 0.28",
+        "0.46": "Hoffmann et al. (2022), table 2: N_opt ~ C^a with a = 0.46 for Approach 3",
+        "0.50": "Hoffmann et al. (2022), table 2: a = 0.50 for Approach 1",
+        "0.49": "Hoffmann et al. (2022), table 2: a = 0.49 for Approach 2",
+        "0.5": "Hoffmann et al. (2022), table 2: a = 0.50 and 0.49 for Approaches 1 and 2, parameters and tokens scaled equally",
+        "0.73": "Kaplan et al. (2020), section 6.1 and figure 14: N ~ C_min^0.73; compared with Chinchilla by Pearce and "
+                "Song (2024), Reconciling Kaplan and Chinchilla Scaling Laws, arXiv:2406.12907",
     },
 
     "11-modern-decoder": {
+        "13B": "Touvron et al. (2023b), Llama 2: Open Foundation and Fine-Tuned Chat Models, arXiv:2307.09288, table 1 "
+               "(7B, 13B, 70B released; grouped-query attention in 34B and 70B only); Llama 2 13B's params.json: dim 5120, "
+               "multiple_of 256, no ffn_dim_multiplier (F = 13,824, about 8C/3)",
+        "1.3": "Meta's Llama 2 70B and Llama 3 8B params.json (github.com/meta-llama/llama, llama3): ffn_dim_multiplier 1.3, "
+               "multiple_of 4096 (Llama 2 70B, dim 8192) and 1024 (Llama 3 8B, dim 4096): intermediate sizes 28,672 and 14,336",
+        "14,336": "Jiang et al. (2023), Mistral 7B, arXiv:2310.06825, table 1: dim 4096, hidden_dim 14336, n_kv_heads 8",
+        "500,000": "Llama Team (2024), The Llama 3 Herd of Models, arXiv:2407.21783, section 3.2 and table 3: RoPE base "
+                   "frequency 500,000",
+        "3.1": "Llama Team (2024), The Llama 3 Herd of Models, arXiv:2407.21783: the Llama 3.1 models; their RoPE scaling is "
+               "rope_type llama3 in Hugging Face's LlamaConfig (transformers modeling_rope_utils)",
     },
 
 }
