@@ -146,7 +146,8 @@ class Request:
 
     arrival: the engine step at which it arrives (a logical clock: step 0 is the first). sampling: None
     for greedy, else chapter 06's processor settings (``process_logits``'s keyword arguments, e.g.
-    ``dict(temperature=0.8, top_k=20)``), drawn with a ``torch.Generator`` seeded with ``seed``.
+    ``dict(temperature=0.8, top_k=20)``; ``SAMPLING`` lists them and their ranges), drawn with a
+    ``torch.Generator`` seeded with ``seed``. ``validate`` checks every field on arrival.
     The request always generates max_new_tokens tokens (no end-of-sequence token here).
     """
 
@@ -160,7 +161,11 @@ class Request:
 
 @dataclass
 class Result:
-    """What happened to one request: its generated tokens, or the error that rejected it; when, in steps and seconds."""
+    """What happened to one request: its generated tokens, or the error that rejected or failed it; when, in steps and seconds.
+
+    error is None exactly when the request finished (all max_new_tokens tokens). Otherwise it names the request and
+    says why: rejected on arrival (no tokens) or failed in a step (the tokens generated before it failed; finish_step
+    None). See ``Engine``."""
 
     name: str
     tokens: list = field(default_factory=list)
@@ -700,7 +705,8 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
     max_batch_size) form a batch: prompts left-padded to the longest, a ``KVCache`` preallocated for the
     longest prompt plus the longest output in every row (as ``generate_cached`` does), one prefill step, then one decode step per token until
     the row with the most tokens to generate is done; a row that is done idles until then. Returns
-    ({name: Result}, Trace) like ``Engine.run``.
+    ({name: Result}, Trace) like ``Engine.run``: a request is rejected on arrival by the same ``validate``, and a
+    request whose sampling raises fails alone (its row idles); an error in the batch's forward pass is raised.
     """
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
