@@ -24,6 +24,7 @@ from course_lib.serving import Engine, Request, make_trace, paged_attention, sch
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 V, CONTEXT = 61, 48
+PREFIX = [7, 8, 9, 10, 11, 12, 13, 14]  # a system prompt: two full blocks of 4, shared
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def expected(model, request) -> list:
 def batch():
     """Eight requests of at most 31 tokens, a shared 8-token prefix (prefix sharing, copy-on-write), some sampled, arrivals 0..4."""
     requests = make_trace(8, 3, context=31, vocab=list(range(V)), prompt_range=(1, 10), output_median=6,
-                          mean_gap=0.6, prefix=[7, 8, 9, 10, 11, 12, 13, 14])  # 31 tokens at most: contexts <= 30
+                          mean_gap=0.6, prefix=PREFIX)  # 31 tokens at most: contexts <= 30
     for i, r in enumerate(requests[::3]):
         r.sampling, r.seed = [dict(temperature=0.9), dict(top_k=7, repetition_penalty=1.2), dict(top_p=0.8)][i], 50 + i
     return requests
@@ -195,15 +196,16 @@ def failing_after(calls: int, function):
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_a_request_whose_sampling_raises_mid_run_fails_alone_and_keeps_its_tokens_so_far(small, pools, engine):
+@pytest.mark.parametrize("calls", [0, 3])  # at its first token (right after its prefill), or mid-decode
+def test_a_request_whose_sampling_raises_mid_run_fails_alone_and_keeps_its_tokens_so_far(small, pools, engine, calls):
     requests = batch()
-    doomed = Request("doomed", [3, 1, 4, 1, 5], 9, arrival=1, seed=5,
-                     sampling=dict(top_k=6, functions={"top_k_filter": failing_after(3, top_k_filter)}))
+    doomed = Request("doomed", PREFIX + [3, 1, 4, 1, 5], 9, arrival=1, seed=5,  # shares the others' prefix blocks
+                     sampling=dict(top_k=6, functions={"top_k_filter": failing_after(calls, top_k_filter)}))
     requests.insert(2, doomed)
     results, trace = serve(small, pools, requests, engine)
     error = results["doomed"].error
-    assert error.startswith("request doomed: failed at step ") and "FloatingPointError: planted: call 4" in error
-    assert results["doomed"].tokens == sampled_alone(small, doomed, dict(top_k=6))[:3]  # its 3 tokens before
+    assert error.startswith("request doomed: failed at step ") and f"FloatingPointError: planted: call {calls + 1}" in error
+    assert results["doomed"].tokens == sampled_alone(small, doomed, dict(top_k=6))[:calls]  # its tokens before
     assert results["doomed"].finish_step is None
     assert_the_others_exact(small, results, requests, {"doomed"})
 
@@ -222,7 +224,7 @@ def attention_failing_past(length: int):
 def test_a_request_whose_forward_pass_raises_mid_run_fails_alone_and_the_batch_is_recomputed(small, pools, engine,
                                                                                              monkeypatch):
     requests = batch()  # contexts of at most 30 positions: only `doomed` gets past 30
-    doomed = Request("doomed", [2, 7, 1, 8, 2, 8] * 3 + [1, 8], 20, arrival=1)
+    doomed = Request("doomed", PREFIX + [2, 7, 1, 8, 2, 8] * 2, 20, arrival=1)  # shares the others' prefix blocks
     steady = [Request(f"steady{a}", [4, 6, 6, 9, 2], 20, arrival=a) for a in (6, 10)]  # decoding beside it then
     requests[1:1] = [doomed, *steady]
     raised, forward = [], serving.paged_forward
