@@ -30,15 +30,17 @@ chapter 12's exercises (``tests/test_solution_drift.py`` keeps them equal to the
 from __future__ import annotations
 
 import math
+import numbers
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
 
 from .attention import masked_softmax
-from .decoding import process_logits
+from .decoding import REPLACEABLE, process_logits
 from .gpt import gpt_layers
 from .kv_cache import KVCache, cached_forward
 
@@ -144,7 +146,8 @@ class Request:
 
     arrival: the engine step at which it arrives (a logical clock: step 0 is the first). sampling: None
     for greedy, else chapter 06's processor settings (``process_logits``'s keyword arguments, e.g.
-    ``dict(temperature=0.8, top_k=20)``), drawn with a ``torch.Generator`` seeded with ``seed``.
+    ``dict(temperature=0.8, top_k=20)``; ``SAMPLING`` lists them and their ranges), drawn with a
+    ``torch.Generator`` seeded with ``seed``. ``validate`` checks every field on arrival.
     The request always generates max_new_tokens tokens (no end-of-sequence token here).
     """
 
@@ -158,7 +161,11 @@ class Request:
 
 @dataclass
 class Result:
-    """What happened to one request: its generated tokens, or the error that rejected it; when, in steps and seconds."""
+    """What happened to one request: its generated tokens, or the error that rejected or failed it; when, in steps and seconds.
+
+    error is None exactly when the request finished (all max_new_tokens tokens). Otherwise it names the request and
+    says why: rejected on arrival (no tokens) or failed in a step (the tokens generated before it failed; finish_step
+    None). See ``Engine``."""
 
     name: str
     tokens: list = field(default_factory=list)
@@ -183,21 +190,87 @@ class Result:
         return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
 
 
-def validate(request: Request, block_size_ctx: int, num_blocks: int | None = None, block_size: int | None = None) -> None:
-    """Raise ValueError, naming the argument, if `request` cannot be served (see ``Engine``)."""
-    if len(request.prompt) < 1:
-        raise ValueError(f"request {request.name}: prompt must hold at least 1 token, got an empty prompt")
-    if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
-        raise ValueError(f"request {request.name}: max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
-    total = len(request.prompt) + request.max_new_tokens
+def _integer(value) -> bool:
+    """A Python int that is not a bool (True is an int in Python, but not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    """A real number (int, float, numpy scalar) that is not a bool; NaN passes here and fails every range below."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+#: the sampling settings a request may carry (``process_logits``'s keyword arguments): a check and its range in words
+SAMPLING = {
+    "temperature": (lambda v: _number(v) and 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)"),
+    "top_k": (lambda v: v is None or (_integer(v) and v >= 0), "None or an integer >= 0 (0 and None disable it)"),
+    "top_p": (lambda v: v is None or (_number(v) and 0 < v <= 1), "None or a number in (0, 1]"),
+    "min_p": (lambda v: v is None or (_number(v) and 0 <= v <= 1), "None or a number in [0, 1]"),
+    "repetition_penalty": (lambda v: v is None or (_number(v) and 0 < v < math.inf),
+                           "None or a finite number > 0 (1 means no penalty)"),
+    "frequency_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "presence_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "functions": (lambda v: v is None or (isinstance(v, Mapping) and set(v) <= set(REPLACEABLE)
+                                          and all(callable(f) for f in v.values())),
+                  f"None or a dict {{name: function}} with names among {', '.join(REPLACEABLE)}"),
+}
+SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes: [-2**63, 2**64)
+
+
+def _arrival_error(request: Request) -> str | None:
+    if not _integer(request.arrival) or request.arrival < 0:
+        return f"request {request.name}: arrival must be an integer >= 0 (an engine step), got {request.arrival!r}"
+    return None
+
+
+def validate(request: Request, block_size_ctx: int, num_blocks: int | None = None, block_size: int | None = None, *,
+             vocab_size: int | None = None) -> None:
+    """Raise ValueError, naming the request, the argument and its allowed range, if `request` cannot be served.
+
+    Checked: arrival (an integer >= 0); prompt (a non-empty list or tuple of integer token ids, each in
+    [0, vocab_size) when vocab_size is given); max_new_tokens (an integer >= 1); prompt + max_new_tokens within
+    the model's context block_size_ctx; its blocks within a pool of num_blocks blocks of block_size tokens (when
+    given); sampling (None or a dict of the settings in ``SAMPLING``, each in its range); seed (an integer that
+    ``torch.Generator.manual_seed`` takes). Everything a request carries is checked here, once, on arrival: the
+    engine's steps check nothing per token. See ``Engine``.
+    """
+    name, prompt = request.name, request.prompt
+    arrival = _arrival_error(request)
+    if arrival:
+        raise ValueError(arrival)
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"request {name}: prompt must be a list of token ids, got {type(prompt).__name__}")
+    if len(prompt) < 1:
+        raise ValueError(f"request {name}: prompt must hold at least 1 token, got an empty prompt")
+    for i, token in enumerate(prompt):
+        if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0 \
+                or (vocab_size is not None and token >= vocab_size):
+            allowed = "integers >= 0" if vocab_size is None else f"integers in [0, vocab_size = {vocab_size})"
+            raise ValueError(f"request {name}: prompt token ids must be {allowed}, got {token!r} at position {i}")
+    if not _integer(request.max_new_tokens) or request.max_new_tokens < 1:
+        raise ValueError(f"request {name}: max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
+    total = len(prompt) + request.max_new_tokens
     if total > block_size_ctx:
-        raise ValueError(f"request {request.name}: prompt length + max_new_tokens must be <= the model's context "
-                         f"block_size = {block_size_ctx}, got {len(request.prompt)} + {request.max_new_tokens}")
+        raise ValueError(f"request {name}: prompt length + max_new_tokens must be <= the model's context "
+                         f"block_size = {block_size_ctx}, got {len(prompt)} + {request.max_new_tokens}")
     if num_blocks is not None:
         need = math.ceil(total / block_size)
         if need > num_blocks:
-            raise ValueError(f"request {request.name}: num_blocks = {num_blocks} is too small: this request needs "
+            raise ValueError(f"request {name}: num_blocks = {num_blocks} is too small: this request needs "
                              f"{need} blocks of {block_size} tokens")
+    if request.sampling is not None:
+        if not isinstance(request.sampling, Mapping):
+            raise ValueError(f"request {name}: sampling must be None (greedy) or a dict of settings, "
+                             f"got {type(request.sampling).__name__}")
+        for key, value in request.sampling.items():
+            if key not in SAMPLING:
+                raise ValueError(f"request {name}: sampling has no setting {key!r}; the settings are "
+                                 f"{', '.join(SAMPLING)}")
+            check, allowed = SAMPLING[key]
+            if not check(value):
+                raise ValueError(f"request {name}: sampling {key} must be {allowed}, got {value!r}")
+    if not _integer(request.seed) or not SEED_RANGE[0] <= request.seed < SEED_RANGE[1]:
+        raise ValueError(f"request {name}: seed must be an integer in [-2**63, 2**64), got {request.seed!r}")
 
 
 def _choose(logits: torch.Tensor, tokens: list, prompt_len: int, sampling: dict | None, generator) -> int:
@@ -390,6 +463,24 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_a
 # the engine
 
 
+def _start(requests: list) -> tuple:
+    """({name: Result}, the requests to serve sorted by arrival). A request whose arrival is not an integer >= 0
+    gets its error at once (it has no arrival step to wait for). Names must be unique (results are keyed by them)."""
+    results = {}
+    for r in requests:
+        if r.name in results:
+            raise ValueError(f"request names must be unique (the results are keyed by name): {r.name!r} appears twice")
+        results[r.name] = Result(r.name, arrival_step=r.arrival)
+    timed = []
+    for r in requests:
+        error = _arrival_error(r)
+        if error:
+            results[r.name].error = error
+        else:
+            timed.append(r)
+    return results, sorted(timed, key=lambda r: r.arrival)  # stable: equal arrivals keep their order
+
+
 @dataclass
 class Trace:
     """What a run did, step by step: for the pictures and the memory accounting."""
@@ -407,9 +498,25 @@ class Engine:
 
     num_blocks: blocks in the pool; block_size: token slots per block (>= 1); token_budget: most tokens
     computed per step, prefill chunks and decode tokens together (>= 1). ``run(requests)`` serves a list of
-    ``Request``s and returns ({name: Result}, Trace). A request that cannot be served (an empty prompt,
-    prompt + max_new_tokens beyond the model's context, more blocks than the pool has) gets a Result whose
-    ``error`` names the argument; the others are served.
+    ``Request``s (their names unique) and returns ({name: Result}, Trace): one Result per request, each
+    request failing alone. A Result whose ``error`` is None finished: its ``tokens`` are all max_new_tokens of
+    them. Otherwise ``error`` says why (the request's name first) and the other requests are served as if it
+    had not come:
+
+    * rejected on arrival (``validate``): an empty prompt, a token id outside [0, vocab_size), prompt +
+      max_new_tokens beyond the model's context, more blocks than the pool has, a sampling setting or seed
+      out of its range. No tokens, no blocks taken.
+    * failed in a step: an exception raised while computing this request (its chunk of the forward pass, or
+      choosing its token: a sampling processor, say). ``error`` reads "request NAME: failed at step S: the
+      exception"; ``tokens`` keeps the tokens it generated before (finish_step stays None); its blocks go back
+      to the pool. When the step's batched forward pass raises, each chunk runs again alone: those that
+      raise alone fail their requests, the others continue with the logits of their alone pass. A batched
+      pass that raises while every chunk alone succeeds is the engine's error, not a request's: it is raised.
+
+    ``run`` raises (RuntimeError) only for the engine's own faults, which would otherwise hang or corrupt
+    every request: a step that makes no progress (nothing scheduled, nothing preempted: with this scheduler
+    that happens only when blocks leak or a replacement scheduler stalls; the message counts the free,
+    held and leaked blocks), a scheduler that schedules more blocks than are free, or the batched pass above.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int = 8, token_budget: int = 64, *,
@@ -424,9 +531,8 @@ class Engine:
     def run(self, requests: list, *, scheduler=schedule_step, attention=paged_attention, slots_of=slot_mapping) -> tuple:
         """Serve `requests`; returns ({name: Result}, Trace). scheduler, attention, slots_of: the functions it runs on."""
         cache = PagedKVCache.for_model(self.model, self.num_blocks, self.block_size)
-        S, context = self.block_size, self.model.config.block_size
-        results = {r.name: Result(r.name, arrival_step=r.arrival) for r in requests}
-        pending = sorted(requests, key=lambda r: r.arrival)  # stable: equal arrivals keep their order
+        S, context, vocab = self.block_size, self.model.config.block_size, self.model.config.vocab_size
+        results, pending = _start(requests)
         waiting, running, trace = [], [], Trace()
         start_time = time.perf_counter()
         step = 0
@@ -437,17 +543,20 @@ class Engine:
                 result = results[request.name]
                 result.arrival_time = now
                 try:
-                    validate(request, context, self.num_blocks, S)
+                    validate(request, context, self.num_blocks, S, vocab_size=vocab)
                 except ValueError as error:
                     result.error = str(error)
                     continue
                 waiting.append(Sequence(request, result, cache))
             if not waiting and not running:
-                step += 1
+                if pending:
+                    step = pending[0].arrival  # nothing to do until then (the steps between change nothing)
                 continue
             for seq in waiting:
                 seq.find_prefix(self.share_prefixes)
             scheduled, preempted = scheduler(running, waiting, len(cache.free), self.token_budget)
+            if not scheduled and not preempted:
+                raise RuntimeError(self._no_progress(cache, running, waiting, step))
             for seq in preempted:  # give the blocks back; recompute later, keeping the tokens generated
                 for b in seq.blocks:
                     cache.release(b)
@@ -466,15 +575,27 @@ class Engine:
                 self._make_room(cache, seq, n)
                 chunks.append((torch.tensor(seq.blocks), seq.n_cached,
                                torch.tensor(seq.tokens[seq.n_cached:seq.n_cached + n])))
-            logits = paged_forward(self.model, cache, chunks, attention=attention, slots_of=slots_of) if chunks else None
+            failed = {}  # index in scheduled -> the exception its chunk raised alone
+            if chunks:
+                try:
+                    logits = paged_forward(self.model, cache, chunks, attention=attention, slots_of=slots_of)
+                except Exception as error:  # noqa: BLE001 - whose error is it? each chunk again, alone
+                    logits, failed = self._forward_alone(cache, chunks, error, step, attention, slots_of)
             now = time.perf_counter() - start_time
             states = {s.request.name: "waiting" for s in waiting}
             for i, (seq, n) in enumerate(scheduled):
                 states[seq.request.name] = "decode" if seq.n_cached >= seq.prompt_len else "prefill"
+                if i in failed:
+                    self._fail(cache, seq, running, step, failed[i])
+                    continue
                 seq.n_cached += n
                 self._register_full_blocks(cache, seq, seq.n_cached - n)
                 if seq.n_cached == seq.n_tokens:  # the chunk reached the end: a new token
-                    token = _choose(logits[i], seq.tokens, seq.prompt_len, seq.request.sampling, seq.generator)
+                    try:
+                        token = _choose(logits[i], seq.tokens, seq.prompt_len, seq.request.sampling, seq.generator)
+                    except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone
+                        self._fail(cache, seq, running, step, error)
+                        continue
                     seq.tokens.append(token)
                     seq.result.tokens.append(token)
                     seq.result.token_times.append(now)
@@ -498,6 +619,51 @@ class Engine:
             step += 1
         trace.seconds, trace.steps = time.perf_counter() - start_time, step
         return results, trace
+
+    def _forward_alone(self, cache: PagedKVCache, chunks: list, error: Exception, step: int, attention, slots_of):
+        """The batched pass raised `error`: run each chunk alone. Returns (logits, {chunk index: its exception}).
+
+        A chunk's keys and values go to its own blocks (a shared block is copied before it is written), so
+        what the failed batched pass wrote is rewritten here or freed with a failed request's blocks."""
+        rows, failed = [], {}
+        for i, chunk in enumerate(chunks):
+            try:
+                rows.append(paged_forward(self.model, cache, [chunk], attention=attention, slots_of=slots_of)[0])
+            except Exception as alone:  # noqa: BLE001 - this chunk's own error
+                failed[i] = alone
+                rows.append(None)
+        if not failed:
+            raise RuntimeError(f"step {step}: the batched forward pass over {len(chunks)} chunks raised, but every "
+                               f"chunk alone succeeded: an engine error, not a request's") from error
+        return rows, failed
+
+    @staticmethod
+    def _fail(cache: PagedKVCache, seq: Sequence, running: list, step: int, error: Exception) -> None:
+        """Record `error` on the request's Result and give its blocks back; it leaves the engine."""
+        seq.result.error = f"request {seq.request.name}: failed at step {step}: {type(error).__name__}: {error}"
+        for b in seq.blocks:
+            cache.release(b)
+        seq.blocks = []
+        running.remove(seq)
+
+    def _no_progress(self, cache: PagedKVCache, running: list, waiting: list, step: int) -> str:
+        """Why a step scheduled and preempted nothing: the blocks free, held by requests and held by none (leaked)."""
+        held = {b for seq in running for b in seq.blocks}
+        leaked = sorted(set(range(cache.num_blocks)) - set(cache.free) - held)
+        lines = [f"the engine made no progress at step {step}: the scheduler scheduled nothing and preempted nothing "
+                 f"({len(running)} running, {len(waiting)} waiting); {len(cache.free)} of {cache.num_blocks} blocks "
+                 f"are free, {len(held)} held by running requests, {len(leaked)} held by no request"]
+        if waiting:
+            seq = waiting[0]
+            n = min(seq.n_tokens - seq.n_cached, self.token_budget)
+            lines.append(f"the first waiting request, {seq.request.name}, needs {seq.blocks_needed(n)} blocks for its "
+                         f"next {n} tokens")
+        if leaked:
+            lines.append(f"blocks leaked (not on the free list, in no running request's block table): {leaked[:12]}"
+                         f"{' ...' if len(leaked) > 12 else ''}")
+        else:
+            lines.append("no block leaked: the scheduler returned nothing although it could schedule")
+        return "; ".join(lines)
 
     @staticmethod
     def _make_room(cache: PagedKVCache, seq: Sequence, n: int) -> None:
@@ -539,14 +705,14 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
     max_batch_size) form a batch: prompts left-padded to the longest, a ``KVCache`` preallocated for the
     longest prompt plus the longest output in every row (as ``generate_cached`` does), one prefill step, then one decode step per token until
     the row with the most tokens to generate is done; a row that is done idles until then. Returns
-    ({name: Result}, Trace) like ``Engine.run``.
+    ({name: Result}, Trace) like ``Engine.run``: a request is rejected on arrival by the same ``validate``, and a
+    request whose sampling raises fails alone (its row idles); an error in the batch's forward pass is raised.
     """
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
     model.eval()
-    context = model.config.block_size
-    results = {r.name: Result(r.name, arrival_step=r.arrival) for r in requests}
-    pending = sorted(requests, key=lambda r: r.arrival)
+    context, vocab = model.config.block_size, model.config.vocab_size
+    results, pending = _start(requests)
     arrived, trace = [], Trace()
     start_time = time.perf_counter()
     step = 0
@@ -556,7 +722,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
             request = pending.pop(0)
             results[request.name].arrival_time = now
             try:
-                validate(request, context)
+                validate(request, context, vocab_size=vocab)
                 arrived.append(request)
             except ValueError as error:
                 results[request.name].error = str(error)
@@ -574,6 +740,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
         cache = KVCache.for_model(model, B, width + longest)  # every row: the longest prompt + the longest output
         generators = [torch.Generator().manual_seed(r.seed) for r in batch]
         tokens = [list(r.prompt) for r in batch]
+        failed = set()  # rows whose request failed: they idle like finished rows
         new = idx
         for t in range(longest):
             states = {r.name: "waiting" for r in arrived}
@@ -584,11 +751,16 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
             now = time.perf_counter() - start_time
             column = torch.zeros(B, 1, dtype=torch.long)
             for row, r in enumerate(batch):
-                done = len(tokens[row]) - len(r.prompt) >= r.max_new_tokens
+                done = len(tokens[row]) - len(r.prompt) >= r.max_new_tokens or row in failed
                 states[r.name] = "idle" if done else ("prefill" if t == 0 else "decode")
                 if done:
                     continue
-                token = _choose(logits[row], tokens[row], len(r.prompt), r.sampling, generators[row])
+                try:
+                    token = _choose(logits[row], tokens[row], len(r.prompt), r.sampling, generators[row])
+                except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone, its row idles
+                    results[r.name].error = f"request {r.name}: failed at step {step}: {type(error).__name__}: {error}"
+                    failed.add(row)
+                    continue
                 tokens[row].append(token)
                 column[row, 0] = token
                 result = results[r.name]
@@ -599,7 +771,8 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
                 if len(result.tokens) == r.max_new_tokens:
                     result.finish_step = step
             new = column
-            busy = [len(tk) - len(r.prompt) < r.max_new_tokens for tk, r in zip(tokens, batch)]
+            busy = [len(tk) - len(r.prompt) < r.max_new_tokens and row not in failed
+                    for row, (tk, r) in enumerate(zip(tokens, batch))]
             mask = torch.cat([mask, torch.tensor(busy, dtype=torch.long)[:, None]], dim=1)  # an idle row feeds padding
             trace.states.append(states)
             trace.allocated.append(cache.nbytes)
@@ -612,7 +785,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
                 request = pending.pop(0)
                 results[request.name].arrival_time = time.perf_counter() - start_time
                 try:
-                    validate(request, context)
+                    validate(request, context, vocab_size=vocab)
                     arrived.append(request)
                 except ValueError as error:
                     results[request.name].error = str(error)
