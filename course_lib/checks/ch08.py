@@ -276,7 +276,7 @@ def _scale_dtype_message(dtype, name: str) -> str:
         bits = 1 - round(math.log2(torch.finfo(dtype).eps))  # significant bits: 8 (bfloat16), 11 (float16)
         return (f"scale should be float32, got {dtype} ({name}): {dtype} keeps {bits} significant bits, so the scale "
                 f"is off from max |w| / 127 by up to {100 * 2.0 ** -bits:.2g}%, an error every weight of the row "
-                "inherits. Keep the scale in float32 (scale.float())")
+                "inherits (a trade-off some libraries make; this exercise's contract is a float32 scale: scale.float())")
     return (f"scale should be float32, got {dtype} ({name}): one float32 per output channel is all the precision a "
             "scale needs (a float64 one is 8 bytes; was the weight float64, or the arithmetic?). Return scale.float()")
 
