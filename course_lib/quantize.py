@@ -24,22 +24,28 @@ from torch import nn
 from .gpt import GPTConfig, gpt_param_count
 
 
-def bytes_per_token(config: GPTConfig, batch_size: int, context: int, dtype=torch.float32) -> float:
+def bytes_per_token(config: GPTConfig, batch_size: int, context: int, dtype=torch.float32, cache_dtype=None) -> float:
     """Bytes one decode step reads per token it generates: (weights + B * KV cache) / B.
 
     The step reads every weight once for the whole batch: all parameters of GPT(config) except the
     position table, of which it reads one row per sequence (left out); the tied embedding counts once
     (the LM head reads it in full). Each of the B sequences also reads its cached keys and values of
-    `context` tokens: 2 * L * context * C elements. dtype: of the weights and of the cache.
+    `context` tokens: 2 * L * context * C elements. dtype: of the weights; cache_dtype: of the cache,
+    by default what the course's models cache in: the weights' dtype if it is a floating-point one (a
+    bfloat16 model computes and caches in bfloat16), float32 otherwise (int8 weights: the activations,
+    and so the keys and values, stay float32).
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if not isinstance(context, int) or not 0 <= context <= config.block_size:
         raise ValueError(f"context must be an integer in [0, block_size = {config.block_size}], got {context!r}")
-    element = torch.empty((), dtype=dtype).element_size()  # bytes per number
+    if cache_dtype is None:  # the cache holds activations: float32 beside int8 weights
+        cache_dtype = dtype if dtype.is_floating_point else torch.float32
+    element = torch.empty((), dtype=dtype).element_size()  # bytes per weight
+    cache_element = torch.empty((), dtype=cache_dtype).element_size()  # bytes per cached number
     weights = gpt_param_count(config) - config.block_size * config.n_embd  # the position table is not read
     kv_cache = 2 * config.n_layer * context * config.n_embd  # keys and values, every layer, per sequence
-    return (weights + batch_size * kv_cache) * element / batch_size
+    return (weights * element + batch_size * kv_cache * cache_element) / batch_size
 
 
 def quantize_int8(weight):

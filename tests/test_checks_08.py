@@ -14,16 +14,17 @@ from course_lib.quantize import bytes_per_token, int8_linear, quantize_int8
 # ---- correct alternatives: other formulations pass too
 
 
-def bytes_by_layers(config, batch_size, context, dtype=torch.float32):
-    """Layer by layer, from the shapes, as a tensor."""
+def bytes_by_layers(config, batch_size, context, dtype=torch.float32, cache_dtype=None):
+    """Layer by layer, from the shapes, as a tensor; the cache's dtype from a dict."""
     C, b = config.n_embd, int(config.bias)
     attention = C * 3 * C + b * 3 * C + C * C + b * C
     mlp = C * 4 * C + b * 4 * C + 4 * C * C + b * C
     norms = 2 * (C + b * C)
     weights = config.vocab_size * C + config.n_layer * (attention + mlp + norms) + C + b * C
     cache = config.n_layer * 2 * context * C
-    per_token = torch.tensor(weights / batch_size + cache, dtype=torch.float64)
-    return per_token * torch.tensor([], dtype=dtype).element_size()
+    cache_dtype = cache_dtype or {torch.int8: torch.float32}.get(dtype, dtype)
+    size = torch.tensor([], dtype=dtype).element_size()
+    return torch.tensor(weights / batch_size * size + cache * torch.finfo(cache_dtype).bits // 8, dtype=torch.float64)
 
 
 def quantize_by_rows(weight):
@@ -121,6 +122,10 @@ def _bytes(config, batch_size, context, dtype=torch.float32, *, element=None, we
     return (weights_share + cache_share) * element
 
 
+def cache_in_weight_dtype(config, B, context, dtype=torch.float32, cache_dtype=None):
+    return bytes_per_token(config, B, context, dtype, cache_dtype=dtype)
+
+
 def no_kv_cache(config, B, context, dtype=torch.float32):
     return _bytes(config, B, context, dtype, kv_factor=0)
 
@@ -155,6 +160,11 @@ def floor_divided(config, B, context, dtype=torch.float32):
 
 def always_four_bytes(config, B, context, dtype=torch.float32):
     return bytes_per_token(config, B, context)
+
+
+def always_four_bytes_no_cache_dtype(config, B, context, dtype=torch.float32):
+    """Right for every default cache dtype, but without the cache_dtype argument."""
+    return bytes_per_token(config, B, context, dtype)
 
 
 def as_a_string(config, B, context, dtype=torch.float32):
@@ -392,11 +402,16 @@ def loose_precision(x, q, scale, bias=None):
                                                          r"16 x 8 = 128 numbers\)")),
     (checks.check_bytes_per_token, head_twice, r"LM head and the token embedding separately: .* 50 x 8 = 400 numbers"),
     (checks.check_bytes_per_token, always_four_bytes, (r"dtype=torch.bfloat16: .*you counted 4 byte\(s\) per number, "
-                                                       r"but a torch.bfloat16 takes 2")),
+                                                       r"but a torch.bfloat16 weight takes 2")),
+    (checks.check_bytes_per_token, cache_in_weight_dtype, (r"batch_size=8, context=10, dtype=torch.int8: .*you counted "
+                                                           r"the cache in the weights' dtype \(1 byte\(s\) per number\), "
+                                                           r"but it is stored in torch.float32")),
+    (checks.check_bytes_per_token, always_four_bytes_no_cache_dtype, (r"cache_dtype=torch.float32\) raised TypeError: "
+                                                                      r".*keep the signature's cache_dtype argument")),
     (checks.check_bytes_per_token, as_a_string, r"should be a number \(bytes\), got str"),
     (checks.check_bytes_per_token, off_by_one_layer, (r"you computed 5,152 bytes per token, expected 8,640 = \(weights "
                                                       r"8,640 bytes, read once for the batch, \+ 1 x one sequence's "
-                                                      r"KV cache 0 bytes\) / 1")),
+                                                      r"KV cache 0 bytes in torch.float32\) / 1")),
     (checks.check_quantize_int8, per_tensor, (r"scale has shape \(\) \(a \(6, 10\) float32 weight\): one scale for "
                                               r"the whole matrix \(per-tensor\).*row 1 .*would round to 0 everywhere")),
     (checks.check_quantize_int8, per_tensor_repeated, r"every row got the same scale, .* \(per-tensor\)"),
@@ -463,6 +478,9 @@ def test_the_oracles_are_independent_of_the_reference():
     assert checks.bytes_per_token_oracle(config, 1, 0) == 2_160 * 4
     # + per sequence 2 x 2 layers x 10 tokens x 8 = 320 cached numbers; batch 4, bfloat16
     assert checks.bytes_per_token_oracle(config, 4, 10, torch.bfloat16) == (2_160 / 4 + 320) * 2
+    # int8 weights (1 byte each) keep a float32 cache (4 bytes per number); a cache dtype given explicitly wins
+    assert checks.bytes_per_token_oracle(config, 4, 10, torch.int8) == 2_160 / 4 + 320 * 4
+    assert checks.bytes_per_token_oracle(config, 4, 10, torch.float32, torch.float16) == 2_160 + 320 * 2
     weight = torch.tensor([[0.5, -1.27, 0.0], [0.0, 0.0, 0.0], [2.54, 1.0, -0.1]])
     q, scale = checks.int8_reference(weight)
     assert q.dtype == torch.int8 and scale.dtype == torch.float64
@@ -473,3 +491,16 @@ def test_the_oracles_are_independent_of_the_reference():
     assert q.tolist() == [[0, 0], [127, -50]] and scale[0] == 0
     ties = checks.int8_rounding_ties(torch.tensor([[2.54, 0.25, 1.27, 0.03]]))  # 127, 12.5, 63.5, 1.5
     assert ties.tolist() == [[False, True, True, True]]
+
+
+@pytest.mark.parametrize("weights,expected", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                              ("int8", torch.float32)])
+def test_the_default_cache_dtype_is_the_one_the_course_models_cache_in(weights, expected):
+    """checks.default_cache_dtype against the cache chapter 05's KVCache.for_model makes for a quantized copy."""
+    from course_lib.gpt import GPT
+    from course_lib.kv_cache import KVCache
+    from course_lib.quantize import quantize_weights
+
+    model = quantize_weights(GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=16)), weights)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[weights]
+    assert KVCache.for_model(model, 1, 4).storage.dtype == expected == checks.default_cache_dtype(dtype)

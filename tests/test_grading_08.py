@@ -26,8 +26,8 @@ BYTES, QUANT, DEQUANT, LINEAR = ("bytes_per_token-solution", "quantize_int8-solu
 
 def planted() -> dict:
     return CH.solved({
-        BYTES: CH.mutate(BYTES, "return (weights + batch_size * kv_cache) * element / batch_size",
-                         "return (weights + kv_cache) * element / batch_size"),
+        BYTES: CH.mutate(BYTES, "return (weights * element + batch_size * kv_cache * cache_element) / batch_size",
+                         "return (weights * element + kv_cache * cache_element) / batch_size"),
         QUANT: CH.mutate(QUANT, "q = torch.round(w / divisor[:, None])", "q = torch.round(w / scale[:, None])"),
         DEQUANT: CH.mutate(DEQUANT, "scale.float()[:, None]", "scale.float()[None, :]"),
         LINEAR: CH.mutate(LINEAR, "return y if bias is None else y + bias.to(x.dtype)",

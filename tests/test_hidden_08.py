@@ -26,10 +26,11 @@ CELLS, REFERENCE = HARNESS.cells, HARNESS.reference
 cells_of, mutate, failing_tests = HARNESS.cells_of, HARNESS.mutate, HARNESS.failing_tests
 
 BYTES, QUANT, DEQUANT, LINEAR = "bytes_per_token", "quantize_int8", "dequantize_int8", "int8_linear"
-RETURN = "return (weights + batch_size * kv_cache) * element / batch_size"
+RETURN = "return (weights * element + batch_size * kv_cache * cache_element) / batch_size"
 WEIGHTS = "weights = gpt_param_count(config) - config.block_size * config.n_embd"
 KV = "kv_cache = 2 * config.n_layer * context * config.n_embd"
 ELEMENT = "element = torch.empty((), dtype=dtype).element_size()"
+CACHE_ELEMENT = "cache_element = torch.empty((), dtype=cache_dtype).element_size()"
 SCALE = "scale = w.abs().amax(dim=1) / 127"
 Q = "q = torch.round(w / divisor[:, None]).clamp(-127, 127).to(torch.int8)"
 Y = "y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)"
@@ -43,23 +44,29 @@ CASES = [
      failing(BYTES, "visible", "kv", "gpt2")),
     (BYTES, "keys only: no factor 2", mutate(BYTES, (KV, "kv_cache = config.n_layer * context * config.n_embd")),
      failing(BYTES, "visible", "kv", "gpt2")),
-    (BYTES, "per step, not per token", mutate(BYTES, (RETURN, "return (weights + batch_size * kv_cache) * element")),
+    (BYTES, "per step, not per token", mutate(BYTES, (RETURN, "return weights * element + batch_size * kv_cache * cache_element")),
      failing(BYTES, "visible", "kv", "batch")),
-    (BYTES, "one KV cache shared by the batch", mutate(BYTES, (RETURN, "return (weights + kv_cache) * element / batch_size")),
+    (BYTES, "one KV cache shared by the batch", mutate(BYTES, (RETURN, "return (weights * element + kv_cache * cache_element) / batch_size")),
      failing(BYTES, "visible", "kv")),
     (BYTES, "the position table counted", mutate(BYTES, (WEIGHTS, "weights = gpt_param_count(config)")),
      failing(BYTES, "visible", "batch", "gpt2")),
     (BYTES, "the tied head counted twice", mutate(BYTES, (WEIGHTS, WEIGHTS + " + config.vocab_size * config.n_embd")),
      failing(BYTES, "visible", "batch", "gpt2")),
-    (BYTES, "4 bytes whatever the dtype", mutate(BYTES, (ELEMENT, "element = 4")),
+    (BYTES, "4 bytes whatever the dtype", mutate(BYTES, (ELEMENT, "element = 4"), (CACHE_ELEMENT, "cache_element = 4")),
+     failing(BYTES, "visible", "kv", "gpt2")),
+    (BYTES, "the cache in the weights' dtype (int8 beside int8 weights)", mutate(BYTES, (CACHE_ELEMENT, "cache_element = element")),
+     failing(BYTES, "visible", "kv", "gpt2")),
+    (BYTES, "the cache always float32", mutate(BYTES, (CACHE_ELEMENT, "cache_element = 4")),
      failing(BYTES, "visible", "kv", "gpt2")),
     (BYTES, "correct: weights counted on a meta-device model", '''
-def bytes_per_token(config, batch_size, context, dtype=torch.float32):
+def bytes_per_token(config, batch_size, context, dtype=torch.float32, cache_dtype=None):
     with torch.device("meta"):
         model = GPT(config)
     weights = sum(p.numel() for name, p in model.named_parameters() if name != "transformer.wpe.weight")
     per_sequence = 2 * config.n_layer * context * config.n_embd
-    return (weights / batch_size + per_sequence) * torch.finfo(dtype).bits / 8 if dtype.is_floating_point else (weights / batch_size + per_sequence) * torch.iinfo(dtype).bits / 8
+    bits = torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits
+    cache_bits = torch.finfo(cache_dtype or (dtype if dtype.is_floating_point else torch.float32)).bits
+    return (weights * bits / batch_size + per_sequence * cache_bits) / 8
 ''', set()),
     # quantize
     (QUANT, "one scale for the whole tensor", mutate(QUANT, (SCALE, "scale = (w.abs().amax() / 127).expand(w.shape[0]).clone()")),

@@ -2,7 +2,7 @@
 
 Oracles: bytes counted on real tensors (``bytes_per_token_oracle``: the parameters of a ``GPT(config)``, the
 position table left out and the tied embedding once, plus the ``nbytes`` of a chapter 05 ``KVCache`` of
-``context`` slots); int8 quantization as its float64 formula (``int8_reference``: scale = max |w| / 127 per
+``context`` slots, in the dtype the model caches in); int8 quantization as its float64 formula (``int8_reference``: scale = max |w| / 127 per
 row, q = round(w / scale), a scale that underflows to 0 in float32 taken as 0) and its properties (int8 levels in -127..127, every entry within half a step of
 the weight, each row's largest entry at +-127); the dequantized weight and the int8 layer as float64
 products (``q * scale[:, None]``, ``F.linear``); never course_lib.quantize's reference solutions.
@@ -18,16 +18,25 @@ from torch.overrides import TorchFunctionMode
 from .core import ATOL, RTOL, assert_close, assert_shape, assert_tensor, call_learner, fail, passed, unpack_pair
 
 __all__ = ["check_bytes_per_token", "check_quantize_int8", "check_dequantize_int8", "check_int8_linear",
-           "bytes_per_token_oracle", "int8_reference", "int8_rounding_ties"]
+           "bytes_per_token_oracle", "default_cache_dtype", "int8_reference", "int8_rounding_ties"]
 
 
 # ---------------------------------------------------------------------------------------------------------
 # exercise 1: bytes per token
 
 
-def _decode_parts(config, batch_size: int, context: int, dtype) -> dict:
+def default_cache_dtype(dtype):
+    """The dtype of the KV cache of a course GPT whose weights are stored in `dtype`: the dtype its activations
+    are computed in. A floating-point dtype's own (the whole model converted, ``model.to(dtype)``), float32 for
+    int8 weights (only the linear layers' weights are int8; the embeddings, the activations and the cache stay
+    float32). tests/test_checks_08.py checks this against the caches ``KVCache.for_model`` makes."""
+    return dtype if dtype.is_floating_point else torch.float32
+
+
+def _decode_parts(config, batch_size: int, context: int, dtype, cache_dtype) -> dict:
     """The numbers a decode step reads, counted on tensors: elements of the weights (position table left out,
-    the tied embedding once), of the position table and of the token embedding, and of one sequence's cache."""
+    the tied embedding once), of the position table and of the token embedding, and of one sequence's cache;
+    bytes per weight (`dtype`) and per cached number (`cache_dtype`)."""
     from ..gpt import GPT  # the model whose decoding chapter 08 costs (chapter 04)
     from ..kv_cache import KVCache  # the cache it decodes with (chapter 05)
 
@@ -35,24 +44,26 @@ def _decode_parts(config, batch_size: int, context: int, dtype) -> dict:
         model = GPT(config)
     params = dict(model.named_parameters())  # a tied Parameter appears once, under its first name
     element = torch.empty((), dtype=dtype).element_size()
+    cache_element = torch.empty((), dtype=cache_dtype).element_size()
     cache = 0
     if context > 0:  # a KVCache holds at least one slot
         cache = KVCache(config.n_layer, batch_size, config.n_head, config.n_embd // config.n_head, max_len=context,
-                        dtype=dtype).nbytes // (batch_size * element)
-    return {"element": element, "cache": cache, "position": params["transformer.wpe.weight"].numel(),
-            "embedding": params["transformer.wte.weight"].numel(),
+                        dtype=cache_dtype).nbytes // (batch_size * cache_element)
+    return {"element": element, "cache_element": cache_element, "cache": cache,
+            "position": params["transformer.wpe.weight"].numel(), "embedding": params["transformer.wte.weight"].numel(),
             "weights": sum(p.numel() for name, p in params.items() if name != "transformer.wpe.weight")}
 
 
-def bytes_per_token_oracle(config, batch_size: int, context: int, dtype=torch.float32) -> float:
+def bytes_per_token_oracle(config, batch_size: int, context: int, dtype=torch.float32, cache_dtype=None) -> float:
     """Bytes one decode step reads per token generated, counted: (weights + batch_size x one sequence's cache) / batch_size.
 
-    The weights are every parameter of ``GPT(config)`` (a tied one once) except ``transformer.wpe.weight``;
-    the cache is a chapter 05 ``KVCache(n_layer, batch_size, n_head, n_embd // n_head, max_len=context)``, whose
-    ``nbytes`` covers the whole batch; both in `dtype`.
+    The weights are every parameter of ``GPT(config)`` (a tied one once) except ``transformer.wpe.weight``, in
+    `dtype`; the cache is a chapter 05 ``KVCache(n_layer, batch_size, n_head, n_embd // n_head, max_len=context)``,
+    whose ``nbytes`` covers the whole batch, in `cache_dtype` (by default ``default_cache_dtype(dtype)``).
     """
-    parts = _decode_parts(config, batch_size, context, dtype)
-    return (parts["weights"] + batch_size * parts["cache"]) * parts["element"] / batch_size
+    cache_dtype = default_cache_dtype(dtype) if cache_dtype is None else cache_dtype
+    parts = _decode_parts(config, batch_size, context, dtype, cache_dtype)
+    return (parts["weights"] * parts["element"] + batch_size * parts["cache"] * parts["cache_element"]) / batch_size
 
 
 def _number(value, what: str) -> float:
@@ -71,16 +82,17 @@ def _same(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(1.0, abs(b))
 
 
-def _describe(config, batch_size: int, context: int, dtype) -> str:
+def _describe(config, batch_size: int, context: int, dtype, cache_dtype=None) -> str:
     bias = "" if config.bias else ", bias=False"
+    cache = "" if cache_dtype is None else f", cache_dtype={cache_dtype}"
     return (f"GPTConfig(vocab_size={config.vocab_size}, block_size={config.block_size}, n_layer={config.n_layer}, "
             f"n_head={config.n_head}, n_embd={config.n_embd}{bias}), batch_size={batch_size}, context={context}, "
-            f"dtype={dtype}")
+            f"dtype={dtype}{cache}")
 
 
-def _bytes_mistakes(config, B: int, context: int, dtype, parts: dict):
+def _bytes_mistakes(config, B: int, context: int, dtype, cache_dtype, parts: dict):
     """(value, explanation) of the classic wrong formulas, for one case."""
-    e, W, K = parts["element"], parts["weights"], parts["cache"]
+    e, ce, W, K = parts["element"], parts["cache_element"], parts["weights"], parts["cache"]
     P, E = parts["position"], parts["embedding"]
     L, C = config.n_layer, config.n_embd
     mistakes = []
@@ -88,73 +100,87 @@ def _bytes_mistakes(config, B: int, context: int, dtype, parts: dict):
         mistakes += [
             (W * e / B, (f"that is the weights alone ({W * e:,} bytes / batch {B}): each sequence also reads its own KV "
                          f"cache, 2 x n_layer x context x n_embd = 2 x {L} x {context} x {C} = {K:,} numbers "
-                         f"({K * e:,} bytes) per token generated")),
-            ((W + B * K / 2) * e / B, (f"you counted {K // 2:,} cached numbers per sequence, the keys only: the cache "
-                                       "holds a key AND a value per token and layer, 2 x n_layer x context x n_embd = "
-                                       f"{K:,} numbers")),
+                         f"({K * ce:,} bytes) per token generated")),
+            ((W * e + B * K * ce / 2) / B, (f"you counted {K // 2:,} cached numbers per sequence, the keys only: the "
+                                            "cache holds a key AND a value per token and layer, 2 x n_layer x context x "
+                                            f"n_embd = {K:,} numbers")),
         ]
+        if ce != e:
+            mistakes.append(((W + B * K) * e / B, (f"you counted the cache in the weights' dtype ({e} byte(s) per "
+                                                   f"number), but it is stored in {cache_dtype}, {ce} byte(s) per number: "
+                                                   "the cache holds activations (keys and values), which stay float32 "
+                                                   "beside int8 weights; use cache_dtype, which defaults to that")))
     if B > 1:
         mistakes += [
-            ((W + B * K) * e, (f"that is what the whole step reads; the step generates one token per sequence, "
-                               f"B = {B} tokens: divide by the batch size")),
-            ((W + K) * e, (f"you counted the weights in full for every token ({W * e:,} bytes): the step reads them once "
-                           f"for the whole batch and makes B = {B} tokens, so per token they cost weights / B = "
-                           f"{W * e / B:,.6g} bytes (per step is not per token). The KV cache, each sequence's own, "
-                           "counts in full")),
+            (W * e + B * K * ce, (f"that is what the whole step reads; the step generates one token per sequence, "
+                                  f"B = {B} tokens: divide by the batch size")),
+            (W * e + K * ce, (f"you counted the weights in full for every token ({W * e:,} bytes): the step reads them "
+                              f"once for the whole batch and makes B = {B} tokens, so per token they cost weights / B = "
+                              f"{W * e / B:,.6g} bytes (per step is not per token). The KV cache, each sequence's own, "
+                              "counts in full")),
         ]
         if K:
-            mistakes.append(((W + K) * e / B, ("you divided the KV cache by the batch size too, as if it were shared: "
-                                               "the weights are shared by the batch, but each sequence has its own "
-                                               f"cache, and every token generated reads its sequence's {K * e:,} bytes "
-                                               "of keys and values in full")))
+            mistakes.append(((W * e + K * ce) / B, ("you divided the KV cache by the batch size too, as if it were "
+                                                    "shared: the weights are shared by the batch, but each sequence has "
+                                                    "its own cache, and every token generated reads its sequence's "
+                                                    f"{K * ce:,} bytes of keys and values in full")))
+    total = W * e + B * K * ce  # the bytes of the whole step
     mistakes += [
-        ((W + P + B * K) * e / B, (f"you counted the position table transformer.wpe (block_size x n_embd = "
-                                   f"{config.block_size} x {C} = {P:,} numbers): a decode step reads one row of it per "
-                                   "sequence, not the table: leave it out")),
-        ((W + E + B * K) * e / B, ("you counted the LM head and the token embedding separately: they are one tensor "
-                                   "(weight tying: lm_head.weight is transformer.wte.weight), read once, vocab_size x "
-                                   f"n_embd = {config.vocab_size} x {C} = {E:,} numbers")),
+        (total / B + P * e / B, (f"you counted the position table transformer.wpe (block_size x n_embd = "
+                                 f"{config.block_size} x {C} = {P:,} numbers): a decode step reads one row of it per "
+                                 "sequence, not the table: leave it out")),
+        (total / B + E * e / B, ("you counted the LM head and the token embedding separately: they are one tensor "
+                                 "(weight tying: lm_head.weight is transformer.wte.weight), read once, vocab_size x "
+                                 f"n_embd = {config.vocab_size} x {C} = {E:,} numbers")),
     ]
-    if (W + B * K) * e % B:
-        mistakes.append(((W + B * K) * e // B, (f"you divided with //, which rounds down to a whole number: the step's "
-                                                f"{(W + B * K) * e:,} bytes shared by B = {B} tokens are "
-                                                f"{(W + B * K) * e / B:,.6g} bytes per token; divide with /")))
-    mistakes += [((W + B * K) * size / B, (f"you counted {size} byte(s) per number, but a {dtype} takes {e} "
-                                           "(torch.empty((), dtype=dtype).element_size()): the weights and the cache "
-                                           "are stored in dtype"))
-                 for size in (1, 2, 4, 8) if size != e]
+    if total % B:
+        mistakes.append((total // B, (f"you divided with //, which rounds down to a whole number: the step's "
+                                      f"{total:,} bytes shared by B = {B} tokens are {total / B:,.6g} bytes per token; "
+                                      "divide with /")))
+    mistakes += [((W + B * K) * size / B, (f"you counted {size} byte(s) per number, but a {dtype} weight takes {e} "
+                                           "(torch.empty((), dtype=dtype).element_size()) and a cached number of "
+                                           f"{cache_dtype} {ce}: the weights are stored in dtype, the cache in "
+                                           "cache_dtype"))
+                 for size in (1, 2, 4, 8) if (size, size) != (e, ce)]
     return mistakes
 
 
 def check_bytes_per_token(bytes_per_token) -> None:
     """Visible checks for chapter 08, exercise 1: two small GPTs (with and without biases), batches 1, 7, 8 and 64,
-    contexts 0 to block_size, in float32, bfloat16, float16 and int8, against bytes counted on tensors."""
+    contexts 0 to block_size, weights in float32, bfloat16, float16 and int8 (whose cache stays float32), and a
+    cache dtype given explicitly, against bytes counted on tensors."""
     from ..gpt import GPTConfig  # the model's sizes (chapter 04), not a chapter 08 solution
 
     small = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=8)
     no_bias = GPTConfig(vocab_size=37, block_size=24, n_layer=3, n_head=4, n_embd=16, bias=False)
-    cases = [(small, 1, 0, None), (small, 1, 16, torch.float32), (small, 8, 5, torch.bfloat16),
-             (no_bias, 64, 24, torch.float16), (no_bias, 8, 10, torch.int8), (no_bias, 1, 7, torch.float32),
-             (small, 7, 9, torch.float32)]
-    for config, B, context, dtype in cases:
+    cases = [(small, 1, 0, None, None), (small, 1, 16, torch.float32, None), (small, 8, 5, torch.bfloat16, None),
+             (no_bias, 64, 24, torch.float16, None), (no_bias, 8, 10, torch.int8, None),
+             (no_bias, 1, 7, torch.float32, None), (small, 7, 9, torch.float32, None),
+             (small, 4, 12, torch.bfloat16, torch.float32), (no_bias, 3, 5, torch.float32, torch.float16)]
+    for config, B, context, dtype, cache_dtype in cases:
         if dtype is None:  # the default dtype
             name = _describe(config, B, context, "the default torch.float32")
             got = _number(bytes_per_token(config, B, context), f"bytes_per_token({name})")
             dtype = torch.float32
-        else:
+        elif cache_dtype is None:  # the default cache dtype
             name = _describe(config, B, context, dtype)
             got = _number(bytes_per_token(config, B, context, dtype=dtype), f"bytes_per_token({name})")
-        parts = _decode_parts(config, B, context, dtype)
-        expected = (parts["weights"] + B * parts["cache"]) * parts["element"] / B
+        else:
+            name = _describe(config, B, context, dtype, cache_dtype)
+            got = _number(call_learner(lambda: bytes_per_token(config, B, context, dtype=dtype, cache_dtype=cache_dtype),
+                                       f"bytes_per_token({name})", "keep the signature's cache_dtype argument",
+                                       TypeError), f"bytes_per_token({name})")
+        cache_dtype = default_cache_dtype(dtype) if cache_dtype is None else cache_dtype
+        parts = _decode_parts(config, B, context, dtype, cache_dtype)
+        expected = (parts["weights"] * parts["element"] + B * parts["cache"] * parts["cache_element"]) / B
         if _same(got, expected):
             continue
-        for value, explanation in _bytes_mistakes(config, B, context, dtype, parts):
+        for value, explanation in _bytes_mistakes(config, B, context, dtype, cache_dtype, parts):
             if _same(got, value):
                 fail(f"for {name}: you computed {got:,.6g} bytes per token, expected {expected:,.6g}: {explanation}")
-        e = parts["element"]
         fail(f"for {name}: you computed {got:,.6g} bytes per token, expected {expected:,.6g} = (weights "
-             f"{parts['weights'] * e:,} bytes, read once for the batch, + {B} x one sequence's KV cache "
-             f"{parts['cache'] * e:,} bytes) / {B} (ratio {got / expected:.4g})")
+             f"{parts['weights'] * parts['element']:,} bytes, read once for the batch, + {B} x one sequence's KV cache "
+             f"{parts['cache'] * parts['cache_element']:,} bytes in {cache_dtype}) / {B} (ratio {got / expected:.4g})")
     passed("bytes_per_token")
 
 
@@ -250,7 +276,7 @@ def _scale_dtype_message(dtype, name: str) -> str:
         bits = 1 - round(math.log2(torch.finfo(dtype).eps))  # significant bits: 8 (bfloat16), 11 (float16)
         return (f"scale should be float32, got {dtype} ({name}): {dtype} keeps {bits} significant bits, so the scale "
                 f"is off from max |w| / 127 by up to {100 * 2.0 ** -bits:.2g}%, an error every weight of the row "
-                "inherits. Keep the scale in float32 (scale.float())")
+                "inherits (a trade-off some libraries make; this exercise's contract is a float32 scale: scale.float())")
     return (f"scale should be float32, got {dtype} ({name}): one float32 per output channel is all the precision a "
             "scale needs (a float64 one is 8 bytes; was the weight float64, or the arithmetic?). Return scale.float()")
 
