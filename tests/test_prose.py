@@ -28,6 +28,9 @@ CITED: dict[str, dict[str, str]] = {
 
     "05-kv-cache": {
         "4096": "Jiang et al. (2023), Mistral 7B, arXiv:2310.06825, section 2 and table 1: window size W = 4096",
+        "5 %": "Ainslie et al. (2023), GQA: Training Generalized Multi-Query Transformer Models from Multi-Head "
+               "Checkpoints, arXiv:2305.13245, abstract and section 2.1: mean-pooled key/value heads, then uptraining "
+               "with 5% of the original pre-training compute (alpha = 0.05, section 3.1)",
     },
 
     "06-decoding": {
