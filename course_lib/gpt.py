@@ -170,7 +170,9 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length must be <= block_size = {self.config.block_size}, got {T}")
         positions = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))  # (B, T, C)
-        logits = self.lm_head(gpt_layers(self, x))  # (B, T, V)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
         loss = None
         if targets is not None:  # the mean over the real targets only: -100 marks padding
             loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
@@ -178,8 +180,9 @@ class GPT(nn.Module):
 
 
 def gpt_layers(model: GPT, x, attend: Callable | None = None):
-    """The block stack of a GPT, the one layer loop of every way of running it: embedded tokens x (..., C) ->
-    the final LayerNorm of the last block's output (..., C), ready for the LM head.
+    """The block stack of a GPT, the one layer loop of every way of running it but training's (``GPT.forward`` is
+    chapter 04's exercise, whose loop the learner writes): embedded tokens x (..., C) -> the final LayerNorm of the
+    last block's output (..., C), ready for the LM head.
 
     attend(layer, attn, h) -> (..., C), if given, is the attention step of block ``layer`` (its module ``attn``,
     its normed input h): the cached forward (chapter 05) and the paged one (chapter 12) read and write their
