@@ -49,6 +49,9 @@ CITED: dict[str, dict[str, str]] = {
     "11-modern-decoder": {
     },
 
+    "14-tiled-attention": {
+    },
+
 }
 
 CHAPTERS = grading.chapters(ROOT)
