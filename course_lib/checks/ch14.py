@@ -58,6 +58,13 @@ def check_online_softmax(online_softmax) -> None:
     if torch.allclose(l, running, rtol=1e-9) and not torch.allclose(l, l_true, rtol=1e-9):
         fail(f"l = {l.tolist()}, expected {l_true.tolist()}: the running sum is not rescaled. When the max grows from "
              "m_old to m_new, everything summed so far was exp(x - m_old): multiply it by exp(m_old - m_new)")
+    before = torch.zeros(3, dtype=torch.float64)
+    for b in range(3):  # each block summed against the max from before it (0 for the first block)
+        m_before = x[:, :4 * b].max(-1).values if b else torch.zeros(3, dtype=torch.float64)
+        before += torch.exp(x[:, 4 * b:4 * b + 4] - m_before[:, None]).sum(-1)
+    if torch.allclose(l, before, rtol=1e-9) and not torch.allclose(l, l_true, rtol=1e-9):
+        fail(f"l = {l.tolist()}, expected {l_true.tolist()}: each block was summed against the max from before it. Is "
+             "the max updated after the sum? Update m first (with this block's max), then sum exp(x - m)")
     assert_close(l, l_true, "l = sum exp(x - m) (in float64)", rtol=1e-12, atol=1e-12)
     big = torch.tensor([[100.0, 300.0, 200.0, 1000.0, 999.0]])
     m, l = _stats(online_softmax, big, [2, 2, 1], "a row of values up to 1000")
