@@ -41,6 +41,7 @@ _SKIP = [
     re.compile(r"\b\d{2}-[a-z]+"),                   # chapter folders: 05-kv-cache
     re.compile(r"^\|\s*\d{2}\s", re.M),               # a chapter number opening a row of a table of chapters
     re.compile(r"\bc\d+\b"),                         # cell references
+    re.compile(r"^#\s+\d{2}\s+·", re.M),               # the chapter's number in its title: "# 14 · ..."
     re.compile(r"\*\*Time:\*\*\s*about\s+\d+\s+minutes"),  # the header's estimate of a learner's time
 ]
 #: Numbers anywhere in code or outputs, with thousands separators, exponents and a trailing %.
