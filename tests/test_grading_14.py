@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 
 from tests import roundtrip
+from tests.helpers import failing
 from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("14-tiled-attention", "tiled_attention")
@@ -30,10 +31,6 @@ def planted() -> dict:
         MP: CH.mutate(MP, "return terms.sum(0), lse", "return outs.mean(0), lse"),
         TA: CH.mutate(TA, KEEP, KEEP.replace(">=", ">")),
     })
-
-
-def failing(exercise: str, *names: str) -> set[str]:
-    return {f"{exercise}-{name}" for name in names}
 
 
 STUDENTS = {

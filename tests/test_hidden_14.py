@@ -14,7 +14,7 @@ import torch
 
 from course_lib import checks
 from tests.cell_harness import TestCells
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 SOURCE = ROOT / "solutions" / "14-tiled-attention" / "tiled_attention.ipynb"
 HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "checks": checks})

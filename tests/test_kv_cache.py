@@ -1,7 +1,7 @@
 """course_lib.kv_cache against independent oracles: the model's own full forward pass, a banded-mask forward
 written with F.scaled_dot_product_attention, PyTorch's grouped-query SDPA, and Hugging Face's generate.
 
-Tolerance: float32 parity at rtol = atol = 1e-5 (tests/conftest.py) on models with GPT-2's initialisation. On
+Tolerance: float32 parity at rtol = atol = 1e-5 (tests/helpers.py) on models with GPT-2's initialisation. On
 the shipped checkpoint (trained, logits up to ~15) float32 rounding alone puts the full forward pass ~1e-5 from
 the float64 logits (chapter 04 measured the same against Hugging Face), so its exact comparisons run in float64.
 """

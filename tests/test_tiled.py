@@ -3,7 +3,6 @@ memory measure, each against an independent oracle (SDPA, chapter 12's gathered 
 brute force, the paper's formulas, tensor sizes known by construction)."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
