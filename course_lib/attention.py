@@ -9,7 +9,7 @@ Conventions used throughout the course:
   then queries, then keys.
 
 The functions below are the reference solutions of chapter 01's exercises; the
-notebook's solution cells are the same code (``tests/test_solution_drift.py`` checks).
+notebook's solution cells are the same code (``tests/grading/test_solution_drift.py`` checks).
 """
 from __future__ import annotations
 

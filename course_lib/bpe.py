@@ -8,7 +8,7 @@ the new id IS the rank (lower = learned earlier = applied first).
 Pre-tokenization (``pretokenize``) cuts text into chunks with GPT-2's regular expression (words with their
 leading space, numbers, punctuation runs, whitespace); merges never cross a chunk boundary. It equals
 Hugging Face ``tokenizers``' ``ByteLevel(add_prefix_space=False, use_regex=True)`` pre-tokenizer, which
-tests/test_bpe.py checks, along with the encoder against ``tokenizers``' own BPE model given the same merges.
+tests/lib/test_bpe.py checks, along with the encoder against ``tokenizers``' own BPE model given the same merges.
 
 Training (``train_bpe``) counts pairs per distinct chunk (a word-frequency dict), repeatedly merges the most
 frequent pair and recounts only the chunks that held it. Ties in the count go to the smallest pair (a, b)

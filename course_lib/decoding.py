@@ -445,7 +445,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: 
     list of ids; a finished row emits pad_token_id (default: the first EOS id) and generation stops when
     every row has finished. attention_mask (B, T): 0 marks left padding.
 
-    Same meaning as in Hugging Face's ``generate`` (tests/test_decoding.py checks it token for token):
+    Same meaning as in Hugging Face's ``generate`` (tests/lib/test_decoding.py checks it token for token):
     max_new_tokens, do_sample, temperature > 0, top_k, top_p, min_p, repetition_penalty, num_beams,
     length_penalty, early_stopping, eos_token_id, pad_token_id, attention_mask. Different: only the
     processors asked for apply (Hugging Face's do_sample=True also applies its default top_k=50);

@@ -13,7 +13,7 @@ state dict converts to and from Hugging Face's ``GPT2LMHeadModel`` by transposin
 Shapes: B batch, T time (tokens), C = n_embd, H = n_head, Dh = C / H, V = vocab_size.
 
 ``CausalSelfAttention``, ``GPT`` and ``gpt_param_count`` are the reference solutions of chapter 04's
-exercises; the notebook's solution cells are the same code (``tests/test_solution_drift.py`` checks).
+exercises; the notebook's solution cells are the same code (``tests/grading/test_solution_drift.py`` checks).
 """
 from __future__ import annotations
 

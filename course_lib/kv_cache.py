@@ -14,7 +14,7 @@ new tokens against a cache) and ``generate_cached`` (greedy prefill + decode); `
 (attention of new queries against cached keys and values, grouped-query aware); ``kv_cache_bytes``
 (the memory formula); ``GQASelfAttention`` (grouped-/multi-query causal self-attention whose cache holds
 H_kv heads). ``cached_attention_step``, ``generate_cached`` and ``kv_cache_bytes`` are the reference
-solutions of chapter 05's exercises (``tests/test_solution_drift.py`` keeps them equal to the notebook's).
+solutions of chapter 05's exercises (``tests/grading/test_solution_drift.py`` keeps them equal to the notebook's).
 
 Positions. ``cache.length`` counts the *slots* written so far (the same for every row). The
 position of a token in the model (its learned position embedding) equals its slot unless the batch

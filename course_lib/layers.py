@@ -6,7 +6,7 @@ transformed vector by vector, the same way at every position, and no information
 between positions. Mixing positions is attention's job.
 
 ``layer_norm`` is the reference solution of chapter 03's first exercise, ``rms_norm`` and ``swiglu`` those of
-chapter 11; the notebooks' solution cells are the same code (``tests/test_solution_drift.py`` checks).
+chapter 11; the notebooks' solution cells are the same code (``tests/grading/test_solution_drift.py`` checks).
 """
 from __future__ import annotations
 

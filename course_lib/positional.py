@@ -14,7 +14,7 @@ RoPE comes in two layouts that pair the features of a head differently: ``apply_
 so that a model of one layout computes exactly what the other computes (chapter 11).
 
 ``sinusoidal_encoding`` and ``apply_rope`` are reference solutions of chapter 02's exercises, ``rope_to_half``
-of chapter 11's; the notebooks' solution cells are the same code (``tests/test_solution_drift.py`` checks).
+of chapter 11's; the notebooks' solution cells are the same code (``tests/grading/test_solution_drift.py`` checks).
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     Otherwise the rule of the ALiBi authors' code, not of the paper (which trains only powers of two):
     ``get_slopes`` in github.com/ofirpress/attention_with_linear_biases takes the slopes of the largest
     power of two n < H, followed by every other slope of 2n (the odd-numbered ones, 2^(-8 (2k+1) / (2n))),
-    until there are H. Hugging Face's BLOOM code does the same (tests/test_positional.py compares them).
+    until there are H. Hugging Face's BLOOM code does the same (tests/lib/test_positional.py compares them).
     """
     if n_heads < 1:
         raise ValueError(f"n_heads must be >= 1, got {n_heads}")

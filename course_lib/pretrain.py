@@ -4,7 +4,7 @@ A ``Recipe`` says everything that decides the weights: the model class and its c
 the seed of its initial weights, the training function and its arguments, and the thread count.
 ``pretrain(name)`` follows ``RECIPES[name]`` and writes ``course_lib/assets/<name>.pt`` (the float32
 state dict and the constructor arguments) and ``course_lib/assets/<name>.json`` (the recipe again,
-the per-step losses and the figures the model reached, which ``tests/test_assets.py`` recomputes).
+the per-step losses and the figures the model reached, which ``tests/lib/test_assets.py`` recomputes).
 
     char-gpt, char-gpt-draft   character GPTs of the default corpus (chapters 04-07), 2 threads
     bpe-gpt                    char-gpt's model and training on byte-level BPE tokens of the same text (chapter 09)

@@ -6,7 +6,7 @@ storing them in fewer bytes makes decoding faster: int8 with one float32 scale p
 (symmetric absmax), or bfloat16.
 
 ``bytes_per_token``, ``quantize_int8``, ``dequantize_int8`` and ``int8_linear`` are the reference
-solutions of chapter 08's exercises (``tests/test_solution_drift.py`` keeps the notebook's equal to them).
+solutions of chapter 08's exercises (``tests/grading/test_solution_drift.py`` keeps the notebook's equal to them).
 ``Int8Linear`` is an ``nn.Linear`` with int8 weights, ``quantize_weights`` a quantized copy of a
 course_lib GPT, ``decode_weight_bytes`` the bytes of the weights a decode step of a model reads, counted.
 

@@ -13,7 +13,7 @@ Two groups of runs:
 
 N is the non-embedding parameter count (Kaplan et al. 2020): the token and position embeddings are table
 look-ups that cost no multiply-adds. ``training_flops``, ``fit_power_law`` and ``compute_optimal`` are the
-reference solutions of the chapter's exercises (``tests/test_solution_drift.py`` checks the notebook's cells).
+reference solutions of the chapter's exercises (``tests/grading/test_solution_drift.py`` checks the notebook's cells).
 
     course scaling                                # every run (--jobs 2: two at a time, one thread each)
     course scaling --only family-1M --out /tmp/check --fresh    # one group of runs, trained again

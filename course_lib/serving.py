@@ -25,7 +25,7 @@ block), V vocabulary. The pool of one layer holds keys (N, S, H, Dh) and values 
 ``b * S + o`` is offset o of block b.
 
 ``slot_mapping``, ``paged_attention`` and ``schedule_step`` are the reference solutions of
-chapter 12's exercises (``tests/test_solution_drift.py`` keeps them equal to the notebook's).
+chapter 12's exercises (``tests/grading/test_solution_drift.py`` keeps them equal to the notebook's).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ Shapes: K draft tokens, V vocabulary, n committed tokens. Batch size 1 only (eac
 would accept a different number of tokens, and the caches hold one length for all rows).
 
 ``speculative_accept`` and ``speculative_step`` are the reference solutions of chapter 07's
-exercises; the notebook's solution cells are the same code (``tests/test_solution_drift.py``).
+exercises; the notebook's solution cells are the same code (``tests/grading/test_solution_drift.py``).
 """
 from __future__ import annotations
 

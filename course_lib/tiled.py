@@ -1,7 +1,7 @@
 """Chapter 14: attention in tiles (FlashAttention's forward pass, on a CPU, in PyTorch).
 
 The three exercises' reference solutions (``online_softmax``, ``merge_partials``, ``tiled_attention``: the
-notebook's answer cells hold the same code, tests/test_solution_drift.py keeps them equal), and what the chapter
+notebook's answer cells hold the same code, tests/grading/test_solution_drift.py keeps them equal), and what the chapter
 builds on them: split-K decoding ("flash-decoding"), chapter 12's paged attention as an online softmax over
 blocks, the causal tile count, the IO model of Dao et al. (2022, Theorem 2) counted exactly, and a measure of
 the largest tensor a function creates.

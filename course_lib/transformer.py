@@ -14,7 +14,7 @@ PyTorch's ``nn.Transformer*`` layers use the opposite convention for boolean mas
 
 ``make_padding_mask``, ``make_causal_mask``, ``make_target_mask``, ``EncoderLayer`` and
 ``DecoderLayer`` are the reference solutions of chapter 03's exercises; the notebook's
-solution cells are the same code (``tests/test_solution_drift.py`` checks).
+solution cells are the same code (``tests/grading/test_solution_drift.py`` checks).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Run a chapter's test cells directly (no nbgrader) against its reference solutions with planted bugs.
 
-Fast companion of the nbgrader round trips (tests/test_grading_NN.py): each planted bug must
+Fast companion of the nbgrader round trips (tests/chapters/chNN/test_grading_NN.py): each planted bug must
 fail exactly the test cells documented to target it, and correct alternatives must pass all.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A number in a markdown cell (any decimal, any number in scientific notation, any count with two or
 more significant figures) must appear in the same notebook's code or stored outputs, or be on the
 chapter's short list of cited constants (a paper's figure, with its source: ``CITED`` in
-``tests/test_prose.py``). "Appears" means some number there rounds to it at the precision the prose
+``tests/grading/test_prose.py``). "Appears" means some number there rounds to it at the precision the prose
 writes it with, read in the prose's unit: ``38.6 M`` is shown by ``38,597,376``, ``61 %`` by ``0.613``
 or ``61.3%``, ``2.3`` by ``2.26``.
 

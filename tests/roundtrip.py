@@ -1,6 +1,6 @@
 """Helpers for a chapter's grading round trip: build student notebooks, grade them, compare.
 
-A chapter's test file (tests/test_grading_NN.py) describes its students: a notebook each
+A chapter's test file (tests/chapters/chNN/test_grading_NN.py) describes its students: a notebook each
 (the release filled in with the reference solutions, some with a planted bug) and the set
 of tests that must fail, derived from what each test cell is documented to check.
 """

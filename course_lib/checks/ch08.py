@@ -29,7 +29,7 @@ def default_cache_dtype(dtype):
     """The dtype of the KV cache of a course GPT whose weights are stored in `dtype`: the dtype its activations
     are computed in. A floating-point dtype's own (the whole model converted, ``model.to(dtype)``), float32 for
     int8 weights (only the linear layers' weights are int8; the embeddings, the activations and the cache stay
-    float32). tests/test_checks_08.py checks this against the caches ``KVCache.for_model`` makes."""
+    float32). tests/chapters/ch08/test_checks_08.py checks this against the caches ``KVCache.for_model`` makes."""
     return dtype if dtype.is_floating_point else torch.float32
 
 

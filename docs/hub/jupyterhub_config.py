@@ -2,7 +2,7 @@
 
 Copy to /etc/jupyterhub/jupyterhub_config.py, fill in the users, and start the hub as root:
 ``jupyterhub -f /etc/jupyterhub/jupyterhub_config.py`` (docs/hub.md walks through it).
-The course's end-to-end test (tests/test_hub.py) loads this very file and changes only ports,
+The course's end-to-end test (tests/system/test_hub.py) loads this very file and changes only ports,
 state folders, the users and the spawner's view of a private interpreter.
 """
 c = get_config()  # noqa: F821 - injected by traitlets

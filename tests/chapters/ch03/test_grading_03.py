@@ -1,0 +1,78 @@
+"""Chapter 03's grading round trip through nbgrader, with real submission notebooks.
+
+One `grading.grade` run grades four students: the reference (full marks), the untouched release
+(zero) and two students with one planted bug in every exercise, chosen so that the tests each bug
+must fail are disjoint. Why each bug fails exactly those tests follows from what each test cell
+documents (its first comment line); tests/chapters/ch03/test_hidden_03.py runs the same cells against many more
+bugs, one at a time and without nbgrader.
+
+The notebook's later cells use course_lib's layers, not the learner's, so a bug in one exercise
+cannot cost points in another.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests import roundtrip
+from tests.roundtrip import Chapter, round_trip
+
+CH = Chapter("03-transformer", "transformer")
+LN, MASKS, ENC, DEC = "layer_norm-solution", "masks-solution", "encoder_layer-solution", "decoder_layer-solution"
+
+
+def planted_a() -> dict:
+    return CH.solved({
+        # torch.var's default divides by D - 1 -> the visible check and the variance test (eps = 0, short vectors);
+        # the eps test uses variances far below eps, where the divisor does not matter
+        LN: CH.mutate(LN, "((x - mean) ** 2).mean(dim=-1, keepdim=True)", "x.var(dim=-1, keepdim=True)"),
+        # causal mask without its diagonal (off by one) -> visible and causal; the combined test compares the
+        # target mask with the learner's own padding & causal masks, so it still passes
+        MASKS: CH.mutate(MASKS, ".tril()", ".tril(-1)"),
+        # the padding mask never reaches self-attention -> visible (it has padding) and padding; pre_ln and
+        # dropout_eval use no mask
+        ENC: CH.mutate(ENC, "h, h, h, mask)", "h, h, h)").replace("x, x, x, mask)", "x, x, x)"),
+        # F.dropout without training=self.training stays on after eval() -> dropout_eval only (every other test
+        # uses dropout 0, where F.dropout is the identity)
+        DEC: CH.mutate(DEC, "self.dropout3(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout3.p)"),
+    })
+
+
+def planted_b() -> dict:
+    return CH.solved({
+        # statistics over axis 0 -> visible and last_axis; the variance and eps tests use 1-D vectors, where axis 0 is the last
+        LN: CH.mutate(LN, "dim=-1", "dim=0"),
+        # the decoder mask forgets the padding -> visible and combined
+        MASKS: CH.mutate(MASKS, "make_padding_mask(tgt, pad_id) & ", ""),
+        # the classic dropout bug, in the encoder -> dropout_eval only
+        ENC: CH.mutate(ENC, "self.dropout2(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout2.p)"),
+        # cross-attention without the source padding mask -> visible and cross_attention; causal and pre_ln use no memory mask
+        DEC: CH.mutate(DEC, "memory, memory, memory_mask)", "memory, memory)"),
+    })
+
+
+# student -> (notebook, the tests that must fail)
+STUDENTS = {
+    "reference": (CH.solved, set()),
+    "untouched": (CH.untouched, set(CH.points)),
+    "planted_a": (planted_a, {"layer_norm-visible", "layer_norm-variance", "masks-visible", "masks-causal",
+                              "encoder_layer-visible", "encoder_layer-padding", "decoder_layer-dropout_eval"}),
+    "planted_b": (planted_b, {"layer_norm-visible", "layer_norm-last_axis", "masks-visible", "masks-combined",
+                              "encoder_layer-dropout_eval", "decoder_layer-visible", "decoder_layer-cross_attention"}),
+}
+
+
+graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions = round_trip(
+    CH, STUDENTS, total=17)  # one nbgrader run grades every student
+
+
+@pytest.mark.slow
+def test_failures_carry_the_checks_messages(graded):
+    messages = roundtrip.messages(graded, CH, "planted_a")
+    assert "you divided by D - 1" in messages["layer_norm-visible"]
+    assert "the diagonal is False" in messages["masks-visible"]
+    assert "is dropout applied with F.dropout" in messages["decoder_layer-dropout_eval"]
+    assert "same output with and without the padding mask" in messages["encoder_layer-visible"]
+    messages = roundtrip.messages(graded, CH, "planted_b")
+    assert "combine the padding mask and the causal mask with &" in messages["masks-visible"]
+    assert "normalise each vector over the last axis" in messages["layer_norm-visible"]
+    assert "ignores memory_mask" in messages["decoder_layer-visible"]

@@ -1,0 +1,145 @@
+"""Chapter 08's test cells, run directly (no nbgrader) against the classic bugs, one planted bug at a time.
+
+Each exercise's visible and hidden test cells run in a namespace holding the reference solutions with ONE
+planted bug. Every bug must fail exactly the tests documented to target it (the comment at the top of each
+cell), and correct alternative implementations must pass everything. The hidden tests' oracles are float64
+formulas, the bytes of a real model's tensors, and Hugging Face's parameter count of GPT-2 small.
+tests/chapters/ch08/test_grading_08.py checks the same on whole notebooks through nbgrader.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import checks
+from course_lib.gpt import GPT, GPTConfig, gpt_param_count
+from tests.cell_harness import TestCells
+from tests.helpers import ROOT, failing
+
+SOURCE = ROOT / "solutions" / "08-memory-bound" / "memory_bound.ipynb"
+GPT2_SMALL = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+HARNESS = TestCells(SOURCE, {"torch": torch, "F": F, "nn": nn, "checks": checks, "GPT": GPT, "GPTConfig": GPTConfig,
+                             "GPT2_SMALL": GPT2_SMALL, "gpt_param_count": gpt_param_count})
+CELLS, REFERENCE = HARNESS.cells, HARNESS.reference
+cells_of, mutate, failing_tests = HARNESS.cells_of, HARNESS.mutate, HARNESS.failing_tests
+
+BYTES, QUANT, DEQUANT, LINEAR = "bytes_per_token", "quantize_int8", "dequantize_int8", "int8_linear"
+RETURN = "return (weights * element + batch_size * kv_cache * cache_element) / batch_size"
+WEIGHTS = "weights = gpt_param_count(config) - config.block_size * config.n_embd"
+KV = "kv_cache = 2 * config.n_layer * context * config.n_embd"
+ELEMENT = "element = torch.empty((), dtype=dtype).element_size()"
+CACHE_ELEMENT = "cache_element = torch.empty((), dtype=cache_dtype).element_size()"
+SCALE = "scale = w.abs().amax(dim=1) / 127"
+Q = "q = torch.round(w / divisor[:, None]).clamp(-127, 127).to(torch.int8)"
+Y = "y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)"
+ADD = "return y if bias is None else y + bias.to(x.dtype)"
+
+
+
+CASES = [
+    # bytes per token
+    (BYTES, "the KV cache forgotten", mutate(BYTES, (RETURN, "return weights * element / batch_size")),
+     failing(BYTES, "visible", "kv", "gpt2")),
+    (BYTES, "keys only: no factor 2", mutate(BYTES, (KV, "kv_cache = config.n_layer * context * config.n_embd")),
+     failing(BYTES, "visible", "kv", "gpt2")),
+    (BYTES, "per step, not per token", mutate(BYTES, (RETURN, "return weights * element + batch_size * kv_cache * cache_element")),
+     failing(BYTES, "visible", "kv", "batch")),
+    (BYTES, "one KV cache shared by the batch", mutate(BYTES, (RETURN, "return (weights * element + kv_cache * cache_element) / batch_size")),
+     failing(BYTES, "visible", "kv")),
+    (BYTES, "the position table counted", mutate(BYTES, (WEIGHTS, "weights = gpt_param_count(config)")),
+     failing(BYTES, "visible", "batch", "gpt2")),
+    (BYTES, "the tied head counted twice", mutate(BYTES, (WEIGHTS, WEIGHTS + " + config.vocab_size * config.n_embd")),
+     failing(BYTES, "visible", "batch", "gpt2")),
+    (BYTES, "4 bytes whatever the dtype", mutate(BYTES, (ELEMENT, "element = 4"), (CACHE_ELEMENT, "cache_element = 4")),
+     failing(BYTES, "visible", "kv", "gpt2")),
+    (BYTES, "the cache in the weights' dtype (int8 beside int8 weights)", mutate(BYTES, (CACHE_ELEMENT, "cache_element = element")),
+     failing(BYTES, "visible", "kv", "gpt2")),
+    (BYTES, "the cache always float32", mutate(BYTES, (CACHE_ELEMENT, "cache_element = 4")),
+     failing(BYTES, "visible", "kv", "gpt2")),
+    (BYTES, "correct: weights counted on a meta-device model", '''
+def bytes_per_token(config, batch_size, context, dtype=torch.float32, cache_dtype=None):
+    with torch.device("meta"):
+        model = GPT(config)
+    weights = sum(p.numel() for name, p in model.named_parameters() if name != "transformer.wpe.weight")
+    per_sequence = 2 * config.n_layer * context * config.n_embd
+    bits = torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits
+    cache_bits = torch.finfo(cache_dtype or (dtype if dtype.is_floating_point else torch.float32)).bits
+    return (weights * bits / batch_size + per_sequence * cache_bits) / 8
+''', set()),
+    # quantize
+    (QUANT, "one scale for the whole tensor", mutate(QUANT, (SCALE, "scale = (w.abs().amax() / 127).expand(w.shape[0]).clone()")),
+     failing(QUANT, "visible", "channel", "symmetric", "zero")),
+    (QUANT, "truncation instead of rounding", mutate(QUANT, (Q, "q = (w / divisor[:, None]).clamp(-127, 127).to(torch.int8)")),
+     failing(QUANT, "visible", "round")),
+    (QUANT, "the asymmetric -128: scale max/128, clamp(-128, 127)", mutate(QUANT, (SCALE, "scale = w.abs().amax(dim=1) / 128"),
+                                                                          (Q, Q.replace("clamp(-127, 127)", "clamp(-128, 127)"))),
+     failing(QUANT, "visible", "channel", "round", "symmetric", "zero")),
+    (QUANT, "128 wraps around to -128", mutate(QUANT, (SCALE, "scale = w.abs().amax(dim=1) / 128"),
+                                              (Q, Q.replace("clamp(-127, 127)", "clamp(-128, 128)"))),
+     failing(QUANT, "visible", "channel", "round", "symmetric", "zero")),
+    (QUANT, "division by a zero scale", mutate(QUANT, (Q, "q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)")),
+     failing(QUANT, "visible", "zero")),  # the visible check's row of 1.4e-44 (scale 0 in float32) catches it too
+    (QUANT, "division by a zero scale, unclamped: NaN and inf cast to int8", mutate(QUANT, (Q, "q = torch.round(w / scale[:, None]).to(torch.int8)")),
+     failing(QUANT, "visible")),  # the casts give 0 on this CPU, so q looks right; the visible check sees the cast
+    (QUANT, "guarded on all-zero rows, not on zero scales", mutate(QUANT, ("divisor = torch.where(scale > 0,", "divisor = torch.where(w.abs().amax(dim=1) > 0,")),
+     failing(QUANT, "visible", "zero")),
+    (QUANT, "the scale in bfloat16", mutate(QUANT, ("    return q, scale", "    return q, scale.bfloat16()")),
+     failing(QUANT, "visible", "channel", "round", "zero", "dtype")),  # 8 significant bits: the scales are off too
+    (QUANT, "the scale in the weight's dtype", mutate(QUANT, ("    return q, scale", "    return q, scale.to(weight.dtype)")),
+     failing(QUANT, "visible", "dtype")),
+    (QUANT, "one scale per input channel", mutate(QUANT, (SCALE, "scale = w.abs().amax(dim=0) / 127"),
+                                                 ("divisor[:, None]", "divisor[None, :]")),
+     failing(QUANT, "visible", "channel", "round", "symmetric", "zero")),
+    (QUANT, "correct: a row at a time, in float64", '''
+def quantize_int8(weight):
+    rows, scales = [], []
+    for row in weight.double():
+        absmax = row.abs().max()
+        scale = (absmax / 127).float()
+        rows.append(torch.zeros_like(row, dtype=torch.int8) if scale == 0 else torch.round(row / scale.double()).clamp(-127, 127).to(torch.int8))
+        scales.append(scale)
+    return torch.stack(rows), torch.stack(scales)
+''', set()),
+    # dequantize
+    (DEQUANT, "the scale on the columns", mutate(DEQUANT, ("return q.float() * scale.float()[:, None]", "return q.float() * scale.float()[None, :]")),
+     failing(DEQUANT, "visible", "axis")),
+    (DEQUANT, "still int8", mutate(DEQUANT, ("return q.float() * scale.float()[:, None]", "return q * scale[:, None].to(torch.int8)")),
+     failing(DEQUANT, "visible", "axis")),
+    (DEQUANT, "correct: torch.mul with broadcasting", '''
+def dequantize_int8(q, scale):
+    return torch.mul(q.to(torch.float32), scale.to(torch.float32).unsqueeze(1))
+''', set()),
+    # int8 linear
+    (LINEAR, "the scale on the inputs", mutate(LINEAR, (Y, "y = F.linear(x * scale.to(x.dtype), q.to(x.dtype))")),
+     failing(LINEAR, "visible", "scale", "bias", "shapes")),
+    (LINEAR, "the bias scaled too", mutate(LINEAR, (Y, "y = F.linear(x, q.to(x.dtype))"),
+                                          (ADD, "return (y if bias is None else y + bias.to(x.dtype)) * scale.to(x.dtype)")),
+     failing(LINEAR, "visible", "bias")),
+    (LINEAR, "the scale forgotten", mutate(LINEAR, (Y, "y = F.linear(x, q.to(x.dtype))")),
+     failing(LINEAR, "visible", "scale", "bias", "shapes")),
+    (LINEAR, "always float32", mutate(LINEAR, (Y, "y = F.linear(x.float(), q.float()) * scale.float()")),
+     failing(LINEAR, "shapes")),  # the visible test's float64 input has a float64 bias, which promotes the sum back
+    (LINEAR, "correct: dequantize, then F.linear", '''
+def int8_linear(x, q, scale, bias=None):
+    weight = q.to(x.dtype) * scale.to(x.dtype)[:, None]
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+''', set()),
+]
+
+
+def test_every_exercise_has_a_visible_test_and_hidden_tests():
+    assert set(REFERENCE) == {BYTES, QUANT, DEQUANT, LINEAR}
+    for exercise in REFERENCE:
+        assert f"{exercise}-visible" in CELLS and len(cells_of(exercise)) >= 2
+
+
+@pytest.mark.parametrize("exercise", [BYTES, QUANT, DEQUANT, LINEAR])
+def test_the_reference_passes_every_test(exercise):
+    assert failing_tests(exercise, REFERENCE[exercise]) == set()
+
+
+@pytest.mark.parametrize("exercise,bug,solution,must_fail", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
+def test_each_bug_fails_exactly_the_tests_that_target_it(exercise, bug, solution, must_fail):
+    assert failing_tests(exercise, solution) == must_fail

@@ -1,0 +1,135 @@
+"""Chapter 09's test cells, run directly (no nbgrader) against the classic BPE bugs, one planted bug at a time.
+
+Each exercise's visible and hidden test cells run in a namespace holding the reference solutions with ONE
+planted bug. Every bug must fail exactly the tests documented to target it (the comment at the top of each
+cell), and correct alternative implementations must pass everything. The four classic bugs of the chapter:
+overlapping pairs merged twice ("aaa"), merges applied by frequency in the text instead of by learned rank,
+a merge across a pre-tokenization boundary, and a decoder that decodes token by token. The encoder calls bpe_merge: grading runs each exercise with the
+other exercises' reference solutions, so a bug in exercise 1 costs nothing in exercise 2 (tests/chapters/ch09/test_grading_09.py
+checks that, and the rest, on whole notebooks through nbgrader).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from course_lib import checks
+from course_lib.bpe import (BPETokenizer, bytes_to_unicode, count_pairs, hf_encode_bytes, merges_from_hf, pretokenize,
+                            text_nats, train_bpe, train_hf_bpe, vocab_from_merges)
+from course_lib.data import default_corpus
+from tests.cell_harness import TestCells
+from tests.helpers import ROOT
+
+SOURCE = ROOT / "solutions" / "09-tokenization" / "tokenization.ipynb"
+HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "time": time, "Counter": Counter, "checks": checks,
+                             "BPETokenizer": BPETokenizer, "bytes_to_unicode": bytes_to_unicode, "count_pairs": count_pairs,
+                             "hf_encode_bytes": hf_encode_bytes, "merges_from_hf": merges_from_hf, "pretokenize": pretokenize,
+                             "text_nats": text_nats, "train_bpe": train_bpe, "train_hf_bpe": train_hf_bpe,
+                             "vocab_from_merges": vocab_from_merges, "default_corpus": default_corpus})
+CELLS, REFERENCE = HARNESS.cells, HARNESS.reference
+cells_of, mutate, failing_tests = HARNESS.cells_of, HARNESS.mutate, HARNESS.failing_tests
+
+MERGE, ENCODE, DECODE = "bpe_merge", "bpe_encode", "bpe_decode"
+RANK = 'pair = min(zip(chunk_ids, chunk_ids[1:]), key=lambda p: merges.get(p, float("inf")))'
+
+CASES = [
+    # exercise 1: the merge
+    (MERGE, "overlapping pairs merged twice (every matching position, right to left)", '''
+def bpe_merge(ids, pair, new_id):
+    out = list(ids)
+    hits = [i for i in range(len(ids) - 1) if ids[i] == pair[0] and ids[i + 1] == pair[1]]
+    for i in reversed(hits):  # every position where the pair starts, overlapping ones too
+        out[i:i + 2] = [new_id]
+    return out
+''', {f"{MERGE}-visible", f"{MERGE}-overlap"}),
+    (MERGE, "overlaps merged from the right", '''
+def bpe_merge(ids, pair, new_id):
+    out = []
+    i = len(ids) - 1
+    while i >= 0:
+        if i >= 1 and ids[i - 1] == pair[0] and ids[i] == pair[1]:
+            out.append(new_id)
+            i -= 2
+        else:
+            out.append(ids[i])
+            i -= 1
+    return out[::-1]
+''', {f"{MERGE}-visible", f"{MERGE}-overlap"}),
+    (MERGE, "only the first occurrence replaced", '''
+def bpe_merge(ids, pair, new_id):
+    for i in range(len(ids) - 1):
+        if (ids[i], ids[i + 1]) == tuple(pair):
+            return ids[:i] + [new_id] + ids[i + 2:]
+    return list(ids)
+''', {f"{MERGE}-visible", f"{MERGE}-overlap", f"{MERGE}-random"}),
+    (MERGE, "the input list modified in place", '''
+def bpe_merge(ids, pair, new_id):
+    i = 0
+    while i < len(ids) - 1:
+        if ids[i] == pair[0] and ids[i + 1] == pair[1]:
+            ids[i:i + 2] = [new_id]
+        i += 1
+    return ids
+''', {f"{MERGE}-visible", f"{MERGE}-random"}),
+    (MERGE, "correct: str.replace on ids written as characters", '''
+def bpe_merge(ids, pair, new_id):
+    as_text = "".join(chr(0x10000 + i) for i in ids)
+    return [ord(c) - 0x10000 for c in as_text.replace(chr(0x10000 + pair[0]) + chr(0x10000 + pair[1]), chr(0x10000 + new_id))]
+''', set()),
+    # exercise 2: the encoder
+    (ENCODE, "merges by frequency in the text, not by rank", mutate(ENCODE, (RANK, '''counts = count_pairs(chunk_ids)
+            known = [p for p in counts if p in merges]
+            pair = max(known, key=lambda p: counts[p]) if known else (-1, -1)''')),
+     {f"{ENCODE}-visible", f"{ENCODE}-rank", f"{ENCODE}-hf"}),
+    (ENCODE, "no pre-tokenization: merges across chunk boundaries", mutate(ENCODE, ("for chunk in pretokenize(text):", "for chunk in [text]:")),
+     {f"{ENCODE}-visible", f"{ENCODE}-boundary", f"{ENCODE}-hf"}),
+    (ENCODE, "leftmost known pair first", mutate(ENCODE, (RANK, "pair = next((p for p in zip(chunk_ids, chunk_ids[1:]) if p in merges), (-1, -1))")),
+     {f"{ENCODE}-visible", f"{ENCODE}-rank", f"{ENCODE}-hf"}),
+    (ENCODE, "correct: each merge once, in the order learned", '''
+def bpe_encode(text, merges):
+    ids = []
+    for chunk in pretokenize(text):
+        chunk_ids = list(chunk.encode("utf-8"))
+        for pair, new_id in sorted(merges.items(), key=lambda item: item[1]):
+            chunk_ids = bpe_merge(chunk_ids, pair, new_id)
+        ids += chunk_ids
+    return ids
+''', set()),
+    # exercise 3: the decoder
+    (DECODE, "each token decoded on its own (errors replaced)", mutate(DECODE, (
+        'return b"".join(vocab[int(i)] for i in ids).decode("utf-8", errors="replace")',
+        'return "".join(vocab[int(i)].decode("utf-8", errors="replace") for i in ids)')),
+     {f"{DECODE}-visible", f"{DECODE}-utf8"}),
+    (DECODE, "each token decoded on its own (strict)", mutate(DECODE, (
+        'return b"".join(vocab[int(i)] for i in ids).decode("utf-8", errors="replace")',
+        'return "".join(vocab[int(i)].decode("utf-8") for i in ids)')),
+     {f"{DECODE}-visible", f"{DECODE}-utf8"}),
+    (DECODE, "correct: an incremental decoder", '''
+import codecs
+
+def bpe_decode(ids, vocab):
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    return "".join(decoder.decode(vocab[int(i)]) for i in ids) + decoder.decode(b"", final=True)
+''', set()),
+]
+
+
+def test_every_exercise_has_a_visible_test_and_hidden_tests():
+    assert set(REFERENCE) == {MERGE, ENCODE, DECODE}
+    assert {e: len(cells_of(e)) for e in REFERENCE} == {MERGE: 3, ENCODE: 4, DECODE: 2}
+    for exercise in REFERENCE:
+        assert f"{exercise}-visible" in CELLS
+
+
+@pytest.mark.parametrize("exercise", [MERGE, ENCODE, DECODE])
+def test_the_reference_passes_every_test(exercise):
+    assert failing_tests(exercise, REFERENCE[exercise]) == set()
+
+
+@pytest.mark.parametrize("exercise,bug,solution,must_fail", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
+def test_each_bug_fails_exactly_the_tests_that_target_it(exercise, bug, solution, must_fail):
+    assert failing_tests(exercise, solution) == must_fail

@@ -1,0 +1,293 @@
+"""course_lib.serving against independent oracles.
+
+* Greedy tokens: every request's tokens equal generating it alone with chapter 05's ``generate_cached`` (exact),
+  for any arrival order, token budget, block size and pool size that holds one request, with shared prefixes
+  (and copy-on-write) and with preemption. Exact equality of tokens is a claim about rounding: the engine
+  runs a request's rows through matrix products of other shapes than ``generate_cached`` does, so its
+  logits differ from the alone run by float32 rounding (checked at 1e-5 here too); the argmax is the same
+  whenever no two logits are that close, which holds on every model and trace below (the tests would show it
+  otherwise), as it does for chapter 05's batched generation (tests/lib/test_kv_cache.py).
+* Sampled tokens: an uncached loop (the full forward pass of the model at every step, chapter 06's
+  ``process_logits``, one ``torch.multinomial`` draw per token from a generator seeded per request).
+* Paged attention: F.scaled_dot_product_attention in float64 over each sequence's keys laid out contiguously.
+* The scheduler: its documented policy, on hand-made sequences.
+"""
+from __future__ import annotations
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import assets
+from course_lib.decoding import process_logits
+from course_lib.gpt import GPT, GPTConfig
+from course_lib.kv_cache import generate_cached
+from course_lib.serving import (Engine, PagedKVCache, Request, make_trace, paged_attention, paged_forward,
+                                schedule_step, slot_mapping, static_batching)
+from tests.helpers import assert_parity
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def small():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=61, block_size=48, n_layer=2, n_head=2, n_embd=32)).eval()
+
+
+def alone(model, request) -> list:
+    out = generate_cached(model, torch.tensor([request.prompt]), request.max_new_tokens)
+    return out[0, len(request.prompt):].tolist()
+
+
+def trace(n, seed, vocab=61, context=48, prefix=None, gap=0.7):
+    return make_trace(n, seed, context=context, vocab=list(range(vocab)), prompt_range=(1, 14), output_median=6,
+                      mean_gap=gap, prefix=prefix)
+
+
+# ---------------------------------------------------------------------------------------------------- slots
+
+
+def test_slot_mapping_follows_the_block_table():
+    table = torch.tensor([7, 2, 9, 0])
+    for S in (1, 3, 4):
+        positions = torch.arange(min(4 * S, 11))
+        expected = [table[p // S].item() * S + p % S for p in positions.tolist()]  # the definition, one by one
+        assert slot_mapping(table, positions, S).tolist() == expected
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("S", [1, 3, 4])
+def test_paged_attention_equals_contiguous_attention_in_float64(S):
+    g = torch.Generator().manual_seed(S)
+    N, H, Dh = 40, 3, 8
+    key_pool, value_pool = torch.randn(N, S, H, Dh, generator=g), torch.randn(N, S, H, Dh, generator=g)
+    lengths = [1, S, 2 * S + 1, 5 * S - 1, 7]  # partly filled last blocks, one-token and one-block sequences
+    M = max(math.ceil(n / S) for n in lengths)
+    order = torch.randperm(N, generator=g)  # each sequence's blocks: scattered over the pool
+    tables = torch.zeros(len(lengths), M, dtype=torch.long)
+    used = 0
+    for b, n in enumerate(lengths):
+        k = math.ceil(n / S)
+        tables[b, :k] = order[used:used + k]
+        tables[b, k:] = order[-1]  # padding entries: a valid block holding other numbers
+        used += k
+    q = torch.randn(len(lengths), H, Dh, generator=g)
+    got = paged_attention(q, key_pool, value_pool, tables, torch.tensor(lengths))
+    for b, n in enumerate(lengths):
+        keys = key_pool[tables[b]].reshape(-1, H, Dh)[:n].transpose(0, 1).double()  # (H, n, Dh), contiguous
+        values = value_pool[tables[b]].reshape(-1, H, Dh)[:n].transpose(0, 1).double()
+        expected = F.scaled_dot_product_attention(q[b, :, None].double(), keys, values)[:, 0]
+        assert_parity(got[b], expected)
+
+
+def test_paged_forward_logits_equal_the_full_forward_pass(small):
+    cache = PagedKVCache.for_model(small, 20, 4)
+    ids = torch.randint(0, 61, (2, 11), generator=torch.Generator().manual_seed(1))
+    tables = [torch.tensor([5, 0, 17]), torch.tensor([3, 9, 12])]
+    paged_forward(small, cache, [(tables[0], 0, ids[0, :6]), (tables[1], 0, ids[1, :10])])  # two prefills
+    logits = paged_forward(small, cache, [(tables[0], 6, ids[0, 6:11]), (tables[1], 10, ids[1, 10:11])])  # chunk, decode
+    with torch.no_grad():
+        full = small(ids)[0]
+    assert_parity(logits[0], full[0, 10])
+    assert_parity(logits[1], full[1, 10])
+
+
+# ---------------------------------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("block_size,budget,seed", [(1, 5, 0), (3, 1, 1), (4, 16, 2), (8, 64, 3), (16, 7, 4)])
+def test_greedy_tokens_equal_generating_each_request_alone(small, block_size, budget, seed):
+    requests = trace(10, seed)
+    random.Random(seed).shuffle(requests)  # the order of the list must not matter either
+    results, _ = Engine(small, num_blocks=200, block_size=block_size, token_budget=budget).run(requests)
+    for r in requests:
+        assert results[r.name].error is None and results[r.name].tokens == alone(small, r), r.name
+
+
+def test_a_pool_that_holds_one_request_preempts_and_every_request_still_finishes_exactly(small):
+    requests = trace(8, 5, gap=0.2)
+    S = 4
+    num_blocks = max(math.ceil((len(r.prompt) + r.max_new_tokens) / S) for r in requests)  # the largest request fits
+    results, _ = Engine(small, num_blocks=num_blocks, block_size=S, token_budget=16).run(requests)
+    assert sum(res.preemptions for res in results.values()) > 0
+    for r in requests:
+        assert results[r.name].tokens == alone(small, r), r.name
+
+
+def test_shared_prefix_saves_blocks_copies_on_write_and_stays_exact(small):
+    prefix = list(range(20, 32))  # 12 tokens: 3 full blocks of 4
+    requests = trace(8, 6, prefix=prefix, gap=0.3)
+    same = [Request(f"same{i}", prefix[:8], 5, arrival=2) for i in range(3)]  # block-aligned identical prompts
+    requests += same
+    engine = Engine(small, num_blocks=120, block_size=4, token_budget=32)
+    shared, trace_shared = engine.run(requests)
+    engine.share_prefixes = False
+    private, trace_private = engine.run(requests)
+    for r in requests:
+        assert shared[r.name].tokens == private[r.name].tokens == alone(small, r), r.name
+    assert max(trace_shared.allocated) < max(trace_private.allocated)
+    assert sum(trace_shared.allocated) < sum(trace_private.allocated)
+
+
+def test_copy_on_write_copies_a_shared_block_before_writing_it(small):
+    cache = PagedKVCache.for_model(small, 6, 4)
+    block = cache.allocate()
+    cache.storage[:, :, block] = 1.5
+    cache.share(block)
+    copy = cache.copy_block(block)
+    assert copy != block and cache.refs[block] == 1 and cache.refs[copy] == 1
+    assert torch.equal(cache.storage[:, :, copy], cache.storage[:, :, block])
+    cache.release(block)
+    cache.release(copy)
+    assert sorted(cache.free) == list(range(6))
+
+
+def test_every_block_goes_back_to_the_free_list(small):
+    requests = trace(10, 7, prefix=[1, 2, 3, 4, 5])
+    engine = Engine(small, num_blocks=30, block_size=2, token_budget=9)
+    results, run = engine.run(requests)
+    assert all(u <= a for u, a in zip(run.used, run.allocated))
+    assert run.allocated[-1] == 0
+
+
+def test_the_shipped_checkpoint_serves_a_trace_exactly():
+    model = assets.load("char-gpt")
+    requests = make_trace(12, 0, vocab=list(range(model.config.vocab_size)), mean_gap=0.5)
+    results, _ = Engine(model, num_blocks=64, block_size=8, token_budget=48).run(requests)
+    for r in requests:
+        assert results[r.name].tokens == alone(model, r), r.name
+    static, _ = static_batching(model, requests, 4)
+    for r in requests:
+        assert static[r.name].tokens == results[r.name].tokens, r.name
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+
+
+def sampled_alone(model, request) -> list:
+    """The oracle: no cache, the full forward pass at every step, a generator seeded per request."""
+    g = torch.Generator().manual_seed(request.seed)
+    idx = torch.tensor([request.prompt])
+    for _ in range(request.max_new_tokens):
+        with torch.no_grad():
+            logits = model(idx)[0][:, -1]
+        scores = process_logits(logits, idx, idx[:, len(request.prompt):], **request.sampling)
+        idx = torch.cat([idx, torch.multinomial(torch.softmax(scores, -1), 1, generator=g)], dim=1)
+    return idx[0, len(request.prompt):].tolist()
+
+
+def test_sampled_requests_give_the_same_tokens_alone_and_in_any_batch(small):
+    requests = trace(9, 8, gap=0.4)
+    settings = [dict(temperature=0.8), dict(top_k=5), dict(top_p=0.9, temperature=1.3), dict(repetition_penalty=1.3)]
+    for i, r in enumerate(requests):
+        r.sampling, r.seed = settings[i % len(settings)], 100 + i
+    batched, _ = Engine(small, num_blocks=60, block_size=4, token_budget=12).run(requests)
+    fits = max(math.ceil((len(r.prompt) + r.max_new_tokens) / 4) for r in requests)
+    tight, run = Engine(small, num_blocks=fits, block_size=4, token_budget=3).run(requests)  # preemption, other batches
+    static, _ = static_batching(small, requests, 3)
+    for r in requests:
+        expected = sampled_alone(small, r)
+        assert batched[r.name].tokens == tight[r.name].tokens == static[r.name].tokens == expected, r.name
+    assert sum(tight[r.name].preemptions for r in requests) > 0
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_requests_get_an_error_naming_the_argument_and_the_others_finish(small):
+    good = trace(4, 9)
+    bad = [Request("empty", [], 3), Request("long", [1] * 40, 9), Request("none", [1, 2], 0)]
+    results, _ = Engine(small, num_blocks=40, block_size=4).run(good + bad)
+    assert "prompt must hold at least 1 token" in results["empty"].error
+    assert "block_size = 48" in results["long"].error and "prompt length + max_new_tokens" in results["long"].error
+    assert "max_new_tokens must be an integer >= 1" in results["none"].error
+    for r in good:
+        assert results[r.name].error is None and results[r.name].tokens == alone(small, r)
+    static, _ = static_batching(small, good + bad, 4)
+    assert static["long"].error == results["long"].error and static[good[0].name].tokens == alone(small, good[0])
+
+
+def test_a_pool_too_small_for_a_request_rejects_that_request_only(small):
+    requests = [Request("short", [1, 2], 2), Request("big", [3] * 20, 10)]
+    results, _ = Engine(small, num_blocks=4, block_size=4).run(requests)
+    assert "num_blocks = 4 is too small" in results["big"].error
+    assert results["short"].tokens == alone(small, requests[0])
+
+
+@pytest.mark.parametrize("argument,kwargs", [("block_size", dict(block_size=0)), ("num_blocks", dict(num_blocks=0)),
+                                             ("token_budget", dict(token_budget=0))])
+def test_engine_arguments_below_one_raise(small, argument, kwargs):
+    with pytest.raises(ValueError, match=f"{argument} must be an integer >= 1"):
+        Engine(small, **{"num_blocks": 10, **kwargs})
+
+
+# ---------------------------------------------------------------------------------------------------- scheduler
+
+
+def seq(name, n_tokens, n_cached, held, S=4, freed=None):
+    """A hand-made sequence: blocks_needed by the plain formula, blocks_freed = held unless given."""
+    return SimpleNamespace(name=name, n_tokens=n_tokens, n_cached=n_cached,
+                           blocks_needed=lambda n: max(0, math.ceil((n_cached + n) / S) - held),
+                           blocks_freed=lambda: held if freed is None else freed)
+
+
+def names(scheduled):
+    return [(s.name, n) for s, n in scheduled]
+
+
+def test_scheduler_runs_decodes_then_admits_waiting_requests_in_order_under_the_budget():
+    running = [seq("a", 9, 8, 2), seq("b", 5, 4, 1)]  # a: decode, no new block; b: decode, needs a block (5 > 4)
+    waiting = [seq("c", 10, 0, 0), seq("d", 3, 0, 0)]
+    scheduled, preempted = schedule_step(running, waiting, num_free_blocks=10, token_budget=8)
+    assert names(scheduled) == [("a", 1), ("b", 1), ("c", 6)] and preempted == []  # c: a chunk of 6; d: no budget left
+    scheduled, _ = schedule_step(running, waiting, num_free_blocks=10, token_budget=20)
+    assert names(scheduled) == [("a", 1), ("b", 1), ("c", 10), ("d", 3)]
+    scheduled, _ = schedule_step(running, waiting, num_free_blocks=3, token_budget=20)  # c needs 3 blocks: only 2 left
+    assert names(scheduled) == [("a", 1), ("b", 1)]  # and d may not overtake c
+
+
+def test_scheduler_preempts_the_most_recent_running_sequence_and_admits_nobody():
+    running = [seq("a", 9, 8, 2), seq("b", 5, 4, 1), seq("c", 13, 12, 3)]  # b and c each need a new block
+    waiting = [seq("w", 2, 0, 0)]
+    scheduled, preempted = schedule_step(running, waiting, num_free_blocks=0, token_budget=50)
+    assert [s.name for s in preempted] == ["c"] and names(scheduled) == [("a", 1), ("b", 1)]
+    scheduled, preempted = schedule_step([seq("a", 9, 8, 2), seq("b", 5, 4, 1)], waiting, 0, 50)
+    assert [s.name for s in preempted] == ["b"] and names(scheduled) == [("a", 1)]  # b preempts itself
+    assert schedule_step(running, [], 5, 2)[0][-1][0].name == "b"  # the budget runs out before c
+
+
+def test_scheduler_changes_neither_list():
+    running, waiting = [seq("a", 5, 4, 1)], [seq("b", 3, 0, 0)]
+    schedule_step(running, waiting, 0, 10)
+    assert [s.name for s in running] == ["a"] and [s.name for s in waiting] == ["b"]
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+def test_no_write_lands_in_a_shared_block_when_a_whole_prompt_is_shared(small, block_size, monkeypatch):
+    # Two identical prompts, the second arriving once the first has cached its prompt: the second shares every
+    # prompt block and recomputes its last prompt token, which must go into a copy (copy-on-write), whatever
+    # block_size (with block_size 1 the block to write is a full one, not a partly filled last block).
+    import course_lib.serving as serving
+    written = []
+
+    def spy(model, cache, chunks, **kwargs):
+        for table, start, tokens in chunks:  # the blocks this step writes, and their reference counts
+            for p in range(start, start + len(tokens)):
+                block = int(table[p // cache.block_size])
+                written.append((block, cache.refs[block]))
+        return paged_forward(model, cache, chunks, **kwargs)
+
+    monkeypatch.setattr(serving, "paged_forward", spy)
+    prompt = [3, 14, 15, 9, 26, 5, 35, 8]
+    requests = [Request("first", prompt, 6, arrival=0), Request("second", prompt, 6, arrival=3)]
+    results, _ = Engine(small, num_blocks=40, block_size=block_size, token_budget=16).run(requests)
+    assert written and all(refs == 1 for _, refs in written), [w for w in written if w[1] != 1]
+    for r in requests:
+        assert results[r.name].tokens == alone(small, r), r.name
