@@ -380,5 +380,10 @@ def test_static_batching_reserving_the_context_holds_context_slots_per_row(small
                                     + [2 * rows(second) * per_token] * max(r.max_new_tokens for r in second))
     assert context_run.allocated == ([3 * 48 * per_token] * max(r.max_new_tokens for r in first)
                                      + [2 * 48 * per_token] * max(r.max_new_tokens for r in second))
+    steps = lambda batch: max(r.max_new_tokens for r in batch)
+    width = lambda batch: max(len(r.prompt) for r in batch)  # the padded prompt, every row computed
+    assert oracle_run.computed == context_run.computed == (
+        [3 * width(first)] + [3] * (steps(first) - 1) + [2 * width(second)] + [2] * (steps(second) - 1))
+    assert oracle_run.prefill == [3 * width(first)] + [0] * (steps(first) - 1) + [2 * width(second)] + [0] * (steps(second) - 1)
     with pytest.raises(ValueError, match='reserve must be "oracle"'):
         static_batching(small, requests, 3, reserve="max")
