@@ -298,8 +298,11 @@ def format_kernels(kernels: dict) -> str:
 SERVE_MODELS = ("char-gpt", "gpt2-small")
 #: Requests in the trace of each model by default (the GPT-2-small shape costs about 40 times more per token)
 SERVE_REQUESTS = {"char-gpt": 32, "gpt2-small": 16}
-#: The systems of ``course bench serve``, in the order they are printed
-SERVE_SYSTEMS = ("ours continuous + paged", "ours static batching", "HF continuous + paged")
+#: The systems of ``course bench serve``. Printed ours first (continuous, capped, static, static reserving the context),
+#: then Hugging Face's: the last two were added later, our engine capped at static batching's batch size
+#: (max_num_seqs) and static batching reserving the model's context in every row
+SERVE_SYSTEMS = ("ours continuous + paged", "ours static batching", "HF continuous + paged", "ours continuous, capped",
+                 "ours static, context")
 
 
 def serve_model(name: str, seed: int = 0) -> GPT:
@@ -400,7 +403,10 @@ def bench_serve(models=SERVE_MODELS, n_requests: dict | int | None = None, block
     * "trace": the trace's arrivals (exponential gaps of mean mean_gap engine steps), by our two systems only.
 
     Ours continuous: ``Engine`` with a pool that holds every request at once (no preemption), blocks of block_size
-    tokens, token_budget tokens per step; static: ``static_batching`` with batches of max_batch_size; Hugging Face:
+    tokens, token_budget tokens per step; ours continuous, capped: the same with max_num_seqs = max_batch_size (no
+    more requests at once than static batching runs); static: ``static_batching`` with batches of max_batch_size,
+    rows sized by the requests' true output lengths (an oracle); static, context: the same reserving the
+    model's context in every row (``reserve="context"``: the same tokens and steps, more memory); Hugging Face:
     ``hf_serve`` with the same pool, page size and budget. warmup untimed runs on the first 4 requests, then repeats
     runs, alternating between the systems. Per system: generated tokens/s (median of the runs), time to first token
     and time per output token (every request of every run: median and 95th percentile), KV bytes allocated per byte
@@ -433,10 +439,14 @@ def bench_serve(models=SERVE_MODELS, n_requests: dict | int | None = None, block
                 r.arrival = 0
             num_blocks = sum(math.ceil((len(r.prompt) + r.max_new_tokens) / block_size) for r in trace)
             engine = Engine(ours, num_blocks=num_blocks, block_size=block_size, token_budget=token_budget)
+            capped = Engine(ours, num_blocks=num_blocks, block_size=block_size, token_budget=token_budget,
+                            max_num_seqs=max_batch_size)
             for arrivals, requests in (("all at 0", at_once), ("trace", trace)):
                 systems = {
                     SERVE_SYSTEMS[0]: lambda reqs: _ours_run(*engine.run(reqs)),
+                    SERVE_SYSTEMS[3]: lambda reqs: _ours_run(*capped.run(reqs)),
                     SERVE_SYSTEMS[1]: lambda reqs: _ours_run(*static_batching(ours, reqs, max_batch_size)),
+                    SERVE_SYSTEMS[4]: lambda reqs: _ours_run(*static_batching(ours, reqs, max_batch_size, reserve="context")),
                 }
                 if arrivals == "all at 0":
                     systems[SERVE_SYSTEMS[2]] = lambda reqs: hf_serve(theirs, reqs, num_blocks, block_size, token_budget)
@@ -491,8 +501,10 @@ def format_serve(result: dict) -> str:
              f"log-normal, median 12), greedy, float32, {r['threads']} threads; tokens/s: median of {r['repeats']} runs "
              f"after {r['warmup']} warm-up run(s); TTFT, TPOT: every request of every run",
              f"ours continuous: Engine, blocks of {r['block_size']} tokens, a pool that holds every request at once (no "
-             f"preemption), {r['token_budget']} tokens per step; static: batches of {r['max_batch_size']}, cache "
-             f"preallocated for the longest prompt + longest output; HF: the same pool, page size and token budget",
+             f"preemption), {r['token_budget']} tokens per step; capped: the same, at most {r['max_batch_size']} requests "
+             f"at once (max_num_seqs); static: batches of {r['max_batch_size']}, cache preallocated for the longest prompt "
+             f"+ longest output (read from the true output lengths: an oracle); static, context: the model's context "
+             f"in every row; HF: the same pool, page size and token budget",
              f"{'model':10s} {'arrivals':8s}  {'system':24s} {'req':>3s} {'tokens':>6s} {'tokens/s':>8s} "
              f"{'TTFT ms med':>11s} {'p95':>6s} {'TPOT ms med':>11s} {'p95':>6s} {'KV alloc/used':>13s} {'same':>4s}"]
     for row in r["rows"]:

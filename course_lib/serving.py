@@ -16,6 +16,8 @@ Agrawal et al. 2023 and 2024, and vLLM):
   (copy-on-write);
 * **preemption**: when the pool is full, the most recently admitted running sequence gives its blocks
   back and is recomputed later (vLLM's default); it keeps the tokens it generated;
+* **a cap on running sequences** (``max_num_seqs``, vLLM's name; none by default): the engine admits no
+  more once that many run;
 * **per-request sampling**: each request carries its own chapter 06 processors and its own
   ``torch.Generator``, so its random stream does not depend on the batch it ran in (its logits may,
   by float rounding: the tests check that its tokens do not, on their models and traces).
@@ -23,6 +25,11 @@ Agrawal et al. 2023 and 2024, and vLLM):
 Shapes: L layers, H heads, Dh head size, C = H * Dh, N blocks in the pool, S block size (slots per
 block), V vocabulary. The pool of one layer holds keys (N, S, H, Dh) and values (N, S, H, Dh); slot
 ``b * S + o`` is offset o of block b.
+
+The ``Trace`` of a run counts, per step, the tokens through the forward pass and those in prompt chunks
+(the cost of shared prefixes, recompute and prefill interference, in tokens), beside each step's seconds.
+``static_batching`` reserves each batch's cache from the requests' true output lengths (an oracle) or the
+model's context per row (``reserve="context"``).
 
 ``slot_mapping``, ``paged_attention`` and ``schedule_step`` are the reference solutions of
 chapter 12's exercises (``tests/grading/test_solution_drift.py`` keeps them equal to the notebook's).
@@ -489,6 +496,9 @@ class Trace:
     allocated: list = field(default_factory=list)  # per step: KV bytes allocated
     used: list = field(default_factory=list)  # per step: KV bytes holding a cached token
     batch: list = field(default_factory=list)  # per step: sequences in the forward pass
+    computed: list = field(default_factory=list)  # per step: tokens through the forward pass (padding included)
+    prefill: list = field(default_factory=list)  # per step: those of them in prompt chunks (a recompute's included)
+    step_seconds: list = field(default_factory=list)  # per step: seconds from its start to its end (machine-dependent)
     seconds: float = 0.0
     steps: int = 0
 
@@ -497,7 +507,9 @@ class Engine:
     """Continuous batching over a paged KV cache, for a course_lib.gpt.GPT.
 
     num_blocks: blocks in the pool; block_size: token slots per block (>= 1); token_budget: most tokens
-    computed per step, prefill chunks and decode tokens together (>= 1). ``run(requests)`` serves a list of
+    computed per step, prefill chunks and decode tokens together (>= 1); max_num_seqs (vLLM's name): most
+    sequences running at once (admitted and not finished, prefilling or decoding; >= 1), None for no cap: the
+    scheduler is shown only the first max_num_seqs - len(running) waiting sequences, so it admits no more. ``run(requests)`` serves a list of
     ``Request``s (their names unique) and returns ({name: Result}, Trace): one Result per request, each
     request failing alone. A Result whose ``error`` is None finished: its ``tokens`` are all max_new_tokens of
     them. Otherwise ``error`` says why (the request's name first) and the other requests are served as if it
@@ -520,13 +532,16 @@ class Engine:
     """
 
     def __init__(self, model, num_blocks: int, block_size: int = 8, token_budget: int = 64, *,
-                 share_prefixes: bool = True):
+                 share_prefixes: bool = True, max_num_seqs: int | None = None):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("token_budget", token_budget)):
-            if not isinstance(value, int) or value < 1:
+            if not _integer(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if max_num_seqs is not None and (not _integer(max_num_seqs) or max_num_seqs < 1):
+            raise ValueError(f"max_num_seqs must be None (no cap) or an integer >= 1 (most sequences running at once), "
+                             f"got {max_num_seqs!r}")
         self.model = model.eval()
         self.num_blocks, self.block_size, self.token_budget = num_blocks, block_size, token_budget
-        self.share_prefixes = share_prefixes
+        self.share_prefixes, self.max_num_seqs = share_prefixes, max_num_seqs
 
     def run(self, requests: list, *, scheduler=schedule_step, attention=paged_attention, slots_of=slot_mapping) -> tuple:
         """Serve `requests`; returns ({name: Result}, Trace). scheduler, attention, slots_of: the functions it runs on."""
@@ -537,7 +552,7 @@ class Engine:
         start_time = time.perf_counter()
         step = 0
         while pending or waiting or running:
-            now = time.perf_counter() - start_time
+            now = step_start = time.perf_counter() - start_time
             while pending and pending[0].arrival <= step:
                 request = pending.pop(0)
                 result = results[request.name]
@@ -554,7 +569,8 @@ class Engine:
                 continue
             for seq in waiting:
                 seq.find_prefix(self.share_prefixes)
-            scheduled, preempted = scheduler(running, waiting, len(cache.free), self.token_budget)
+            admissible = waiting if self.max_num_seqs is None else waiting[:max(0, self.max_num_seqs - len(running))]
+            scheduled, preempted = scheduler(running, admissible, len(cache.free), self.token_budget)
             if not scheduled and not preempted:
                 raise RuntimeError(self._no_progress(cache, running, waiting, step))
             for seq in preempted:  # give the blocks back; recompute later, keeping the tokens generated
@@ -564,7 +580,7 @@ class Engine:
                 seq.result.preemptions += 1
                 running.remove(seq)
             waiting = sorted(preempted, key=lambda s: s.request.arrival) + waiting
-            chunks = []
+            chunks, prefill_tokens = [], 0
             for seq, n in scheduled:
                 if seq in waiting:  # admitted: take the shared prefix
                     waiting.remove(seq)
@@ -573,6 +589,8 @@ class Engine:
                         cache.share(b)
                     seq.blocks, seq.hit = seq.hit, []
                 self._make_room(cache, seq, n)
+                if not (n == 1 and seq.prompt_len <= seq.n_cached == seq.n_tokens - 1):  # not a decode: a prompt chunk
+                    prefill_tokens += n
                 chunks.append((torch.tensor(seq.blocks), seq.n_cached,
                                torch.tensor(seq.tokens[seq.n_cached:seq.n_cached + n])))
             failed = {}  # index in scheduled -> the exception its chunk raised alone
@@ -616,6 +634,9 @@ class Engine:
             trace.allocated.append(held * cache.block_bytes)
             trace.used.append(self._used_slots(cache, running) * cache.block_bytes // S)
             trace.batch.append(len(scheduled))
+            trace.computed.append(sum(n for _, n in scheduled))
+            trace.prefill.append(prefill_tokens)
+            trace.step_seconds.append(time.perf_counter() - start_time - step_start)
             step += 1
         trace.seconds, trace.steps = time.perf_counter() - start_time, step
         return results, trace
@@ -698,18 +719,26 @@ class Engine:
 
 
 @torch.inference_mode()
-def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
+def static_batching(model, requests: list, max_batch_size: int = 8, *, reserve: str = "oracle") -> tuple:
     """Serve `requests` in static batches: chapter 05's left-padded batch, one at a time.
 
     At each step with no batch running, the requests that have arrived (first come, first served, at most
-    max_batch_size) form a batch: prompts left-padded to the longest, a ``KVCache`` preallocated for the
-    longest prompt plus the longest output in every row (as ``generate_cached`` does), one prefill step, then one decode step per token until
-    the row with the most tokens to generate is done; a row that is done idles until then. Returns
-    ({name: Result}, Trace) like ``Engine.run``: a request is rejected on arrival by the same ``validate``, and a
-    request whose sampling raises fails alone (its row idles); an error in the batch's forward pass is raised.
+    max_batch_size) form a batch: prompts left-padded to the longest, a ``KVCache`` preallocated in every row
+    for `reserve`, one prefill step, then one decode step per token until the row with the most tokens to
+    generate is done; a row that is done idles until then. reserve: "oracle" (default) sizes the rows for the
+    longest prompt plus the longest output of the batch, read from the requests' true max_new_tokens (as
+    ``generate_cached`` does; a server cannot know them in advance: the vLLM paper's "Orca (Oracle)");
+    "context" reserves the model's context length in every row, the most a request may hold ("Orca (Max)"),
+    or the longest prompt plus the longest output if left padding makes that longer. The tokens are the same
+    either way; only the memory differs. Returns ({name: Result}, Trace) like ``Engine.run``: a request is
+    rejected on arrival by the same ``validate``, and a request whose sampling raises fails alone (its row
+    idles); an error in the batch's forward pass is raised.
     """
-    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+    if not _integer(max_batch_size) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+    if reserve not in ("oracle", "context"):
+        raise ValueError(f'reserve must be "oracle" (the batch\'s longest prompt + longest output) or "context" '
+                         f"(the model's context length per row), got {reserve!r}")
     model.eval()
     context, vocab = model.config.block_size, model.config.vocab_size
     results, pending = _start(requests)
@@ -737,12 +766,14 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
         for row, r in enumerate(batch):
             idx[row, width - len(r.prompt):] = torch.tensor(r.prompt)
             mask[row, width - len(r.prompt):] = 1
-        cache = KVCache.for_model(model, B, width + longest)  # every row: the longest prompt + the longest output
+        capacity = width + longest if reserve == "oracle" else max(context, width + longest)
+        cache = KVCache.for_model(model, B, capacity)  # every row: the longest prompt + the longest output, or the context
         generators = [torch.Generator().manual_seed(r.seed) for r in batch]
         tokens = [list(r.prompt) for r in batch]
         failed = set()  # rows whose request failed: they idle like finished rows
         new = idx
         for t in range(longest):
+            step_start = time.perf_counter() - start_time
             states = {r.name: "waiting" for r in arrived}
             for r in pending:
                 if r.arrival <= step:
@@ -780,6 +811,9 @@ def static_batching(model, requests: list, max_batch_size: int = 8) -> tuple:
             # tokens cached: all but the one just sampled (fed next step), as the engine counts n_cached
             trace.used.append(per_token * sum(len(tk) - 1 for tk in tokens))
             trace.batch.append(B)
+            trace.computed.append(B * (width if t == 0 else 1))  # every row, padding and idle rows included
+            trace.prefill.append(B * width if t == 0 else 0)
+            trace.step_seconds.append(time.perf_counter() - start_time - step_start)
             step += 1
             while pending and pending[0].arrival <= step:  # arrivals during the batch wait for the next one
                 request = pending.pop(0)

@@ -93,8 +93,9 @@ def test_bench_serve_tiny_run_has_every_system_and_sane_figures():
     result = bench_serve(models=("char-gpt",), n_requests=4, warmup=0, repeats=1)
     assert torch.get_num_threads() == threads
     rows = result["rows"]
-    assert [(r["arrivals"], r["system"]) for r in rows] == [("all at 0", s) for s in SERVE_SYSTEMS] + [
-        ("trace", s) for s in SERVE_SYSTEMS[:2]]  # Hugging Face has no arrival times: all at 0 only
+    ours_order = [SERVE_SYSTEMS[0], SERVE_SYSTEMS[3], SERVE_SYSTEMS[1], SERVE_SYSTEMS[4]]
+    assert [(r["arrivals"], r["system"]) for r in rows] == [("all at 0", s) for s in ours_order + [SERVE_SYSTEMS[2]]] + [
+        ("trace", s) for s in ours_order]  # Hugging Face has no arrival times: all at 0 only
     for arrivals in ("all at 0", "trace"):
         these = [r for r in rows if r["arrivals"] == arrivals]
         assert len({r["tokens"] for r in these}) == 1 and these[0]["tokens"] > 0  # every system generated the same count
@@ -104,8 +105,11 @@ def test_bench_serve_tiny_run_has_every_system_and_sane_figures():
         assert row["kv_ratio"] >= 1  # never fewer bytes allocated than holding a cached token
     assert next(r for r in rows if r["system"] == SERVE_SYSTEMS[0])["same_tokens"]  # the reference itself
     ratios = serve_ratios(rows)
-    assert [(q["arrivals"], q["versus"]) for q in ratios] == [("all at 0", SERVE_SYSTEMS[1]), ("all at 0", SERVE_SYSTEMS[2]),
-                                                              ("trace", SERVE_SYSTEMS[1])]
+    assert [(q["arrivals"], q["versus"]) for q in ratios] == [("all at 0", s) for s in ours_order[1:] + [SERVE_SYSTEMS[2]]] + [
+        ("trace", s) for s in ours_order[1:]]
+    for arrivals in ("all at 0", "trace"):  # reserving the context never allocates less than the oracle, same tokens
+        kv = {r["system"]: r["kv_ratio"] for r in rows if r["arrivals"] == arrivals}
+        assert kv[SERVE_SYSTEMS[4]] >= kv[SERVE_SYSTEMS[1]]
     assert all(q["tokens_per_s"] > 0 for q in ratios)
     table = format_serve(result)
     for text in (*SERVE_SYSTEMS, "tokens/s", "TTFT", "TPOT", "KV alloc/used", "no notion of arrival", "ours continuous / the other"):

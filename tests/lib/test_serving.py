@@ -291,3 +291,99 @@ def test_no_write_lands_in_a_shared_block_when_a_whole_prompt_is_shared(small, b
     assert written and all(refs == 1 for _, refs in written), [w for w in written if w[1] != 1]
     for r in requests:
         assert results[r.name].tokens == alone(small, r), r.name
+
+
+# ---------------------------------------------------------------------------------------------------- a cap on running sequences
+
+
+def counting(limit_seen: list):
+    """schedule_step, recording how many sequences run after each step (running - preempted + admitted)."""
+    def scheduler(running, waiting, num_free_blocks, token_budget):
+        scheduled, preempted = schedule_step(running, waiting, num_free_blocks, token_budget)
+        admitted = sum(1 for s, _ in scheduled if s in waiting)
+        limit_seen.append(len(running) - len(preempted) + admitted)
+        return scheduled, preempted
+    return scheduler
+
+
+@pytest.mark.parametrize("cap,num_blocks", [(1, 200), (2, 200), (3, 200), (2, None)])
+def test_max_num_seqs_caps_the_running_sequences_and_the_tokens_stay_exact(small, cap, num_blocks):
+    requests = trace(9, 11, gap=0.3)
+    S = 4
+    if num_blocks is None:  # a pool for the largest request only: preemption under the cap too
+        num_blocks = max(math.ceil((len(r.prompt) + r.max_new_tokens) / S) for r in requests)
+    seen = []
+    results, run = Engine(small, num_blocks=num_blocks, block_size=S, token_budget=10, max_num_seqs=cap).run(
+        requests, scheduler=counting(seen))
+    assert seen and max(seen) <= cap and max(run.batch) <= cap
+    assert max(seen) == cap  # the cap binds on this trace (9 requests, 0.3 steps apart)
+    for r in requests:
+        assert results[r.name].error is None and results[r.name].tokens == alone(small, r), r.name
+    if cap == 1:  # one at a time, first come first served: each starts after the one before has finished
+        order = sorted(requests, key=lambda r: r.arrival)
+        for before, after in zip(order, order[1:]):
+            assert results[after.name].first_token_step > results[before.name].finish_step, (before.name, after.name)
+
+
+def test_max_num_seqs_at_least_the_requests_is_the_uncapped_engine(small):
+    requests = trace(8, 12, gap=0.2)
+    fits = max(math.ceil((len(r.prompt) + r.max_new_tokens) / 4) for r in requests)
+    uncapped = Engine(small, num_blocks=fits, block_size=4, token_budget=9)  # the largest request only: preemption
+    free, free_run = uncapped.run(requests)
+    assert sum(r.preemptions for r in free.values()) > 0
+    for cap in (len(requests), len(requests) + 5):
+        capped, capped_run = Engine(small, num_blocks=fits, block_size=4, token_budget=9, max_num_seqs=cap).run(requests)
+        assert capped_run.states == free_run.states and capped_run.allocated == free_run.allocated
+        assert capped_run.computed == free_run.computed and capped_run.steps == free_run.steps
+        for r in requests:
+            a, b = capped[r.name], free[r.name]
+            assert (a.tokens, a.first_token_step, a.finish_step, a.preemptions) == (
+                b.tokens, b.first_token_step, b.finish_step, b.preemptions), r.name
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "3"])
+def test_max_num_seqs_must_be_none_or_a_positive_integer(small, value):
+    with pytest.raises(ValueError, match="max_num_seqs must be None .* or an integer >= 1"):
+        Engine(small, num_blocks=10, max_num_seqs=value)
+
+
+def test_the_trace_counts_the_tokens_computed(small):
+    requests = trace(8, 13, gap=0.5)
+    needed = sum(len(r.prompt) + r.max_new_tokens - 1 for r in requests)  # every token but the last, once
+    results, run = Engine(small, num_blocks=200, block_size=4, token_budget=10, share_prefixes=False).run(requests)
+    assert sum(run.computed) == needed and sum(run.prefill) == sum(len(r.prompt) for r in requests)
+    assert all(p <= c <= 10 for p, c in zip(run.prefill, run.computed)) and len(run.step_seconds) == run.steps
+    S = 4
+    fits = max(math.ceil((len(r.prompt) + r.max_new_tokens) / S) for r in requests)
+    tight, tight_run = Engine(small, num_blocks=fits, block_size=S, token_budget=10, share_prefixes=False).run(requests)
+    assert sum(r.preemptions for r in tight.values()) > 0 and sum(tight_run.computed) > needed  # recomputed tokens
+    prefix = list(range(20, 32))
+    shared_reqs = trace(6, 14, prefix=prefix, gap=0.5)
+    _, shared = Engine(small, num_blocks=200, block_size=4, token_budget=10).run(shared_reqs)
+    assert sum(shared.computed) < sum(len(r.prompt) + r.max_new_tokens - 1 for r in shared_reqs)
+
+
+# ---------------------------------------------------------------------------------------------------- static batching's reservation
+
+
+def test_static_batching_reserving_the_context_holds_context_slots_per_row(small):
+    per_token = 2 * small.config.n_layer * small.config.n_embd * 4  # keys and values, every layer, float32
+    requests = [Request(f"q{i}", [1 + i] * (3 + i), 4 + 2 * i) for i in range(5)]  # all at step 0: batches of 3 and 2
+    oracle, oracle_run = static_batching(small, requests, 3)
+    context, context_run = static_batching(small, requests, 3, reserve="context")
+    for r in requests:
+        assert context[r.name].tokens == oracle[r.name].tokens == alone(small, r), r.name
+    assert context_run.used == oracle_run.used and context_run.steps == oracle_run.steps
+    first, second = requests[:3], requests[3:]
+    rows = lambda batch: max(len(r.prompt) for r in batch) + max(r.max_new_tokens for r in batch)
+    assert oracle_run.allocated == ([3 * rows(first) * per_token] * max(r.max_new_tokens for r in first)
+                                    + [2 * rows(second) * per_token] * max(r.max_new_tokens for r in second))
+    assert context_run.allocated == ([3 * 48 * per_token] * max(r.max_new_tokens for r in first)
+                                     + [2 * 48 * per_token] * max(r.max_new_tokens for r in second))
+    steps = lambda batch: max(r.max_new_tokens for r in batch)
+    width = lambda batch: max(len(r.prompt) for r in batch)  # the padded prompt, every row computed
+    assert oracle_run.computed == context_run.computed == (
+        [3 * width(first)] + [3] * (steps(first) - 1) + [2 * width(second)] + [2] * (steps(second) - 1))
+    assert oracle_run.prefill == [3 * width(first)] + [0] * (steps(first) - 1) + [2 * width(second)] + [0] * (steps(second) - 1)
+    with pytest.raises(ValueError, match='reserve must be "oracle"'):
+        static_batching(small, requests, 3, reserve="max")
