@@ -172,9 +172,11 @@ def attention_oracle(q, k, v, mask=None, causal=False):
 
 
 def _attend(tiled_attention, q, k, v, mask=None, causal=False, block_q=8, block_k=8, what=""):
+    hint = ("a shape that does not broadcast: is a tile of the mask sliced from the mask expanded to (..., Tq, Tk)?"
+            if mask is not None else "a tile's shapes: q_tile (..., n_q, D) @ k_tile.transpose(-2, -1) (..., D, n_k) gives "
+            "the scores (..., n_q, n_k); transpose the last two axes only")
     result = call_learner(lambda: tiled_attention(q, k, v, mask, causal, block_q, block_k), f"tiled_attention on {what}",
-                          "a shape that does not broadcast: is a tile of the mask sliced from the mask expanded to "
-                          "(..., Tq, Tk)?", (RuntimeError, IndexError))
+                          hint, (RuntimeError, IndexError))
     out, lse = unpack_pair(result, "tiled_attention", ("out", "lse"))
     assert_shape(out, (*q.shape[:-1], v.shape[-1]), f"out ({what})")
     assert_shape(lse, q.shape[:-1], f"lse ({what})")
@@ -240,9 +242,9 @@ def check_tiled_attention(tiled_attention) -> None:
     if (out[..., 3, :] != 0).any() or (lse[..., 3] != -INF).any():
         fail(f"a query that may see no key should get out 0 and lse -inf, got out {out[0, 0, 3].tolist()}, lse {lse[0, 0, 3].item()}")
     q32, k32, v32 = (t.float() for t in (q, k, v))
-    out, _ = _attend(tiled_attention, q32, k32, v32, causal=True, block_q=5, block_k=7, what="float32, causal")
-    if out.dtype != torch.float32:
-        fail(f"out should have q's dtype (float32), got {out.dtype}")
+    out, lse = _attend(tiled_attention, q32, k32, v32, causal=True, block_q=5, block_k=7, what="float32, causal")
+    if out.dtype != torch.float32 or lse.dtype != torch.float32:
+        fail(f"out and lse should have q's dtype (float32), got {out.dtype} and {lse.dtype}")
     assert_close(out, F.scaled_dot_product_attention(q32, k32, v32, is_causal=True), "float32 causal out (against SDPA)")
     q, k, v = (torch.randn(1, 1, 160, 4, generator=g) for _ in range(3))
     bound = tiled_memory_bound(q, k, v, 16, 16)
