@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..tiled import largest_tensor_created
 from .core import assert_close, assert_shape, assert_tensor, call_learner, fail, passed, unpack_pair
@@ -50,7 +51,9 @@ def check_online_softmax(online_softmax) -> None:
     l_true = torch.exp(x - m_true[:, None]).sum(-1)
     if not torch.isfinite(l).all():
         fail(f"l = {l.tolist()}: not finite for ordinary numbers. Is the max updated after the sum? The first block "
-             "then sums exp(x - (-inf)) = inf: update m first, then sum exp(x - m) with the new m")
+             "then sums exp(x - (-inf)) = inf: update m first, then sum exp(x - m) with the new m. (Or is the "
+             "rescaling factor upside down? exp(m_old - m_new) is at most 1; exp(m_new - m_old) is inf for the first "
+             "block, whose m_old is -inf)")
     assert_close(m, m_true, "m (the max of each row)", rtol=1e-12, atol=1e-12)
     running = torch.zeros(3, dtype=torch.float64)
     for b in range(3):  # the sum without rescaling: each block against the max after it
@@ -169,9 +172,11 @@ def attention_oracle(q, k, v, mask=None, causal=False):
 
 
 def _attend(tiled_attention, q, k, v, mask=None, causal=False, block_q=8, block_k=8, what=""):
+    hint = ("a shape that does not broadcast: is a tile of the mask sliced from the mask expanded to (..., Tq, Tk)?"
+            if mask is not None else "a tile's shapes: q_tile (..., n_q, D) @ k_tile.transpose(-2, -1) (..., D, n_k) gives "
+            "the scores (..., n_q, n_k); transpose the last two axes only")
     result = call_learner(lambda: tiled_attention(q, k, v, mask, causal, block_q, block_k), f"tiled_attention on {what}",
-                          "a shape that does not broadcast: is a tile of the mask sliced from the mask expanded to "
-                          "(..., Tq, Tk)?", (RuntimeError, IndexError))
+                          hint, (RuntimeError, IndexError))
     out, lse = unpack_pair(result, "tiled_attention", ("out", "lse"))
     assert_shape(out, (*q.shape[:-1], v.shape[-1]), f"out ({what})")
     assert_shape(lse, q.shape[:-1], f"lse ({what})")
@@ -210,6 +215,14 @@ def check_tiled_attention(tiled_attention) -> None:
             fail(f"causal mask off by one: {how}. In a tile starting at query i0 and key j0, entry (a, b) is query "
                  "i0 + a and key j0 + b")
     if not torch.allclose(out, want, atol=1e-9):
+        cut = {stop: attention_oracle(q, k, v, mask=torch.ones(20, 20, dtype=torch.bool).tril() & (torch.arange(20) < stop))[0]
+               for stop in (4, 8, 12, 16)}  # causal, and no key from `stop` on: a loop over key tiles that ends there
+        if any(torch.allclose(out[..., i0:i0 + 8, :], cut[stop][..., i0:i0 + 8, :], atol=1e-9)
+               and not torch.allclose(out[..., i0:i0 + 8, :], want[..., i0:i0 + 8, :], atol=1e-9)
+               for i0 in (0, 8, 16) for stop in cut if stop < min(i0 + 8, 20)):
+            fail("causal, block_q 8, block_k 4: the loop over key tiles stops too early. Query tile number n does not "
+                 "need key tiles 0 .. n when the tiles differ in size: it needs every key up to its LAST query, "
+                 "i0 + n_q - 1 (in positions, not tile numbers)")
         same, _ = _attend(tiled_attention, q, k, v, causal=True, block_q=4, block_k=4, what="causal, tiles of 4")
         if torch.allclose(same, want, atol=1e-9):
             fail("causal: right with block_q = block_k = 4, wrong with block_q 8, block_k 4. The tile's mask must "
@@ -229,15 +242,27 @@ def check_tiled_attention(tiled_attention) -> None:
     if (out[..., 3, :] != 0).any() or (lse[..., 3] != -INF).any():
         fail(f"a query that may see no key should get out 0 and lse -inf, got out {out[0, 0, 3].tolist()}, lse {lse[0, 0, 3].item()}")
     q32, k32, v32 = (t.float() for t in (q, k, v))
-    out, _ = _attend(tiled_attention, q32, k32, v32, causal=True, block_q=5, block_k=7, what="float32, causal")
-    if out.dtype != torch.float32:
-        fail(f"out should have q's dtype (float32), got {out.dtype}")
+    out, lse = _attend(tiled_attention, q32, k32, v32, causal=True, block_q=5, block_k=7, what="float32, causal")
+    if out.dtype != torch.float32 or lse.dtype != torch.float32:
+        fail(f"out and lse should have q's dtype (float32), got {out.dtype} and {lse.dtype}")
     assert_close(out, F.scaled_dot_product_attention(q32, k32, v32, is_causal=True), "float32 causal out (against SDPA)")
     q, k, v = (torch.randn(1, 1, 160, 4, generator=g) for _ in range(3))
-    largest, _ = largest_tensor_created(tiled_attention, q, k, v, None, True, 16, 16)
     bound = tiled_memory_bound(q, k, v, 16, 16)
-    if largest > bound:
-        fail(f"160 queries and keys in tiles of 16: your function created a tensor of {largest:,} elements (the whole "
-             f"score matrix has {160 * 160:,}; the tiles allow {bound:,}). Nothing may grow with Tq * Tk: build masks "
-             "and scores one tile at a time")
+    padding = (torch.arange(160) < 150).view(1, 1, 1, 160)
+    for mask, causal, what in ((None, True, "causal"), (padding, False, "with a (B, 1, 1, Tk) padding mask")):
+        largest, _ = largest_tensor_created(tiled_attention, q, k, v, mask, causal, 16, 16)
+        if largest > bound:
+            fail(f"160 queries and keys in tiles of 16, {what}: your function created a tensor of {largest:,} elements "
+                 f"(the whole score matrix has {160 * 160:,}; the tiles allow {bound:,}). Nothing may grow with Tq * Tk: "
+                 "expand the mask as a view (no copy), and build masks and scores one tile at a time")
+    flops = {}
+    for causal in (False, True):
+        with FlopCounterMode(display=False) as counter:
+            tiled_attention(q, k, v, None, causal, 16, 16)
+        flops[causal] = counter.get_total_flops()
+    if flops[False] > 0 and flops[True] > flops[False] * 55 / 100 * (1 + 1e-9):  # 55 of the 10 x 10 tiles touch the diagonal
+        fail(f"160 queries and keys in tiles of 16: causal ran {flops[True] / flops[False]:.0%} of the matrix-product FLOPs "
+             "of the full call, more than the 55% of tiles that hold a key some query may see. A key tile whose first "
+             "key comes after the query tile's last query is masked entirely: do not compute it (stop the loop over "
+             "key tiles there)")
     passed("tiled_attention")
