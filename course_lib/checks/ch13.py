@@ -60,8 +60,7 @@ def check_induction_score(induction_score) -> None:
              "duplicate-token score). An induction head attends to the token *after* it: key t - period + 1")
     if torch.allclose(got.double(), induction_oracle(maps, 4, offset=2), atol=1e-9):
         fail("your scores read key t - period + 2, one past the token after the earlier occurrence: key t - period + 1")
-    if torch.allclose(got.double(), induction_oracle(maps, 4, first=0), atol=1e-9) or \
-            torch.allclose(got.double(), induction_oracle(maps, 4, first=1), atol=1e-9):
+    if any(torch.allclose(got.double(), induction_oracle(maps, 4, first=first), atol=1e-9) for first in (0, 1, 3)):
         fail("your scores average over the queries of the first copy too; they have no earlier occurrence. "
              "Average over the queries t >= period only")
     if abs(got[1, 2].item() - 1.0) > 1e-9:
@@ -78,6 +77,8 @@ def check_induction_score(induction_score) -> None:
             induction_score(maps, period)
         except ValueError:
             continue
+        except Exception as error:  # noqa: BLE001 - any other error is the wrong one
+            fail(f"period {period} with T = 10: expected ValueError (1 <= period < T), got {type(error).__name__}: {error}")
         fail(f"period {period} with T = 10: expected ValueError (1 <= period < T)")
     passed("induction_score")
 
@@ -128,7 +129,7 @@ def check_build_induction_model(build_induction_model) -> None:
     ind, best = r["induction"].max().item(), int(r["induction"].argmax())
     if ind < 0.9:
         where = f"layer 2's head {best} has an induction score of {ind:.3f}"
-        if r["duplicate"][best] > 0.5:
+        if r["duplicate"][best] > 0.3:
             fail(f"{where}: it puts {r['duplicate'][best].item():.3f} on the earlier occurrence of the query's own "
                  "token, and copies A instead of B. Its keys read the current token; they must read what layer 1 "
                  "wrote (the token *before* each position), its queries the current token")
