@@ -168,7 +168,7 @@ def build_induction_model(vocab_size: int, max_len: int) -> AttentionOnly:
     C = model.d_model
     hard = 30.0 * math.sqrt(C)  # scores are divided by sqrt(head size) = sqrt(C): a match scores 30, others 0
     eye_v, eye_p = torch.eye(V), torch.eye(P)
-    with torch.no_grad():
+    with torch.no_grad():  # setting weights, not training them
         model.transformer.wte.weight[:, TOK:TOK + V] = eye_v  # token v -> basis vector TOK + v
         model.transformer.wpe.weight[:, POS:POS + P] = eye_p  # position t -> basis vector POS + t
         # layer 1, the previous-token head: query t holds position t, key j holds position j + 1
@@ -218,7 +218,7 @@ def ablate_head(model: nn.Module, layer: int, head: int):
     handle = attn.c_proj.register_forward_pre_hook(zero_head)
     try:
         yield model
-    finally:
-        handle.remove()  # restored, even if the block raised
+    finally:  # restore, even if the block raised
+        handle.remove()
     ### END SOLUTION
 

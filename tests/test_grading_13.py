@@ -28,7 +28,7 @@ def planted() -> dict:
     return CH.solved({
         IS: CH.mutate(IS, "keys = queries - period + 1", "keys = queries - period"),
         BIM: CH.mutate(BIM, "W[C:C + V, PREV:PREV + V] = eye_v", "W[C:C + V, TOK:TOK + V] = eye_v"),
-        AH: CH.mutate(AH, "    try:\n        yield model\n    finally:\n        handle.remove()", "    yield model\n    handle.remove()"),
+        AH: CH.mutate(AH, "    try:\n        yield model\n    finally:  # restore, even if the block raised\n        handle.remove()", "    yield model\n    handle.remove()"),
     })
 
 

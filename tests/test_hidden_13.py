@@ -49,11 +49,11 @@ def induction_score(maps, period):
      failing(BIM, "visible", "vocab", "recall")),
     (BIM, "a scale too small", mutate(BIM, ("hard = 30.0 * math.sqrt(C)", "hard = 1.0")), failing(BIM, "visible", "vocab", "recall")),
     (BIM, "correct: position 0 left alone", mutate(BIM, ("W[C + V, POS] = -1.0", "pass")), set()),
-    (AH, "no finally", mutate(AH, ("    try:\n        yield model\n    finally:\n        handle.remove()", "    yield model\n    handle.remove()")),
+    (AH, "no finally", mutate(AH, ("    try:\n        yield model\n    finally:  # restore, even if the block raised\n        handle.remove()", "    yield model\n    handle.remove()")),
      failing(AH, "visible")),
     (AH, "the wrong slice", mutate(AH, ("y[..., head * size:(head + 1) * size] = 0.0", "y[..., head:head + size] = 0.0")),
      failing(AH, "visible", "gpt")),
-    (AH, "never restored", mutate(AH, ("        handle.remove()  # restored", "        pass  # restored")),
+    (AH, "never restored", mutate(AH, ("        handle.remove()", "        pass")),
      failing(AH, "visible", "gpt", "circuit")),
     (AH, "correct: weights edited and restored", '''
 @contextlib.contextmanager
