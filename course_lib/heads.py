@@ -54,7 +54,7 @@ def first_token_score(maps: torch.Tensor) -> torch.Tensor:
 def induction_score(maps: torch.Tensor, period: int) -> torch.Tensor:
     """Each head's induction score on repeated random tokens: (L, B, H, T, T) -> (L, H), float64.
 
-    maps: attention weights of every layer and head (as course_lib.gpt.attention_maps returns them) for
+    maps: attention weights of every layer and head (as gpt.attention_maps returns them) for
     sequences that repeat with the given period (token t == token t - period for t >= period). The score is
     the mean, over the batch and every query t >= period, of the weight on key t - period + 1: the token that
     followed the query's token when it occurred one period earlier. A perfect induction head scores 1.
@@ -158,7 +158,7 @@ def build_induction_model(vocab_size: int, max_len: int) -> AttentionOnly:
     Layer 1 (one head) attends from each position to the one before it and writes that token's identity
     into the residual stream; layer 2 (one head) attends from the current token A to the position whose
     *previous* token is A (K-composition) and copies the token there, B, to the logits. On repeated random
-    tokens (course_lib.heads.repeated_random_tokens) of any vocabulary and length up to max_len: layer 2's
+    tokens (heads.repeated_random_tokens) of any vocabulary and length up to max_len: layer 2's
     induction score above 0.9, loss on the second copy near 0, on the first copy no better than chance.
     """
     ### BEGIN SOLUTION
@@ -196,7 +196,7 @@ def build_induction_model(vocab_size: int, max_len: int) -> AttentionOnly:
 def ablate_head(model: nn.Module, layer: int, head: int):
     """Zero-ablate one attention head for the duration of a with-block: `with ablate_head(model, 0, 2): ...`.
 
-    model: a course_lib GPT or AttentionOnly (model.transformer.h[layer].attn has c_proj and n_head). Inside
+    model: the course's GPT or AttentionOnly (model.transformer.h[layer].attn has c_proj and n_head). Inside
     the block, head `head`'s output (its slice of the concatenated heads, the input of c_proj) is zero; every
     other head and every weight is untouched. On leaving the block, normally or by an exception, the model
     computes exactly what it computed before. ValueError for a layer or head that does not exist.
