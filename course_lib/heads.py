@@ -130,18 +130,18 @@ class AttentionOnly(nn.Module):
     def __init__(self, vocab_size: int, max_len: int, d_model: int, n_layer: int = 2, n_head: int = 1):
         super().__init__()
         self.vocab_size, self.max_len, self.d_model = vocab_size, max_len, d_model
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab_size, d_model),  # weight (V, C): row v is token v's vector
-            wpe=nn.Embedding(max_len, d_model),  # weight (max_len, C): row t is position t's vector
-            h=nn.ModuleList([AttentionOnlyBlock(d_model, n_head) for _ in range(n_layer)]),
-        ))
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(vocab_size, d_model),  # weight (V, C): row v is token v's vector
+            "wpe": nn.Embedding(max_len, d_model),  # weight (max_len, C): row t is position t's vector
+            "h": nn.ModuleList([AttentionOnlyBlock(d_model, n_head) for _ in range(n_layer)]),
+        })
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)  # weight (V, C): logit v = weight[v] . x
         with torch.no_grad():
             for parameter in self.parameters():
                 parameter.zero_()
 
     def forward(self, idx, targets=None):
-        B, T = idx.shape
+        T = idx.shape[1]
         if T > self.max_len:
             raise ValueError(f"sequence of {T} tokens, the model's max_len is {self.max_len}")
         x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(T, device=idx.device))

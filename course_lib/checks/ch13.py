@@ -16,8 +16,16 @@ from ..gpt import attention_maps
 from ..heads import AttentionOnly, copy_losses, repeated_random_tokens
 from .core import assert_close, assert_shape, call_learner, fail, passed
 
-__all__ = ["check_induction_score", "check_build_induction_model", "check_ablate_head", "induction_oracle",
-           "random_maps", "induction_report", "head_zeroed_copy", "random_attention_only"]
+__all__ = [
+    "check_ablate_head",
+    "check_build_induction_model",
+    "check_induction_score",
+    "head_zeroed_copy",
+    "induction_oracle",
+    "induction_report",
+    "random_attention_only",
+    "random_maps",
+]
 
 
 def random_maps(L: int, B: int, H: int, T: int, generator) -> torch.Tensor:
@@ -183,7 +191,7 @@ def check_ablate_head(ablate_head) -> None:
     before = _logits(model, idx)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     for layer, head in ((0, 1), (1, 2), (0, 0)):
-        with call_learner(lambda: ablate_head(model, layer, head), f"ablate_head(model, {layer}, {head})",
+        with call_learner(lambda layer=layer, head=head: ablate_head(model, layer, head), f"ablate_head(model, {layer}, {head})",
                           "use it as `with ablate_head(model, layer, head):` (a @contextlib.contextmanager that yields)",
                           (RuntimeError, TypeError, AttributeError)):
             inside = _logits(model, idx)
