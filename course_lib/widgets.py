@@ -102,3 +102,41 @@ def sampler_explorer(logits, labels, shown: int = 16, functions=None):
         slider.observe(redraw, names="value")
     redraw()
     return widgets.VBox([temperature, top_k, top_p, min_p, output])
+
+
+def attention_explorer(maps, labels, scores: dict | None = None, sample: int = 0):
+    """Sliders for layer and head over attention maps (L, B, H, T, T): one head's weights drawn as a heat map.
+
+    labels: the T tokens as text (the axes' tick labels); scores: {name: (L, H) tensor}, printed for the head
+    shown ("previous-token 0.322, first-token 0.013, ..."); sample: which row of the batch is drawn.
+    The output widget's state is set directly, as temperature_explorer's is.
+    """
+    import ipywidgets as widgets
+
+    maps = torch.as_tensor(maps)
+    L, _, H, T, _ = maps.shape
+    layer = widgets.IntSlider(value=0, min=0, max=L - 1, description="layer")
+    head = widgets.IntSlider(value=0, min=0, max=H - 1, description="head")
+    output = widgets.Output()
+    shown = [str(label) if str(label).strip() else repr(str(label)) for label in labels]
+
+    def redraw(*_):
+        l, h = layer.value, head.value
+        summary = ", ".join(f"{name} {float(value[l, h]):.3f}" for name, value in (scores or {}).items())
+        figure, ax = plt.subplots(figsize=(5.2, 4.6))
+        ax.imshow(maps[l, sample, h].double().numpy(), cmap="Blues", vmin=0, vmax=1)
+        ticks = range(0, T, max(1, T // 32))
+        ax.set_xticks(list(ticks), [shown[i] for i in ticks], fontsize=6)
+        ax.set_yticks(list(ticks), [shown[i] for i in ticks], fontsize=6)
+        ax.set_xlabel("key (attended to)"); ax.set_ylabel("query")
+        ax.set_title(f"layer {l}, head {h}")
+        output.outputs = (
+            {"output_type": "stream", "name": "stdout", "text": f"layer {l}, head {h}: {summary}\n"},
+            {"output_type": "display_data", "metadata": {},
+             "data": {"image/png": _png(figure), "text/plain": "<attention map>"}},
+        )
+
+    layer.observe(redraw, names="value")
+    head.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([widgets.HBox([layer, head]), output])

@@ -74,6 +74,9 @@ CITED: dict[str, dict[str, str]] = {
                "rope_type llama3 in Hugging Face's LlamaConfig (transformers modeling_rope_utils)",
     },
 
+    "13-heads": {
+    },
+
     "14-tiled-attention": {
     },
 

@@ -1,0 +1,105 @@
+"""Chapter 13's learner-facing checks: the reference passes; each classic mistake gets a specific message."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from course_lib import checks, heads
+from course_lib.heads import AttentionOnly
+
+
+def variant(function, *replacements):
+    """The reference `function` with each (old, new) replacement applied to its source."""
+    source = textwrap.dedent(inspect.getsource(function))
+    for old, new in replacements:
+        assert old in source, f"{old!r} not in {function.__name__}"
+        source = source.replace(old, new)
+    namespace = {"torch": torch, "math": math, "nn": nn, "contextlib": contextlib, "AttentionOnly": AttentionOnly}
+    exec(source, namespace)  # noqa: S102 - the course's own code with one planted bug
+    return namespace[function.__name__]
+
+
+def test_reference_implementations_pass_every_visible_check(capsys):
+    checks.check_induction_score(heads.induction_score)
+    checks.check_build_induction_model(heads.build_induction_model)
+    checks.check_ablate_head(heads.ablate_head)
+    assert capsys.readouterr().out.count("all visible checks passed") == 3
+
+
+BUILD = heads.build_induction_model
+L1_KEY = "W[C + 1:C + P, POS:POS + P - 1] = eye_p[:P - 1, :P - 1]"
+L2_KEY = "W[C:C + V, PREV:PREV + V] = eye_v"
+
+
+def weights_edited_without_restoring(model, layer, head):
+    attn = model.transformer.h[layer].attn
+    size = attn.c_proj.in_features // attn.n_head
+    with torch.no_grad():
+        attn.c_proj.weight[:, head * size:(head + 1) * size] = 0.0
+    return contextlib.nullcontext(model)
+
+
+def output_rows(model, layer, head):
+    attn = model.transformer.h[layer].attn
+    size = attn.c_proj.in_features // attn.n_head
+
+    @contextlib.contextmanager
+    def ablated():
+        saved = attn.c_proj.weight.detach().clone()
+        with torch.no_grad():
+            attn.c_proj.weight[head * size:(head + 1) * size, :] = 0.0
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                attn.c_proj.weight.copy_(saved)
+    return ablated()
+
+
+@pytest.mark.parametrize("check,buggy,message", [
+    (checks.check_induction_score, variant(heads.induction_score, ("keys = queries - period + 1", "keys = queries - period")),
+     "the earlier occurrence of the query's own token"),
+    (checks.check_induction_score, variant(heads.induction_score, ("keys = queries - period + 1", "keys = queries - period + 2")),
+     "one past the token after"),
+    (checks.check_induction_score, lambda maps, period: checks.induction_oracle(maps, period, first=period - 1),
+     "the queries of the first copy too"),
+    (checks.check_induction_score, variant(heads.induction_score, ("maps[..., queries, keys].double()", "maps[..., queries, keys]")),
+     "the docstring asks for float64"),
+    (checks.check_induction_score, variant(heads.induction_score, ("if not 1 <= period < T:", "if False:")), "expected ValueError"),
+    (checks.check_build_induction_model, variant(BUILD, (L1_KEY, "W[C:C + P, POS:POS + P] = eye_p")), "attends to the current token"),
+    (checks.check_build_induction_model, variant(BUILD, (L2_KEY, "W[C:C + V, TOK:TOK + V] = eye_v")), "copies A instead of B"),
+    (checks.check_build_induction_model, variant(BUILD, ("hard = 30.0 * math.sqrt(C)", "hard = 1.0")), "the attention is diffuse"),
+    (checks.check_build_induction_model, variant(BUILD, ("hard = 30.0 * math.sqrt(C)", "hard = 30.0 * math.sqrt(C)\n    hard2 = 1.0"),
+                                                 ("W[0:V, TOK:TOK + V] = hard * eye_v", "W[0:V, TOK:TOK + V] = hard2 * eye_v")),
+     "layer 2's head .* the attention is diffuse"),
+    (checks.check_build_induction_model, variant(BUILD, ("model.lm_head.weight[:, OUT:OUT + V]", "model.lm_head.weight[:, TOK:TOK + V]")),
+     "does its output reach the logits"),
+    (checks.check_ablate_head, variant(heads.ablate_head, ("    try:\n        yield model\n    finally:  # restore, even if the block raised\n        handle.remove()",
+                                                           "    yield model\n    handle.remove()")), "in a `finally:`"),
+    (checks.check_ablate_head, variant(heads.ablate_head, ("y[..., head * size:(head + 1) * size] = 0.0", "y[..., head:head + size] = 0.0")),
+     "silenced head|differ"),
+    (checks.check_ablate_head, variant(heads.ablate_head, ("y[..., head * size:(head + 1) * size] = 0.0",
+                                                           "y[..., ((head + 1) % 3) * size:((head + 1) % 3 + 1) * size] = 0.0")),
+     "silenced head"),
+    (checks.check_ablate_head, variant(heads.ablate_head, ("        handle.remove()", "        pass")),
+     "still differs from before"),
+    (checks.check_ablate_head, weights_edited_without_restoring, "still differs from before"),
+    (checks.check_ablate_head, output_rows, "output"),
+    (checks.check_ablate_head, lambda model, layer, head: contextlib.nullcontext(model), "nothing was silenced"),
+])
+def test_each_classic_mistake_gets_its_message(check, buggy, message):
+    with pytest.raises(checks.CheckFailed, match=message):
+        check(buggy)
+
+
+def test_position_zero_unfixed_still_passes(capsys):
+    """The design without the position-0 correction (hint 3) is a correct answer too."""
+    unfixed = variant(BUILD, ("W[C + V, POS] = -1.0", "pass"))
+    checks.check_build_induction_model(unfixed)
+    assert "all visible checks passed" in capsys.readouterr().out

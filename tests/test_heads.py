@@ -1,0 +1,75 @@
+"""course_lib.heads: the test layout, the scores, the losses, the attention-only model and the hand-built circuit."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from course_lib import checks, heads
+from course_lib.gpt import GPT, GPTConfig, attention_maps
+
+
+def test_repeated_random_tokens_repeat_with_distinct_tokens_per_copy():
+    tokens = heads.repeated_random_tokens(20, 8, 5, torch.Generator().manual_seed(0), copies=3)
+    assert tokens.shape == (5, 24)
+    assert torch.equal(tokens[:, :8], tokens[:, 8:16]) and torch.equal(tokens[:, :8], tokens[:, 16:])
+    assert all(len(set(row[:8].tolist())) == 8 for row in tokens)
+    assert heads.repeated_random_tokens(3, 10, 2).shape == (2, 20)  # more positions than tokens: with replacement
+    with pytest.raises(ValueError):
+        heads.repeated_random_tokens(0, 4, 1)
+
+
+def test_first_token_score_by_a_loop():
+    maps = checks.random_maps(2, 3, 4, 9, torch.Generator().manual_seed(1))
+    want = torch.stack([maps[:, :, :, t, 0] for t in range(1, 9)]).mean(dim=(0, 2))
+    torch.testing.assert_close(heads.first_token_score(maps), want)
+
+
+def test_induction_score_equals_the_loop():
+    maps = checks.random_maps(2, 2, 3, 12, torch.Generator().manual_seed(2))
+    for period in (1, 4, 6, 11):
+        torch.testing.assert_close(heads.induction_score(maps, period), checks.induction_oracle(maps, period), rtol=1e-12, atol=1e-12)
+
+
+def test_copy_losses_against_cross_entropy_per_position():
+    model = checks.random_attention_only(3, V=11, max_len=16)
+    tokens = heads.repeated_random_tokens(11, 8, 3, torch.Generator().manual_seed(3))
+    logits = model(tokens)[0]
+    nll = [-torch.log_softmax(logits[:, t], -1).gather(1, tokens[:, t + 1:t + 2]).mean().item() for t in range(15)]
+    first, second = heads.copy_losses(model, tokens, 8)
+    assert math.isclose(first, sum(nll[:7]) / 7, rel_tol=1e-9) and math.isclose(second, sum(nll[8:]) / 7, rel_tol=1e-9)
+
+
+def test_attention_only_is_computed_as_gpt_names_it():
+    """attention_maps (which recomputes each head's weights from c_attn) sees the weights the forward pass used."""
+    model = checks.random_attention_only(4)
+    idx = torch.randint(11, (2, 10), generator=torch.Generator().manual_seed(4))
+    maps = attention_maps(model, idx)
+    x = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(10))
+    attn = model.transformer.h[0].attn
+    q, k, v = attn.c_attn(x).split(12, dim=2)
+    q, k, v = (t.view(2, 10, 3, 4).transpose(1, 2) for t in (q, k, v))
+    s = (q @ k.transpose(-2, -1) / 2).masked_fill(~torch.ones(10, 10, dtype=torch.bool).tril(), -math.inf)
+    torch.testing.assert_close(maps[0], torch.softmax(s, -1))
+    with pytest.raises(ValueError):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("V,period", [(8, 8), (30, 20), (103, 64)])
+def test_the_circuit_copies_in_context(V, period):
+    report = checks.induction_report(heads.build_induction_model(V, 2 * period), V, period, batch=4)
+    assert report["previous"].item() > 0.99 and report["induction"].item() > 0.99
+    assert report["second"] < 0.01 and report["first"] > math.log(V)
+
+
+def test_ablating_a_gpt_head_equals_zeroing_its_columns():
+    torch.manual_seed(5)
+    model = GPT(GPTConfig(vocab_size=9, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.0, bias=True)).double().eval()
+    idx = torch.randint(9, (1, 8))
+    before = model(idx)[0]
+    with heads.ablate_head(model, 1, 1):
+        torch.testing.assert_close(model(idx)[0], checks.head_zeroed_copy(model, 1, 1)(idx)[0])
+    assert torch.equal(model(idx)[0], before)
+    with pytest.raises(ValueError), heads.ablate_head(model, 0, 2):
+        pass

@@ -1,0 +1,92 @@
+"""Chapter 13's test cells, run directly (no nbgrader) against the classic mistakes, one planted bug at a time.
+
+Each exercise's visible and hidden test cells run in a namespace holding the reference solutions with ONE
+planted bug. Every bug must fail exactly the tests documented to target it, and correct alternatives must
+pass everything. Oracles: the induction score by a float64 loop (checks.induction_oracle), the circuit by its
+behaviour (checks.induction_report), an ablated head by a copy with its c_proj columns zeroed.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from course_lib import checks, heads
+from course_lib.gpt import attention_maps
+from course_lib.heads import AttentionOnly
+from tests.cell_harness import TestCells
+from tests.helpers import ROOT, failing
+
+SOURCE = ROOT / "solutions" / "13-heads" / "heads.ipynb"
+HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "nn": nn, "contextlib": contextlib, "checks": checks,
+                             "heads": heads, "attention_maps": attention_maps, "AttentionOnly": AttentionOnly})
+CELLS, REFERENCE = HARNESS.cells, HARNESS.reference
+cells_of, mutate, failing_tests = HARNESS.cells_of, HARNESS.mutate, HARNESS.failing_tests
+
+IS, BIM, AH = "induction_score", "build_induction_model", "ablate_head"
+
+CASES = [
+    (IS, "key t - period (duplicate token)", mutate(IS, ("keys = queries - period + 1", "keys = queries - period")),
+     failing(IS, "visible", "copies", "model")),
+    (IS, "no float64", mutate(IS, ("maps[..., queries, keys].double()", "maps[..., queries, keys]")),
+     failing(IS, "visible", "model")),  # copies: its maps are float64 already
+    (IS, "correct: a loop over the queries", '''
+def induction_score(maps, period):
+    T = maps.shape[-1]
+    if period < 1 or period >= T:
+        raise ValueError("period")
+    total = 0
+    for t in range(period, T):
+        total = total + maps[..., t, t - period + 1].double().mean(1)
+    return total / (T - period)
+''', set()),
+    (BIM, "layer 1 on the current token", mutate(BIM, ("W[C + 1:C + P, POS:POS + P - 1] = eye_p[:P - 1, :P - 1]", "W[C:C + P, POS:POS + P] = eye_p")),
+     failing(BIM, "visible", "vocab", "recall")),
+    (BIM, "layer 2's keys on the current token", mutate(BIM, ("W[C:C + V, PREV:PREV + V] = eye_v", "W[C:C + V, TOK:TOK + V] = eye_v")),
+     failing(BIM, "visible", "vocab", "recall")),
+    (BIM, "a scale too small", mutate(BIM, ("hard = 30.0 * math.sqrt(C)", "hard = 1.0")), failing(BIM, "visible", "vocab", "recall")),
+    (BIM, "correct: position 0 left alone", mutate(BIM, ("W[C + V, POS] = -1.0", "pass")), set()),
+    (AH, "no finally", mutate(AH, ("    try:\n        yield model\n    finally:  # restore, even if the block raised\n        handle.remove()", "    yield model\n    handle.remove()")),
+     failing(AH, "visible")),
+    (AH, "the wrong slice", mutate(AH, ("y[..., head * size:(head + 1) * size] = 0.0", "y[..., head:head + size] = 0.0")),
+     failing(AH, "visible", "gpt")),
+    (AH, "never restored", mutate(AH, ("        handle.remove()", "        pass")),
+     failing(AH, "visible", "gpt", "circuit")),
+    (AH, "correct: weights edited and restored", '''
+@contextlib.contextmanager
+def ablate_head(model, layer, head):
+    if not 0 <= layer < len(model.transformer.h):
+        raise ValueError("layer")
+    attn = model.transformer.h[layer].attn
+    if not 0 <= head < attn.n_head:
+        raise ValueError("head")
+    size = attn.c_proj.in_features // attn.n_head
+    saved = attn.c_proj.weight.detach()[:, head * size:(head + 1) * size].clone()
+    with torch.no_grad():
+        attn.c_proj.weight[:, head * size:(head + 1) * size] = 0.0
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            attn.c_proj.weight[:, head * size:(head + 1) * size] = saved
+''', set()),
+]
+
+
+def test_every_exercise_has_a_visible_test_and_hidden_tests():
+    assert set(REFERENCE) == {IS, BIM, AH}
+    for exercise in REFERENCE:
+        assert f"{exercise}-visible" in CELLS and len(cells_of(exercise)) >= 3
+
+
+@pytest.mark.parametrize("exercise", [IS, BIM, AH])
+def test_the_reference_passes_every_test(exercise):
+    assert failing_tests(exercise, REFERENCE[exercise]) == set()
+
+
+@pytest.mark.parametrize("exercise,bug,solution,must_fail", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
+def test_each_bug_fails_exactly_the_tests_that_target_it(exercise, bug, solution, must_fail):
+    assert failing_tests(exercise, solution) == must_fail
