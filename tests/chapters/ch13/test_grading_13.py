@@ -10,7 +10,7 @@ One `grading.grade` run grades three students: the reference (full marks), the u
 * ablate_head: the hook removed without `finally` -> the visible test only (`gpt` and `circuit` raise nothing
   inside the block).
 
-tests/test_hidden_13.py runs the same cells against more bugs, one at a time and without nbgrader.
+tests/chapters/ch13/test_hidden_13.py runs the same cells against more bugs, one at a time and without nbgrader.
 """
 from __future__ import annotations
 
