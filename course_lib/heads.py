@@ -25,7 +25,8 @@ from torch import nn
 from .attention import masked_softmax
 
 __all__ = ["AttentionOnly", "AttentionOnlyBlock", "HeadAttention", "ablate_head", "build_induction_model",
-           "copy_losses", "first_token_score", "induction_score", "repeated_random_tokens"]
+           "copy_losses", "first_token_score", "induction_figures", "induction_score", "induction_training_batch",
+           "repeated_random_tokens", "train_induction"]
 
 
 def repeated_random_tokens(vocab_size: int, period: int, batch: int, generator=None, copies: int = 2) -> torch.Tensor:
@@ -222,3 +223,93 @@ def ablate_head(model: nn.Module, layer: int, head: int):
         handle.remove()
     ### END SOLUTION
 
+
+
+# ----------------------------------------------------------------------------- a trained pair (course pretrain)
+
+
+def induction_training_batch(vocab_size: int, length: int, batch: int, periods, generator=None) -> torch.Tensor:
+    """Training data for induction heads: (batch, length) int64, each row random tokens with one repeated stretch.
+
+    Each row draws a period p from `periods` and an offset o uniformly from [0, length - 2p]; tokens before o are
+    random, tokens o .. o + p - 1 are a random segment (distinct tokens when p <= vocab_size), and from o + p on
+    that segment repeats (two copies or more, the last one cut at `length`). The random period and offset are what
+    make a model find the earlier occurrence by content: no position holds the answer in every row.
+    """
+    periods = [int(p) for p in periods]
+    if not periods or min(periods) < 1 or 2 * max(periods) > length or batch < 1 or vocab_size < 1:
+        raise ValueError(f"periods must be non-empty, each in [1, length / 2 = {length // 2}], got {periods}; "
+                         f"batch and vocab_size must be >= 1, got {batch}, {vocab_size}")
+    tokens = torch.randint(vocab_size, (batch, length), generator=generator)
+    choice = torch.randint(len(periods), (batch,), generator=generator)
+    for b in range(batch):
+        p = periods[int(choice[b])]
+        o = int(torch.randint(length - 2 * p + 1, (1,), generator=generator))
+        segment = torch.randperm(vocab_size, generator=generator)[:p] if p <= vocab_size else tokens[b, o:o + p]
+        tokens[b, o:] = segment.repeat(length // p + 1)[:length - o]
+    return tokens
+
+
+def induction_figures(model: nn.Module, periods, batch: int, seed: int) -> dict:
+    """What a trained model does on repeated random tokens of each period (heads.repeated_random_tokens, two copies,
+    batch rows drawn with torch.Generator().manual_seed(seed)), by period: every head's induction score,
+    previous-token score and first-token score ([layer][head], 4 decimals), the mean loss on the first and on the
+    second copy, and under "ablated" ("layer.head": with that head zero-ablated) the induction scores and losses again."""
+    from .gpt import attention_maps, previous_token_score
+
+    def scores(tokens, period):
+        maps = attention_maps(model, tokens)
+        first, second = copy_losses(model, tokens, period)
+        return {"induction": [[round(float(s), 4) for s in layer] for layer in induction_score(maps, period)],
+                "previous_token": [[round(float(s), 4) for s in layer] for layer in previous_token_score(maps)],
+                "first_token": [[round(float(s), 4) for s in layer] for layer in first_token_score(maps)],
+                "first_copy_loss": round(first, 4), "second_copy_loss": round(second, 4)}
+
+    figures = {}
+    model.eval()
+    with torch.no_grad():
+        for period in periods:
+            tokens = repeated_random_tokens(model.vocab_size, period, batch, torch.Generator().manual_seed(seed))
+            figures[str(period)] = scores(tokens, period)
+            ablated = {}
+            for layer, block in enumerate(model.transformer.h):
+                for head in range(block.attn.n_head):
+                    with ablate_head(model, layer, head):
+                        s = scores(tokens, period)
+                    ablated[f"{layer}.{head}"] = {k: s[k] for k in ("induction", "first_copy_loss", "second_copy_loss")}
+            figures[str(period)]["ablated"] = ablated
+    return figures
+
+
+def train_induction(model: nn.Module, steps: int, batch_size: int, lr: float, init_std: float, seed: int, periods,
+                    held_out_periods, eval_batch: int, eval_seed: int, progress: bool = True) -> dict:
+    """Train an AttentionOnly model on induction_training_batch rows (periods drawn from `periods`), then score it
+    on held_out_periods, which training never drew.
+
+    Weights: normal(0, init_std) from the global generator (the caller seeds it); Adam(lr), constant; every step
+    a fresh batch from torch.Generator().manual_seed(seed); the loss: next-token cross-entropy at every position.
+    Returns {"losses": per-step losses (4 decimals), "held_out": {"periods", "batch", "seed", "by_period":
+    induction_figures(model, held_out_periods, eval_batch, eval_seed)}}.
+    """
+    if set(periods) & set(held_out_periods):
+        raise ValueError(f"held-out periods {sorted(held_out_periods)} must not be trained on: {sorted(periods)}")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, init_std)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    model.train()
+    for step in range(steps):
+        x = induction_training_batch(model.vocab_size, model.max_len, batch_size, periods, generator)
+        logits, _ = model(x)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, model.vocab_size), x[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(round(loss.item(), 4))
+        if progress and (step + 1) % max(1, steps // 10) == 0:
+            print(f"step {step + 1}/{steps}: loss {loss.item():.4f}", flush=True)
+    model.eval()
+    return {"losses": losses, "held_out": {"periods": list(held_out_periods), "batch": eval_batch, "seed": eval_seed,
+                                           "by_period": induction_figures(model, held_out_periods, eval_batch, eval_seed)}}

@@ -12,13 +12,15 @@ the per-step losses and the figures the model reached, which ``tests/lib/test_as
     gru-reversal-baseline      chapter 01's GRU encoder-decoder without attention, 1 thread
     gru-reversal-attention     the same with additive attention, 1 thread
     transformer-reversal       chapter 03's 2 + 2-layer post-LN encoder-decoder transformer, 1 thread
+    induction-2l, induction-1l two-layer and one-layer attention-only models of repeated random tokens (chapter 13), 1 thread
 
 The notebooks load these checkpoints instead of training: the same recipe on another CPU takes a
 slightly different path (its kernels round differently), so a notebook that trained would print other
 figures there. Same recipe, same CPU kind and same torch version give byte-identical files.
 
-    course pretrain                                  # all of them: about 6 minutes on 2 otherwise idle cores, plus bpe-gpt
-                                                     # (char-gpt's training again; 39 min measured on 2 busy shared cores)
+    course pretrain                                  # all of them: about 6 minutes on 2 otherwise idle cores (plus about
+                                                     # 1 min for the induction pair), plus bpe-gpt (char-gpt's training
+                                                     # again; 39 min measured on 2 busy shared cores)
     course pretrain --only gru-reversal-attention    # one of them (repeatable)
     course pretrain --only char-gpt-draft --steps 50 --out /tmp/check   # a quick reproducibility check
 """
@@ -39,6 +41,7 @@ from . import assets
 from .bpe import BPETokenizer, text_nats, train_bpe
 from .data import DIGIT_VOCAB_SIZE, CharTokenizer, Seq2SeqBatch, default_corpus, digits_to_text, reversal_batch, train_val_split
 from .gpt import count_parameters, estimate_loss
+from .heads import train_induction
 from .seq2seq import evaluate_reversal, train_reversal
 from .train import TRAIN_EVAL_SEED, VAL_EVAL_SEED, TrainConfig, fixed_batches, train_gpt
 from .transformer import exact_match, train_transformer
@@ -201,6 +204,10 @@ def train_transformer_reversal(model: nn.Module, steps: int, batch_size: int, se
 
 _CHAR_GPT_TRAINING = asdict(TrainConfig(steps=2000, batch_size=24, lr=3e-3, min_lr=3e-4, warmup_steps=100, eval_every=250, seed=0))
 
+_INDUCTION_TRAINING = {"steps": 3000, "batch_size": 32, "lr": 3e-3, "init_std": 0.1, "seed": 1,
+                       "periods": [2, 3, 4, 5, 6, 8, 9, 10, 12, 13, 15, 16]}
+_INDUCTION_EVALUATION = {"held_out_periods": [7, 11, 14], "eval_batch": 64, "eval_seed": 7}
+
 RECIPES: dict[str, Recipe] = {
     # the target model of chapters 05-07
     "char-gpt": Recipe("GPT", dict(block_size=128, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=True), seed=0,
@@ -229,6 +236,13 @@ RECIPES: dict[str, Recipe] = {
                                    seed=0, train=train_transformer_reversal,
                                    train_args=dict(steps=300, batch_size=64, seed=1, lr=2e-3, warmup=50), threads=1,
                                    evaluate=dict(candidates=2000, candidate_seed=1234)),
+    # chapter 13: attention-only models (2 heads of 16 dims, no MLP, no LayerNorm) on random tokens with one repeated
+    # stretch at a random period and offset; scored on periods 7, 11 and 14, which training never draws. Two layers
+    # can compose a previous-token head with an induction head; the one-layer control, trained alike, cannot.
+    "induction-2l": Recipe("AttentionOnly", {"vocab_size": 16, "max_len": 32, "d_model": 32, "n_layer": 2, "n_head": 2}, seed=0,
+                           train=train_induction, train_args=_INDUCTION_TRAINING, threads=1, evaluate=_INDUCTION_EVALUATION),
+    "induction-1l": Recipe("AttentionOnly", {"vocab_size": 16, "max_len": 32, "d_model": 32, "n_layer": 1, "n_head": 2}, seed=0,
+                           train=train_induction, train_args=_INDUCTION_TRAINING, threads=1, evaluate=_INDUCTION_EVALUATION),
 }
 
 
@@ -249,9 +263,12 @@ def save_checkpoint(path: Path, model: nn.Module, config: dict, vocab: str | Non
     """torch.save {"config", ("vocab",) ("merges",) "state_dict"}: the constructor arguments, a character model's
     vocabulary or a BPE model's merges ([[a, b], ...] in the order learned), and the float32 weights (a tied LM
     head is stored once)."""
-    state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
-    if "lm_head.weight" in state and "transformer.wte.weight" in state:
-        state["lm_head.weight"] = state["transformer.wte.weight"]  # a GPT's head is tied: stored once
+    weights = model.state_dict()
+    state = {k: v.detach().to(torch.float32).contiguous() for k, v in weights.items()}
+    tied = "lm_head.weight" in weights and "transformer.wte.weight" in weights and (
+        weights["lm_head.weight"].data_ptr() == weights["transformer.wte.weight"].data_ptr())
+    if tied:  # a GPT's head is its token embedding: stored once (an AttentionOnly model's head is its own)
+        state["lm_head.weight"] = state["transformer.wte.weight"]
     payload = {"config": config, **({"vocab": vocab} if vocab is not None else {}),
                **({"merges": merges} if merges is not None else {}), "state_dict": state}
     torch.save(payload, path)
@@ -302,6 +319,12 @@ def summary(record: dict) -> str:
     """One line about a trained checkpoint: parameters, what it reached, time, size."""
     if "val_loss" in record:
         reached = f"train loss {record['train_loss']:.4f}, val loss {record['val_loss']:.4f}"
+    elif "by_period" in record["held_out"]:  # an induction model: its best head at the longest held-out period
+        period = str(max(record["held_out"]["periods"]))
+        figures = record["held_out"]["by_period"][period]
+        reached = (f"loss {record['losses'][0]:.3f} -> {record['losses'][-1]:.4f}; at the held-out period {period}: "
+                   f"induction score {max(max(layer) for layer in figures['induction']):.2f}, copy losses "
+                   f"{figures['first_copy_loss']:.2f} -> {figures['second_copy_loss']:.2f}")
     else:
         held_out = record["held_out"]
         reached = (f"loss {record['losses'][0]:.3f} -> {record['losses'][-1]:.4f}, exact match "

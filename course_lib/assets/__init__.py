@@ -8,6 +8,9 @@
     bpe-gpt                  char-gpt's shape and training on 512 byte-level BPE tokens of the same text (chapter 09)
     char-llama               Llama-style (RMSNorm, SwiGLU, RoPE, 2 key/value heads, untied head), char-gpt's width,
                              depth, context and training (chapter 11)
+    induction-2l             AttentionOnly, 2 layers of 2 heads, 32 dims, trained on repeated random tokens: it forms
+                             a previous-token head and an induction head (chapter 13)
+    induction-1l             the same with 1 layer, trained alike: the control, which cannot form one (chapter 13)
 
 The char-* models are character-level models of the default corpus (``course_lib.data.default_corpus()``).
 ``<name>.pt`` holds the constructor arguments and the float32 weights (and a character model's
@@ -24,13 +27,15 @@ from torch import nn
 from ..bpe import BPETokenizer
 from ..data import CharTokenizer
 from ..gpt import GPT, GPTConfig
+from ..heads import AttentionOnly
 from ..llama import Llama, LlamaConfig
 from ..seq2seq import GRUSeq2Seq
 from ..transformer import Transformer
 
 FOLDER = Path(__file__).resolve().parent
 #: the model classes a checkpoint may hold, by the name its record gives
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"GPT": GPT, "Llama": Llama, "GRUSeq2Seq": GRUSeq2Seq, "Transformer": Transformer}
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"GPT": GPT, "Llama": Llama, "GRUSeq2Seq": GRUSeq2Seq, "Transformer": Transformer,
+                                             "AttentionOnly": AttentionOnly}
 
 
 def names() -> list[str]:
@@ -66,7 +71,7 @@ def build(model: str, config: dict) -> nn.Module:
 
 
 def load(name: str) -> nn.Module:
-    """The pretrained model called name (a GPT, Llama, GRUSeq2Seq or Transformer, as its record says), in eval mode."""
+    """The pretrained model called name (a GPT, Llama, GRUSeq2Seq, Transformer or AttentionOnly, as its record says), in eval mode."""
     checkpoint = _checkpoint(name)
     model = build(info(name)["model"], checkpoint["config"])
     model.load_state_dict(checkpoint["state_dict"])

@@ -10,7 +10,8 @@ import torch
 
 from course_lib import assets
 from course_lib.data import CharTokenizer, Seq2SeqBatch, default_corpus, reversal_batch
-from course_lib.gpt import GPT, estimate_loss
+from course_lib.gpt import GPT, attention_maps, estimate_loss, previous_token_score
+from course_lib.heads import ablate_head, copy_losses, induction_score, repeated_random_tokens
 from course_lib.llama import Llama
 from course_lib.bpe import text_nats, train_bpe
 from course_lib.pretrain import RECIPES, VAL_FRACTION, bpe_corpus_splits, corpus_splits, pretrain, save_checkpoint
@@ -21,6 +22,7 @@ from course_lib.transformer import Transformer
 CHAR_MODELS = sorted(name for name, recipe in RECIPES.items() if recipe.corpus)
 BPE_MODELS = sorted(name for name, recipe in RECIPES.items() if recipe.bpe)
 REVERSAL_MODELS = {"gru-reversal-baseline": GRUSeq2Seq, "gru-reversal-attention": GRUSeq2Seq, "transformer-reversal": Transformer}
+INDUCTION_MODELS = ["induction-1l", "induction-2l"]
 #: greedy decoding of the shipped weights on another CPU may flip a near-tie argmax; on the CPU that trained them
 #: the counts are exact. At most this fraction of the held-out strings (or output digits) may come out otherwise.
 FLIP_TOLERANCE = 0.002
@@ -33,7 +35,7 @@ def splits():
 
 def test_every_recipe_is_shipped():
     assert assets.names() == sorted(RECIPES)
-    assert sorted(REVERSAL_MODELS) == sorted(set(RECIPES) - set(CHAR_MODELS) - set(BPE_MODELS))
+    assert sorted([*REVERSAL_MODELS, *INDUCTION_MODELS]) == sorted(set(RECIPES) - set(CHAR_MODELS) - set(BPE_MODELS))
     for name in RECIPES:
         assert (assets.FOLDER / f"{name}.json").is_file()
 
@@ -176,10 +178,59 @@ def test_attention_alignment_is_the_recorded_one():
     assert "alignment" not in assets.info("gru-reversal-baseline")["held_out"]  # no attention, no alignment
 
 
+# ----------------------------------------------------------------------------- the induction models (chapter 13)
+
+
+def induction_figures_again(model, tokens, period):
+    """Written apart from heads.induction_figures: induction scores (L, H), previous-token scores and copy losses."""
+    with torch.no_grad():
+        maps = attention_maps(model, tokens)
+        return induction_score(maps, period), previous_token_score(maps), copy_losses(model, tokens, period)
+
+
+@pytest.mark.parametrize("name", INDUCTION_MODELS)
+def test_induction_model_reaches_the_recorded_scores_at_held_out_periods(name):
+    model, record = assets.load(name), assets.info(name)
+    held_out = record["held_out"]
+    assert held_out["periods"] == RECIPES[name].evaluate["held_out_periods"]
+    assert not set(held_out["periods"]) & set(record["train"]["periods"])  # never trained on
+    for period in held_out["periods"]:
+        claimed = held_out["by_period"][str(period)]
+        tokens = repeated_random_tokens(16, period, held_out["batch"], torch.Generator().manual_seed(held_out["seed"]))
+        induction, previous, (first, second) = induction_figures_again(model, tokens, period)
+        torch.testing.assert_close(induction, torch.tensor(claimed["induction"], dtype=torch.float64), atol=2e-3, rtol=0)
+        torch.testing.assert_close(previous.double(), torch.tensor(claimed["previous_token"], dtype=torch.float64), atol=2e-3, rtol=0)
+        assert abs(first - claimed["first_copy_loss"]) < 2e-3 and abs(second - claimed["second_copy_loss"]) < 2e-3
+        for key, ablated in claimed["ablated"].items():
+            layer, head = map(int, key.split("."))
+            with ablate_head(model, layer, head):
+                induction, _, (first, second) = induction_figures_again(model, tokens, period)
+            torch.testing.assert_close(induction, torch.tensor(ablated["induction"], dtype=torch.float64), atol=2e-3, rtol=0)
+            assert abs(first - ablated["first_copy_loss"]) < 2e-3 and abs(second - ablated["second_copy_loss"]) < 2e-3
+
+
+def test_two_layers_form_an_induction_head_and_one_layer_does_not():
+    """The chapter's story, on the records (recomputed above): at every held-out period the two-layer model has a
+    layer-2 head with a high induction score fed by a layer-1 previous-token head, and predicts the second copy far
+    better than the first; the one-layer control has neither; ablating the previous-token head collapses the
+    induction score."""
+    two, one = assets.info("induction-2l")["held_out"], assets.info("induction-1l")["held_out"]
+    for period in map(str, two["periods"]):
+        t, o = two["by_period"][period], one["by_period"][period]
+        induction_head = max(range(2), key=lambda h: t["induction"][1][h])
+        previous_head = max(range(2), key=lambda h: t["previous_token"][0][h])
+        assert t["induction"][1][induction_head] > 0.7 and t["previous_token"][0][previous_head] > 0.6, t
+        assert t["second_copy_loss"] < t["first_copy_loss"] / 2 and t["first_copy_loss"] > math.log(16) - 0.1
+        assert max(o["induction"][0]) < 0.1 and o["second_copy_loss"] > o["first_copy_loss"] - 0.1, o
+        ablated = t["ablated"][f"0.{previous_head}"]
+        assert ablated["induction"][1][induction_head] < 0.2 and ablated["second_copy_loss"] > t["first_copy_loss"] - 0.3, ablated
+
+
 # ----------------------------------------------------------------------------- course pretrain
 
 
-@pytest.mark.parametrize("name", ["char-gpt-draft", "char-llama", "bpe-gpt", "gru-reversal-attention", "transformer-reversal"])
+@pytest.mark.parametrize("name", ["char-gpt-draft", "char-llama", "bpe-gpt", "gru-reversal-attention", "transformer-reversal",
+                                  "induction-2l"])
 def test_pretrain_is_deterministic(name, tmp_path):
     first = pretrain(name, tmp_path / "a", steps=3, progress=False)
     second = pretrain(name, tmp_path / "b", steps=3, progress=False)

@@ -73,3 +73,59 @@ def test_ablating_a_gpt_head_equals_zeroing_its_columns():
     assert torch.equal(model(idx)[0], before)
     with pytest.raises(ValueError), heads.ablate_head(model, 0, 2):
         pass
+
+
+# ----------------------------------------------------------------------------- the trained pair's data (course pretrain)
+
+
+def repeat_of(row: list[int]) -> tuple[int, int] | None:
+    """Written apart from the generator: the (offset, period) of the longest stretch of row that, from some
+    offset o, is a segment of period p repeated to the end (at least two whole copies), with distinct tokens in
+    the segment; None if there is none. The smallest offset wins (the generator's prefix may extend the stretch)."""
+    T = len(row)
+    for o in range(T):
+        for p in range(1, (T - o) // 2 + 1):
+            if len(set(row[o:o + p])) == p and all(row[t] == row[t - p] for t in range(o + p, T)):
+                return o, p
+    return None
+
+
+def test_the_training_batch_repeats_a_segment_at_random_periods_and_offsets():
+    periods = [3, 5, 8, 16]
+    tokens = heads.induction_training_batch(16, 32, 400, periods, torch.Generator().manual_seed(0))
+    assert tokens.shape == (400, 32) and tokens.dtype == torch.int64 and 0 <= int(tokens.min()) and int(tokens.max()) < 16
+    found = [repeat_of(row) for row in tokens.tolist()]
+    assert all(f is not None for f in found)
+    # the period found is the one drawn (prefix tokens that coincide with the segment's last ones move the offset
+    # back, never change the period): every period is drawn, at offsets spread over their whole range
+    assert {p for _, p in found} == set(periods)
+    for p in periods:
+        offsets = {o for o, q in found if q == p}
+        assert min(offsets) == 0 and max(offsets) >= 32 - 2 * p - 1 and (p == 16 or len(offsets) >= min(5, 32 - 2 * p))
+    # the same generator seed, the same batch
+    again = heads.induction_training_batch(16, 32, 400, periods, torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, again)
+
+
+def test_the_training_batch_rejects_periods_that_do_not_fit_twice():
+    with pytest.raises(ValueError):
+        heads.induction_training_batch(16, 32, 4, [17])
+    with pytest.raises(ValueError):
+        heads.induction_training_batch(16, 32, 4, [])
+
+
+def test_training_never_draws_a_held_out_period():
+    from course_lib.pretrain import RECIPES
+
+    for name in ("induction-2l", "induction-1l"):
+        recipe = RECIPES[name]
+        trained, held_out = set(recipe.train_args["periods"]), set(recipe.evaluate["held_out_periods"])
+        assert held_out and not trained & held_out
+        # every training row's period (recovered from the rows of the recipe's first steps) is a trained one
+        generator = torch.Generator().manual_seed(recipe.train_args["seed"])
+        for _ in range(5):
+            batch = heads.induction_training_batch(16, 32, recipe.train_args["batch_size"], recipe.train_args["periods"], generator)
+            assert {repeat_of(row)[1] for row in batch.tolist()} <= trained
+    with pytest.raises(ValueError, match="held-out"):
+        heads.train_induction(heads.AttentionOnly(8, 16, 8), steps=1, batch_size=2, lr=1e-3, init_std=0.1, seed=0,
+                              periods=[3, 4], held_out_periods=[4], eval_batch=2, eval_seed=0, progress=False)
