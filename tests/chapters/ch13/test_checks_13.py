@@ -92,6 +92,8 @@ def output_rows(model, layer, head):
     (checks.check_ablate_head, weights_edited_without_restoring, "still differs from before"),
     (checks.check_ablate_head, output_rows, "output"),
     (checks.check_ablate_head, lambda model, layer, head: contextlib.nullcontext(model), "nothing was silenced"),
+    (checks.check_ablate_head, variant(heads.ablate_head, ("if not 0 <= layer < len(blocks):", "if False:")),
+     "expected ValueError, got IndexError"),
 ])
 def test_each_classic_mistake_gets_its_message(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):
