@@ -44,9 +44,10 @@ $(PROXY): docs/hub/package.json docs/hub/package-lock.json
 # number that the CPU's rounding decides.
 OTHER_CPU = ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=SSE41
 
+# Waiting OpenMP threads sleep rather than spin while two test processes share the cores (see tests/conftest.py).
 test: setup system-packages hub ## the whole suite: library tests, nbval on solutions/ (twice: as is, as on another CPU), round trips, browser
-	$(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=15
-	env $(OTHER_CPU) $(BIN)/python -m pytest -n $(JOBS) --dist loadfile solutions/
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=15
+	env $(OTHER_CPU) OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n $(JOBS) --dist loadfile solutions/
 
 # The timed chapters' stored notebooks on a busy machine: two processes keep both cores busy (ended however nbval ends)
 # while nbval re-executes them, as is and as on another CPU. Their measured claims must hold there too.

@@ -1,8 +1,16 @@
 """Shared fixtures. Shared helpers (the repository root, the tolerance policy) are in tests/helpers.py."""
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# Waiting OpenMP threads sleep instead of spinning. Two test processes (xdist's workers, or a notebook's kernel beside
+# a test) each running torch on several threads over-subscribe a 2-core machine, and spinning threads then steal the
+# cores that would finish the work: a 3-step pretraining run took 77 s instead of 15 s beside a busy core. Set before
+# torch loads OpenMP, and inherited by xdist's workers and nbval's kernels; `make test` sets it for the nbval-only run.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture
