@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -89,9 +90,8 @@ def _validate(args) -> int:
         submissions = Path(tmp) / "submitted"
         for name in names:
             (submissions / "reference").mkdir(parents=True, exist_ok=True)
-            import shutil
             shutil.copytree(root / grading.SOURCE_DIR / name, submissions / "reference" / name)
-        results = grading.grade(submissions, Path(tmp) / "work", names, root=root)
+        results = grading.grade(submissions, Path(tmp) / "work", names, root=root, feedback=False)  # scores only
     ok = True
     for result in results:
         print(grading.format_report(result))

@@ -86,21 +86,26 @@ def assert_loses_exactly(result: grading.NotebookResult, chapter: Chapter, must_
 
 
 def grade_students(tmp_path_factory, chapter: Chapter, students: dict, cell_timeout: int = 60):
-    """Grade ``{student: (make_notebook, must_fail)}`` in one run; return (results by (student, chapter), digests before and after)."""
+    """Grade ``{student: (make_notebook, must_fail)}`` in one run, without feedback HTML (chapter 01's round trip and
+    the grading attacks check the feedback); return (results by (student, chapter), digests before and after, workdir)."""
     submissions = write_submissions(tmp_path_factory.mktemp("submissions"), chapter, {s: make() for s, (make, _) in students.items()})
     before = digest(submissions)
-    results = grading.grade(submissions, tmp_path_factory.mktemp("grading"), cell_timeout=cell_timeout)
-    return {(r.student, r.chapter): r for r in results}, before, digest(submissions)
+    workdir = tmp_path_factory.mktemp("grading")
+    results = grading.grade(submissions, workdir, cell_timeout=cell_timeout, feedback=False)
+    return {(r.student, r.chapter): r for r in results}, before, digest(submissions), workdir
 
 
 def assert_reference_full_untouched_zero(graded, chapter: Chapter, total: float) -> None:
     """On a ``grade_students`` result: the reference scores ``total`` (the chapter's points), the untouched
-    release scores 0, and grading left every submission byte for byte as it was."""
-    results, before, after = graded
+    release scores 0, and grading left every submission byte for byte as it was; without feedback, nbgrader's
+    gradebook is written and no feedback HTML."""
+    results, before, after, workdir = graded
     reference = results[("reference", chapter.name)]
     assert reference.score == reference.max_score == sum(chapter.points.values()) == total
     assert results[("untouched", chapter.name)].score == 0
     assert before == after, "grading modified a submission"
+    run = workdir / "runs" / chapter.name / "reference"
+    assert (run / "gradebook.db").is_file() and not (run / "feedback").exists()
 
 
 def messages(graded, chapter: Chapter, student: str) -> dict[str, str]:

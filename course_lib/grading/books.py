@@ -155,8 +155,8 @@ def prepare_template(root: Path, workdir: Path, chapter: str) -> Path:
 
 
 def autograde(folder: Path, chapter: str, student: str, notebooks: dict[str, dict],
-              verdicts: dict[str, str], notes: list[str]) -> dict[str, dict[str, float]]:
-    """Record one student's chapter in nbgrader's books in ``folder``, and write its feedback.
+              verdicts: dict[str, str], notes: list[str], feedback: bool = True) -> dict[str, dict[str, float]]:
+    """Record one student's chapter in nbgrader's books in ``folder``, and write its feedback (unless not ``feedback``).
 
     notebooks: notebook name -> the submission as nbgrader gets it; verdicts: grade_id -> ''
     (passed) or why it failed; notes: what grading ignored or repaired.
@@ -170,7 +170,8 @@ def autograde(folder: Path, chapter: str, student: str, notebooks: dict[str, dic
         (submitted / f"{name}.ipynb").write_text(json.dumps(notebook, indent=1))
     with _nbgrader_at_work():
         _checked(_api(_config(folder, verdicts, notes)).autograde(chapter, student, force=True, create=True), "autograde")
-        _checked(_api(_config(folder)).generate_feedback(chapter, student, force=True), "generate_feedback")
+        if feedback:
+            _checked(_api(_config(folder)).generate_feedback(chapter, student, force=True), "generate_feedback")
         with Gradebook(f"sqlite:///{folder / 'gradebook.db'}") as gradebook:
             return {name: {g.name: float(g.score) for g in gradebook.find_submission_notebook(name, chapter, student).grades}
                     for name in notebooks}

@@ -99,7 +99,8 @@ class _Unit:
 
 
 def _grade_student(student: str, chapter_names: list[str], submissions: Path, workdir: Path, root: Path,
-                   templates: dict[str, Path], limits: Limits, sandboxed: bool, hidden: tuple[Path, ...]) -> list[NotebookResult]:
+                   templates: dict[str, Path], limits: Limits, sandboxed: bool, hidden: tuple[Path, ...],
+                   feedback: bool) -> list[NotebookResult]:
     units = []
     for chapter in chapter_names:
         folder = submissions / student / chapter
@@ -116,7 +117,7 @@ def _grade_student(student: str, chapter_names: list[str], submissions: Path, wo
         for unit in readable:
             unit.judge(verdicts)
         for chapter in {u.chapter for u in readable}:
-            _record(chapter, student, [u for u in readable if u.chapter == chapter], workdir, templates[chapter])
+            _record(chapter, student, [u for u in readable if u.chapter == chapter], workdir, templates[chapter], feedback)
     except Exception as error:  # noqa: BLE001 - recorded as this student's error, grading goes on
         with log.open("a") as fh:
             fh.write(f"grading failed: {error!r}\n")
@@ -125,14 +126,14 @@ def _grade_student(student: str, chapter_names: list[str], submissions: Path, wo
     return [u.result for u in units]
 
 
-def _record(chapter: str, student: str, units: list[_Unit], workdir: Path, template: Path) -> None:
-    """nbgrader's gradebook and feedback for one student's chapter; they must agree with the results."""
+def _record(chapter: str, student: str, units: list[_Unit], workdir: Path, template: Path, feedback: bool) -> None:
+    """nbgrader's gradebook (and feedback, if ``feedback``) for one student's chapter; they must agree with the results."""
     folder = workdir / "runs" / chapter / student
     shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(template, folder)
     verdicts = {t.grade_id: ("" if t.passed else t.message) for u in units for t in u.result.tests}
     notes = [note for u in units for note in u.result.notes]
-    scores = books.autograde(folder, chapter, student, {u.name: u.reading.notebook for u in units}, verdicts, notes)
+    scores = books.autograde(folder, chapter, student, {u.name: u.reading.notebook for u in units}, verdicts, notes, feedback)
     for unit in units:
         ours = {t.grade_id: t.score for t in unit.result.tests}
         if scores[unit.name] != ours:
@@ -151,14 +152,15 @@ def grade_students(students: list[str], jobs: int, **options) -> list[NotebookRe
 
 def grade(submissions: Path, workdir: Path, chapter_names: list[str] | None = None, cell_timeout: float = CELL_TIMEOUT,
           root: Path | None = None, jobs: int = 1, sandboxed: bool | None = None, limits: Limits | None = None,
-          hide: tuple[Path, ...] = ()) -> list[NotebookResult]:
+          hide: tuple[Path, ...] = (), feedback: bool = True) -> list[NotebookResult]:
     """Autograde ``submissions/<student>/<chapter>/*.ipynb``; never modifies ``submissions``.
 
     Each student's chapters are tested in one clean room (sandboxed when bubblewrap is available:
     ``sandboxed=None`` means "if available") under ``limits`` (default: ``Limits(timeout=cell_timeout)``),
     with the grading folders, the submissions, the course's solutions and release, and ``hide`` hidden from it,
     and recorded in nbgrader's books in ``workdir/runs/<chapter>/<student>/`` (gradebook.db,
-    autograded/, feedback/ HTML). ``jobs`` students are graded at once. Writes workdir/grades.csv (one
+    autograded/, and feedback/ HTML unless not ``feedback``: a learner's own check, which prints its report and
+    keeps no files, skips it). ``jobs`` students are graded at once. Writes workdir/grades.csv (one
     row per student and chapter, with a status column), grades_by_exercise.csv and grades_by_test.csv.
     Returns one NotebookResult per student notebook, by chapter, then student.
     """
@@ -178,7 +180,7 @@ def grade(submissions: Path, workdir: Path, chapter_names: list[str] | None = No
     workdir.mkdir(parents=True, exist_ok=True)
     templates = {chapter: books.prepare_template(root, workdir, chapter) for chapter in wanted}
     results = grade_students(students, jobs, chapter_names=wanted, submissions=submissions, workdir=workdir, root=root,
-                             templates=templates, limits=limits, sandboxed=sandboxed,
+                             templates=templates, limits=limits, sandboxed=sandboxed, feedback=feedback,
                              hidden=(workdir / "runs", workdir / "templates", submissions, root / SOURCE_DIR, root / RELEASE_DIR,
                                      *hide))
     order = {chapter: i for i, chapter in enumerate(wanted)}
@@ -207,5 +209,6 @@ def check(chapter_spec: str, notebook: Path | None = None, workdir: Path | None 
         submissions.mkdir(parents=True)
         for path in notebooks:
             shutil.copy2(path, submissions / path.name)
-        # your own notebook on your own machine: no sandbox needed
-        return grade(Path(tmp) / "submitted", Path(workdir or Path(tmp) / "work"), [chapter], root=root, sandboxed=False)
+        # your own notebook on your own machine: no sandbox needed; the report is printed, so no feedback HTML
+        return grade(Path(tmp) / "submitted", Path(workdir or Path(tmp) / "work"), [chapter], root=root, sandboxed=False,
+                     feedback=workdir is not None)
