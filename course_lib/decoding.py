@@ -11,7 +11,6 @@ A filtered token has logit -inf (probability exactly 0 after softmax).
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Mapping, Sequence
 
 import torch

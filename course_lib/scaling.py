@@ -264,7 +264,6 @@ def run_family(recipe: ScalingRecipe = RECIPE, only: str | None = None, jobs: in
         log(f"{len(runs) - len(todo)} of {len(runs)} runs reused from an earlier results file of the same recipe and torch")
     # the largest first, so that the last ones to finish are short
     todo.sort(key=lambda i: -gpt_non_embedding(runs[i]["n_layer"], runs[i]["n_embd"]) * runs[i]["steps"])
-    start = time.perf_counter()
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
         futures = {i: pool.submit(_run, (runs[i], asdict(recipe))) for i in todo}
         for done, i in enumerate(todo, 1):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AdditiveAttention
-from .data import BOS, DIGIT_VOCAB_SIZE, EOS, PAD, Seq2SeqBatch, reversal_batch
+from .data import BOS, DIGIT_VOCAB_SIZE, PAD, Seq2SeqBatch, reversal_batch
 
 
 class GRUSeq2Seq(nn.Module):

@@ -13,7 +13,6 @@ from .core import assert_close, assert_shape, assert_tensor, fail, passed
 __all__ = ["check_apply_temperature", "check_top_k_filter", "check_top_p_filter", "check_apply_repetition_penalty",
            "check_greedy_search", "check_beam_search_step", "table_model", "greedy_table_oracle"]
 
-NEG_INF = float("-inf")
 
 
 def _kept(result, name: str) -> torch.Tensor:

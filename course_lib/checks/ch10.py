@@ -205,7 +205,7 @@ def check_compute_optimal(compute_optimal) -> None:
         fail(f"compute_optimal(1.2e14, 120.0) should return a tuple (N, D), got {type(result).__name__}")
     n, d = (_number(v, name) for v, name in zip(result, ("N", "D")))
     if abs(d / n - 20) < 1e-9:
-        fail(f"compute_optimal(1.2e14, tokens_per_param=120.0) returned D / N = 20: you used 20 whatever the ratio "
+        fail("compute_optimal(1.2e14, tokens_per_param=120.0) returned D / N = 20: you used 20 whatever the ratio "
              "given; use tokens_per_param (r) in N = sqrt(C / (6 r)) and D = r N")
     if abs(d / n - 120) > 1e-9 or abs(6 * n * d / 1.2e14 - 1) > 1e-9:
         if isinstance(result[0], int) or isinstance(result[1], int):

@@ -12,7 +12,6 @@ Tolerance policy, used everywhere in the course: float32 parity is checked with
 """
 from __future__ import annotations
 
-import math
 
 import torch
 

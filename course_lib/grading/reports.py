@@ -127,7 +127,7 @@ def format_report(result: NotebookResult) -> str:
     lines += [f"  note: {note}" for note in result.notes]
     if not result.tests:
         return "\n".join(lines + ["  this chapter has no graded exercises"])
-    lines.append(f"  (each exercise is tested with the course's own versions of the other exercises: a mistake costs only its own points)")
+    lines.append("  (each exercise is tested with the course's own versions of the other exercises: a mistake costs only its own points)")
     for exercise, tests in result.exercises().items():
         score, max_score = sum(t.score for t in tests), sum(t.max_score for t in tests)
         errors = {t.error for t in tests if t.error}
