@@ -18,6 +18,8 @@ from tests.helpers import assert_parity
 transformers = pytest.importorskip("transformers")
 from transformers.generation import logits_process as LP  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks: tiny models crawl on several busy threads
+
 V = 13
 
 

@@ -19,6 +19,8 @@ from course_lib.kv_cache import (ConcatKVCache, GQASelfAttention, KVCache, cache
                                  generate_cached, kv_cache_bytes)
 from tests.helpers import assert_parity
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks: tiny models crawl on several busy threads
+
 
 def gpt(block_size=256, seed=0, **sizes) -> GPT:
     torch.manual_seed(seed)
