@@ -105,6 +105,10 @@ def _serve(args) -> int:
 
     from .server import serve
 
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535] (0: one the OS chooses), got {args.port}")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     serve(args.model, args.port, num_blocks=args.num_blocks, block_size=args.block_size, token_budget=args.token_budget,
           max_num_seqs=args.max_num_seqs)
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("serve", help="chapter 12's engine behind an OpenAI-compatible HTTP server (/v1/completions, "
                                      "streaming) on 127.0.0.1; Ctrl-C stops it, letting running requests finish")
-    p.add_argument("--model", default="char-gpt", help="a character model of course_lib.assets (default: %(default)s)")
+    p.add_argument("--model", default="char-gpt", help="a language model of course_lib.assets with a tokenizer "
+                                                        "(char-gpt, bpe-gpt; default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default: %(default)s)")
     p.add_argument("--num-blocks", type=int, default=None, help="blocks in the KV pool (default: 32 full contexts)")
     p.add_argument("--block-size", type=int, default=8, help="tokens per block (default: %(default)s)")

@@ -302,7 +302,7 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
     from starlette.routing import Route
 
     context, vocab_size = model.config.block_size, model.config.vocab_size
-    num_blocks = num_blocks if num_blocks is not None else 32 * math.ceil(context / block_size)
+    num_blocks = num_blocks if num_blocks is not None else 32 * math.ceil(context / max(block_size, 1))  # Engine checks
     engine = Engine(model, num_blocks=num_blocks, block_size=block_size, token_budget=token_budget,
                     max_num_seqs=max_num_seqs)
     engine_loop = EngineLoop(engine)
@@ -436,7 +436,15 @@ async def _unless_disconnected(http, work):
 
 
 def _load(model_name: str):
-    return assets.load(model_name), assets.tokenizer(model_name)
+    """A GPT checkpoint (the engine runs course_lib.gpt.GPT) and its tokenizer."""
+    from .gpt import GPT
+
+    model = assets.load(model_name)
+    if not isinstance(model, GPT):
+        raise ValueError(f"model must be a GPT checkpoint of course_lib.assets with a tokenizer (char-gpt, "
+                         f"char-gpt-draft, bpe-gpt): the engine runs course_lib.gpt.GPT, got {model_name} "
+                         f"({type(model).__name__})")
+    return model, assets.tokenizer(model_name)
 
 
 class Server:
@@ -487,8 +495,9 @@ def serve(model_name: str = "char-gpt", port: int = 8000, **engine) -> None:
     import uvicorn
 
     model, tokenizer = _load(model_name)
-    print(f"serving {model_name} at http://{HOST}:{port}/v1 (OpenAI completions API; Ctrl-C stops, letting running "
-          f"requests finish)")
+    where = f"http://{HOST}:{port}/v1" if port else "the port uvicorn reports below, under /v1"
+    print(f"serving {model_name}'s OpenAI-compatible completions API at {where}; Ctrl-C stops it, letting running "
+          f"requests finish", flush=True)
     uvicorn.run(make_app(model, tokenizer, model_name, **engine), host=HOST, port=port, log_level="info")
 
 
@@ -499,21 +508,25 @@ def serve(model_name: str = "char-gpt", port: int = 8000, **engine) -> None:
 async def _drive(url: str, model_name: str, prompts: list, max_tokens: list, rate: float, seed: int) -> list:
     """Send each prompt as a streamed greedy request, the gaps between sends exponential with mean 1 / rate seconds
     (Poisson arrivals; rate inf: all at once). Per request: (seconds to the first token, seconds between the
-    first and the last, tokens, seconds from send to the end)."""
+    first and the last, tokens (the usage the server reports), seconds from send to the end)."""
     import httpx
 
     rng = random.Random(seed)
 
     async def one(client, prompt: str, n: int) -> tuple:
-        body = {"model": model_name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
-        sent, times = time.perf_counter(), []
+        body = {"model": model_name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        sent, times, tokens = time.perf_counter(), [], 0
         async with client.stream("POST", f"{url}/completions", json=body) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
-                    text = json.loads(line[6:])["choices"][0]["text"]
-                    times.extend([time.perf_counter()] * len(text))  # char-level: one character, one token
-        return times[0] - sent, times[-1] - times[0], len(times), time.perf_counter() - sent
+                    event = json.loads(line[6:])
+                    if event["choices"] and event["choices"][0]["text"]:
+                        times.append(time.perf_counter())
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+        return times[0] - sent, times[-1] - times[0], tokens, time.perf_counter() - sent
 
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
         tasks = []
@@ -586,7 +599,8 @@ def bench_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="course bench serve-http",
                                      description="drive `course serve` over HTTP with Poisson arrivals (as vLLM's "
                                                  "benchmark_serving.py does): TTFT and TPOT from the streamed tokens")
-    parser.add_argument("--model", default="char-gpt", help="a character model of course_lib.assets (default: %(default)s)")
+    parser.add_argument("--model", default="char-gpt", help="a language model of course_lib.assets with a tokenizer "
+                                                             "(char-gpt, bpe-gpt; default: %(default)s)")
     parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 16.0, math.inf],
                         help="requests per second, one run each (inf: all at once; default: 4 16 inf)")
     parser.add_argument("--requests", type=int, default=48, help="requests per rate (default: %(default)s)")

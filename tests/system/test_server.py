@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import threading
 import time
 
@@ -23,9 +24,9 @@ for package in ("starlette", "uvicorn", "openai", "httpx"):
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-from course_lib import assets  # noqa: E402
+from course_lib import assets, cli  # noqa: E402
 from course_lib.kv_cache import generate_cached  # noqa: E402
-from course_lib.server import Server  # noqa: E402
+from course_lib.server import Server, bench_serve_http  # noqa: E402
 from course_lib.serving import Engine, Request  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -297,3 +298,16 @@ def test_shutdown_drains_the_running_requests(model, tokenizer, monkeypatch):
     assert text == alone(model, tokenizer, PROMPTS[0], 60)  # all 60 tokens came
     stopper.join(30)
     assert not stopper.is_alive() and not server.thread.is_alive() and not server.engine_loop.thread.is_alive()
+
+
+def test_course_serve_refuses_bad_engine_settings_clearly(capsys):
+    assert cli.main(["serve", "--num-blocks", "0"]) == 2
+    assert "num_blocks must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_benchmark_reports_ttft_and_tpot_percentiles_from_the_stream():
+    rows = bench_serve_http(MODEL, rates=(50.0, math.inf), n_requests=6, seed=1)
+    assert [r["rate"] for r in rows] == [50.0, math.inf] and all(r["requests"] == 6 for r in rows)
+    for r in rows:
+        assert 0 < r["ttft_p50"] <= r["ttft_p95"] < r["seconds"] and 0 < r["tpot_p50"] <= r["tpot_p95"] < r["seconds"]
+        assert r["tokens_per_second"] > 0
