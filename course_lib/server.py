@@ -249,7 +249,11 @@ class EngineLoop:
             if self.closing:
                 deliver(("error", "the server is shutting down"))
                 return
-            result = engine.add_request(request)
+            try:
+                result = engine.add_request(request)
+            except ValueError as error:  # a name already in the engine: the HTTP side makes them unique
+                deliver(("error", str(error)))
+                return
             if result.error:  # rejected on arrival (the HTTP side checked it: only the engine's own limits are left)
                 engine.results.pop(request.name)
                 self.counts["failed"] += 1
@@ -329,7 +333,14 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
         except BadRequest as error:
             return error_response(error)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        engine_loop.add(completion.request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+
+        def deliver(event: tuple) -> None:  # called from the engine's thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+
+        engine_loop.add(completion.request, deliver)
         prompt_tokens = len(completion.request.prompt)
 
         def chunk(text: str, finish: str | None, usage: dict | None = None, choices: bool = True) -> dict:
