@@ -24,9 +24,9 @@ for package in ("starlette", "uvicorn", "openai", "httpx"):
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-from course_lib import assets, cli  # noqa: E402
+from course_lib import assets, bench, cli  # noqa: E402
 from course_lib.kv_cache import generate_cached  # noqa: E402
-from course_lib.server import Server, bench_serve_http  # noqa: E402
+from course_lib.server import Server, bench_serve_http, format_serve_http  # noqa: E402
 from course_lib.serving import Engine, Request  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -311,3 +311,12 @@ def test_the_benchmark_reports_ttft_and_tpot_percentiles_from_the_stream():
     for r in rows:
         assert 0 < r["ttft_p50"] <= r["ttft_p95"] < r["seconds"] and 0 < r["tpot_p50"] <= r["tpot_p95"] < r["seconds"]
         assert r["tokens_per_second"] > 0
+    table = format_serve_http(rows).splitlines()
+    assert "TTFT p50" in table[1] and table[2].split()[:2] == ["50.0", "6"] and table[3].split()[:2] == ["inf", "6"]
+
+
+def test_course_bench_serve_http_refuses_bad_options(capsys):
+    for options in (["--requests", "0"], ["--rates", "0"]):
+        with pytest.raises(SystemExit):
+            bench.main(["serve-http", *options])
+        assert "--requests must be >= 1 and every --rates value > 0" in capsys.readouterr().err
