@@ -47,8 +47,7 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def server():
-    torch.set_num_threads(1)
+def server():  # its engine thread runs each test's requests under the test's one torch thread (one_thread)
     with Server(MODEL, num_blocks=256, block_size=8, token_budget=64) as running:
         yield running
 
