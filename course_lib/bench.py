@@ -627,6 +627,10 @@ def main(argv: list[str] | None = None) -> int:
         from .grading.bench import main as bench_grade_main
 
         return bench_grade_main(argv[1:])
+    if argv[:1] == ["serve-http"]:  # the engine behind HTTP: its own options
+        from .server import bench_main as bench_serve_http_main
+
+        return bench_serve_http_main(argv[1:])
     parser = argparse.ArgumentParser(prog="course bench", description="benchmarks (they print; they assert nothing); "
                                                                       "`course bench grade --help` for grading speed")
     parser.add_argument("what", choices=["train", "decode", "serve"],

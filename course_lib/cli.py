@@ -1,5 +1,5 @@
-"""The ``course`` command: lab, check, execute, release, grade, collect-and-grade, report, validate, pretrain, scaling,
-bench."""
+"""The ``course`` command: lab, check, execute, release, grade, collect-and-grade, report, validate, serve, pretrain,
+scaling, bench."""
 from __future__ import annotations
 
 import argparse
@@ -100,6 +100,21 @@ def _validate(args) -> int:
     return 0 if ok else 1
 
 
+def _serve(args) -> int:
+    import torch
+
+    from .server import serve
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535] (0: one the OS chooses), got {args.port}")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    serve(args.model, args.port, num_blocks=args.num_blocks, block_size=args.block_size, token_budget=args.token_budget,
+          max_num_seqs=args.max_num_seqs)
+    return 0
+
+
 def _tool(module: str, argv: list[str]) -> int:
     """Hand the rest of the command line to course_lib.<module>.main (it has its own --help)."""
     import importlib
@@ -160,6 +175,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("chapters", nargs="*", help="chapters to validate (default: all)")
     p.set_defaults(func=_validate)
 
+    p = sub.add_parser("serve", help="chapter 12's engine behind an OpenAI-compatible HTTP server (/v1/completions, "
+                                     "streaming) on 127.0.0.1; Ctrl-C stops it, letting running requests finish")
+    p.add_argument("--model", default="char-gpt", help="a language model of course_lib.assets with a tokenizer "
+                                                        "(char-gpt, bpe-gpt; default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default: %(default)s)")
+    p.add_argument("--num-blocks", type=int, default=None, help="blocks in the KV pool (default: 32 full contexts)")
+    p.add_argument("--block-size", type=int, default=8, help="tokens per block (default: %(default)s)")
+    p.add_argument("--token-budget", type=int, default=64, help="most tokens per engine step (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once (default: no cap)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s: a serving step is many "
+                                                          "small operations; see `course bench serve --help`)")
+    p.set_defaults(func=_serve)
+
     p = sub.add_parser("pretrain", help="train the shipped checkpoints in course_lib/assets (deterministic)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: _tool("pretrain", a.args))
@@ -170,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=lambda a: _tool("scaling", a.args))
 
     p = sub.add_parser("bench", help="benchmarks: `course bench train`, `course bench decode`, `course bench serve` "
-                                     "(against Hugging Face), `course bench grade` (grading speed)", add_help=False)
+                                     "(against Hugging Face), `course bench serve-http` (`course serve` under Poisson "
+                                     "arrivals), `course bench grade` (grading speed)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: _tool("bench", a.args))
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import numbers
 import random
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -503,6 +504,14 @@ class Trace:
     steps: int = 0
 
 
+@dataclass
+class StepOutput:
+    """What one ``Engine.step`` did: the token each request got, and the requests that left the engine."""
+
+    tokens: dict = field(default_factory=dict)  # request name -> the token it got in this step (one at most)
+    finished: list = field(default_factory=list)  # names of the requests that left: all their tokens, or failed
+
+
 class Engine:
     """Continuous batching over a paged KV cache, for a course_lib.gpt.GPT.
 
@@ -525,7 +534,13 @@ class Engine:
       raise alone fail their requests, the others continue with the logits of their alone pass. A batched
       pass that raises while every chunk alone succeeds is the engine's error, not a request's: it is raised.
 
-    ``run`` raises (RuntimeError) only for the engine's own faults, which would otherwise hang or corrupt
+    Online, as a server runs it (``course_lib.server``): ``add_request(request)`` whenever one comes (it joins the
+    running batch at the next step), ``step()`` (one scheduler step and forward pass; it returns each request's new
+    token and those that left), ``abort(name)`` (a client that went away: its blocks go back). ``run`` is ``reset``
+    and a loop over them. ``results``, ``waiting``, ``running``, ``cache``, ``trace`` and ``clock`` (the next step's
+    number) are the engine's state.
+
+    ``run`` and ``step`` raise (RuntimeError) only for the engine's own faults, which would otherwise hang or corrupt
     every request: a step that makes no progress (nothing scheduled, nothing preempted: with this scheduler
     that happens only when blocks leak or a replacement scheduler stalls; the message counts the free,
     held and leaked blocks), a scheduler that schedules more blocks than are free, or the batched pass above.
@@ -542,104 +557,175 @@ class Engine:
         self.model = model.eval()
         self.num_blocks, self.block_size, self.token_budget = num_blocks, block_size, token_budget
         self.share_prefixes, self.max_num_seqs = share_prefixes, max_num_seqs
+        self.reset()
+
+    def reset(self, *, scheduler=schedule_step, attention=paged_attention, slots_of=slot_mapping) -> None:
+        """Start afresh: an empty pool, no requests, step 0, an empty ``trace``, the clock at 0 seconds.
+
+        scheduler, attention, slots_of: the functions the steps run on (the learner's, say)."""
+        self.scheduler, self.attention, self.slots_of = scheduler, attention, slots_of
+        self.cache = PagedKVCache.for_model(self.model, self.num_blocks, self.block_size)
+        self.results: dict = {}  # name -> Result: every request added since the reset
+        self.waiting: list = []  # arrived, not running (new or preempted), first come first
+        self.running: list = []  # admitted, oldest admission first
+        self.trace = Trace()
+        self.clock = 0  # the next step's number (a logical clock: a run jumps over steps where nothing happens)
+        self.start_time = time.perf_counter()
 
     def run(self, requests: list, *, scheduler=schedule_step, attention=paged_attention, slots_of=slot_mapping) -> tuple:
-        """Serve `requests`; returns ({name: Result}, Trace). scheduler, attention, slots_of: the functions it runs on."""
-        cache = PagedKVCache.for_model(self.model, self.num_blocks, self.block_size)
-        S, context, vocab = self.block_size, self.model.config.block_size, self.model.config.vocab_size
+        """Serve `requests`; returns ({name: Result}, Trace). scheduler, attention, slots_of: the functions it runs on.
+
+        Offline serving of a trace: a fresh ``reset``, then each request arrives (``add_request``'s way) at its
+        arrival step, and ``step`` runs until every request has left."""
         results, pending = _start(requests)
-        waiting, running, trace = [], [], Trace()
-        start_time = time.perf_counter()
-        step = 0
-        while pending or waiting or running:
-            now = step_start = time.perf_counter() - start_time
-            while pending and pending[0].arrival <= step:
-                request = pending.pop(0)
-                result = results[request.name]
-                result.arrival_time = now
-                try:
-                    validate(request, context, self.num_blocks, S, vocab_size=vocab)
-                except ValueError as error:
-                    result.error = str(error)
-                    continue
-                waiting.append(Sequence(request, result, cache))
-            if not waiting and not running:
+        self.reset(scheduler=scheduler, attention=attention, slots_of=slots_of)
+        self.results = results
+        while pending or self.waiting or self.running:
+            now = time.perf_counter() - self.start_time
+            while pending and pending[0].arrival <= self.clock:
+                self._arrive(pending.pop(0), now)
+            if not self.waiting and not self.running:
                 if pending:
-                    step = pending[0].arrival  # nothing to do until then (the steps between change nothing)
+                    self.clock = pending[0].arrival  # nothing to do until then (the steps between change nothing)
                 continue
-            for seq in waiting:
-                seq.find_prefix(self.share_prefixes)
-            admissible = waiting if self.max_num_seqs is None else waiting[:max(0, self.max_num_seqs - len(running))]
-            scheduled, preempted = scheduler(running, admissible, len(cache.free), self.token_budget)
-            if not scheduled and not preempted:
-                raise RuntimeError(self._no_progress(cache, running, waiting, step))
-            for seq in preempted:  # give the blocks back; recompute later, keeping the tokens generated
-                for b in seq.blocks:
-                    cache.release(b)
-                seq.blocks, seq.n_cached = [], 0
-                seq.result.preemptions += 1
-                running.remove(seq)
-            waiting = sorted(preempted, key=lambda s: s.request.arrival) + waiting
-            chunks, prefill_tokens = [], 0
-            for seq, n in scheduled:
-                if seq in waiting:  # admitted: take the shared prefix
-                    waiting.remove(seq)
-                    running.append(seq)
-                    for b in seq.hit:
-                        cache.share(b)
-                    seq.blocks, seq.hit = seq.hit, []
-                self._make_room(cache, seq, n)
-                if not (n == 1 and seq.prompt_len <= seq.n_cached == seq.n_tokens - 1):  # not a decode: a prompt chunk
-                    prefill_tokens += n
-                chunks.append((torch.tensor(seq.blocks), seq.n_cached,
-                               torch.tensor(seq.tokens[seq.n_cached:seq.n_cached + n])))
-            failed = {}  # index in scheduled -> the exception its chunk raised alone
-            if chunks:
+            self.step()
+        self.trace.seconds, self.trace.steps = time.perf_counter() - self.start_time, self.clock
+        return self.results, self.trace
+
+    def add_request(self, request: Request) -> Result:
+        """Online serving: `request` arrives now and joins at the next ``step`` (its ``arrival`` becomes that step).
+
+        Returns its ``Result``, which the steps fill in; if ``validate`` rejects it, its error is set at once and it
+        never runs. Its name must differ from every request added since the last ``reset`` (ValueError)."""
+        if request.name in self.results:
+            raise ValueError(f"request names must be unique (the results are keyed by name): {request.name!r} was "
+                             f"already added")
+        request = dataclasses.replace(request, arrival=self.clock)
+        self.results[request.name] = Result(request.name, arrival_step=self.clock)
+        self._arrive(request, time.perf_counter() - self.start_time)
+        return self.results[request.name]
+
+    def abort(self, name: str) -> bool:
+        """Online serving: request `name` leaves now (its client went away, or it met a stop string).
+
+        Its blocks go back to the pool; its Result keeps the tokens generated so far and its error says it was
+        aborted. Returns True, or False if it had already left the engine (finished, failed or rejected).
+        ValueError if no request of that name was added since the last ``reset``."""
+        if name not in self.results:
+            raise ValueError(f"name must be a request added since the last reset, got {name!r}")
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request.name == name:
+                    seq.result.error = f"request {name}: aborted at step {self.clock}"
+                    for b in seq.blocks:  # a waiting sequence's shared prefix (seq.hit) holds no reference yet
+                        self.cache.release(b)
+                    seq.blocks = []
+                    queue.remove(seq)
+                    return True
+        return False
+
+    def _arrive(self, request: Request, now: float) -> None:
+        """`request` (its Result in self.results) arrives at `now` seconds: it waits, or its Result gets validate's error."""
+        result = self.results[request.name]
+        result.arrival_time = now
+        try:
+            validate(request, self.model.config.block_size, self.num_blocks, self.block_size,
+                     vocab_size=self.model.config.vocab_size)
+        except ValueError as error:
+            result.error = str(error)
+            return
+        self.waiting.append(Sequence(request, result, self.cache))
+
+    def step(self) -> StepOutput:
+        """One step of the scheduler and one forward pass over the chunks it scheduled.
+
+        Returns a ``StepOutput``: the token each request got in this step, and the requests that left the engine
+        (all their tokens, or failed: their Result's error says why). With no request waiting or running it does
+        nothing (the clock stays). Raises RuntimeError for the engine's own faults (see ``Engine``)."""
+        cache, waiting, running, trace, step = self.cache, self.waiting, self.running, self.trace, self.clock
+        scheduler, attention, slots_of, start_time = self.scheduler, self.attention, self.slots_of, self.start_time
+        S = self.block_size
+        output = StepOutput()
+        if not waiting and not running:
+            return output
+        step_start = time.perf_counter() - start_time
+        for seq in waiting:
+            seq.find_prefix(self.share_prefixes)
+        admissible = waiting if self.max_num_seqs is None else waiting[:max(0, self.max_num_seqs - len(running))]
+        scheduled, preempted = scheduler(running, admissible, len(cache.free), self.token_budget)
+        if not scheduled and not preempted:
+            raise RuntimeError(self._no_progress(cache, running, waiting, step))
+        for seq in preempted:  # give the blocks back; recompute later, keeping the tokens generated
+            for b in seq.blocks:
+                cache.release(b)
+            seq.blocks, seq.n_cached = [], 0
+            seq.result.preemptions += 1
+            running.remove(seq)
+        waiting = sorted(preempted, key=lambda s: s.request.arrival) + waiting
+        self.waiting = waiting
+        chunks, prefill_tokens = [], 0
+        for seq, n in scheduled:
+            if seq in waiting:  # admitted: take the shared prefix
+                waiting.remove(seq)
+                running.append(seq)
+                for b in seq.hit:
+                    cache.share(b)
+                seq.blocks, seq.hit = seq.hit, []
+            self._make_room(cache, seq, n)
+            if not (n == 1 and seq.prompt_len <= seq.n_cached == seq.n_tokens - 1):  # not a decode: a prompt chunk
+                prefill_tokens += n
+            chunks.append((torch.tensor(seq.blocks), seq.n_cached,
+                           torch.tensor(seq.tokens[seq.n_cached:seq.n_cached + n])))
+        failed = {}  # index in scheduled -> the exception its chunk raised alone
+        if chunks:
+            try:
+                logits = paged_forward(self.model, cache, chunks, attention=attention, slots_of=slots_of)
+            except Exception as error:  # noqa: BLE001 - whose error is it? each chunk again, alone
+                logits, failed = self._forward_alone(cache, chunks, error, step, attention, slots_of)
+        now = time.perf_counter() - start_time
+        states = {s.request.name: "waiting" for s in waiting}
+        for i, (seq, n) in enumerate(scheduled):
+            states[seq.request.name] = "decode" if seq.n_cached >= seq.prompt_len else "prefill"
+            if i in failed:
+                self._fail(cache, seq, running, step, failed[i])
+                output.finished.append(seq.request.name)
+                continue
+            seq.n_cached += n
+            self._register_full_blocks(cache, seq, seq.n_cached - n)
+            if seq.n_cached == seq.n_tokens:  # the chunk reached the end: a new token
                 try:
-                    logits = paged_forward(self.model, cache, chunks, attention=attention, slots_of=slots_of)
-                except Exception as error:  # noqa: BLE001 - whose error is it? each chunk again, alone
-                    logits, failed = self._forward_alone(cache, chunks, error, step, attention, slots_of)
-            now = time.perf_counter() - start_time
-            states = {s.request.name: "waiting" for s in waiting}
-            for i, (seq, n) in enumerate(scheduled):
-                states[seq.request.name] = "decode" if seq.n_cached >= seq.prompt_len else "prefill"
-                if i in failed:
-                    self._fail(cache, seq, running, step, failed[i])
+                    token = _choose(logits[i], seq.tokens, seq.prompt_len, seq.request.sampling, seq.generator)
+                except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone
+                    self._fail(cache, seq, running, step, error)
+                    output.finished.append(seq.request.name)
                     continue
-                seq.n_cached += n
-                self._register_full_blocks(cache, seq, seq.n_cached - n)
-                if seq.n_cached == seq.n_tokens:  # the chunk reached the end: a new token
-                    try:
-                        token = _choose(logits[i], seq.tokens, seq.prompt_len, seq.request.sampling, seq.generator)
-                    except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone
-                        self._fail(cache, seq, running, step, error)
-                        continue
-                    seq.tokens.append(token)
-                    seq.result.tokens.append(token)
-                    seq.result.token_times.append(now)
-                    if seq.result.first_token_step is None:
-                        seq.result.first_token_step = step
-                    if len(seq.result.tokens) == seq.request.max_new_tokens:
-                        seq.result.finish_step = step
-                        for b in seq.blocks:
-                            cache.release(b)
-                        seq.blocks = []
-                        running.remove(seq)
-            for seq in running:  # running but not scheduled (the token budget ran out): ready, waiting its turn
-                states.setdefault(seq.request.name, "waiting")
-            for seq in preempted:
-                states[seq.request.name] = "preempted"
-            trace.states.append(states)
-            held = cache.num_blocks - len(cache.free)
-            trace.allocated.append(held * cache.block_bytes)
-            trace.used.append(self._used_slots(cache, running) * cache.block_bytes // S)
-            trace.batch.append(len(scheduled))
-            trace.computed.append(sum(n for _, n in scheduled))
-            trace.prefill.append(prefill_tokens)
-            trace.step_seconds.append(time.perf_counter() - start_time - step_start)
-            step += 1
-        trace.seconds, trace.steps = time.perf_counter() - start_time, step
-        return results, trace
+                seq.tokens.append(token)
+                seq.result.tokens.append(token)
+                seq.result.token_times.append(now)
+                output.tokens[seq.request.name] = token
+                if seq.result.first_token_step is None:
+                    seq.result.first_token_step = step
+                if len(seq.result.tokens) == seq.request.max_new_tokens:
+                    seq.result.finish_step = step
+                    for b in seq.blocks:
+                        cache.release(b)
+                    seq.blocks = []
+                    running.remove(seq)
+                    output.finished.append(seq.request.name)
+        for seq in running:  # running but not scheduled (the token budget ran out): ready, waiting its turn
+            states.setdefault(seq.request.name, "waiting")
+        for seq in preempted:
+            states[seq.request.name] = "preempted"
+        trace.states.append(states)
+        held = cache.num_blocks - len(cache.free)
+        trace.allocated.append(held * cache.block_bytes)
+        trace.used.append(self._used_slots(cache, running) * cache.block_bytes // S)
+        trace.batch.append(len(scheduled))
+        trace.computed.append(sum(n for _, n in scheduled))
+        trace.prefill.append(prefill_tokens)
+        trace.step_seconds.append(time.perf_counter() - start_time - step_start)
+        self.clock += 1
+        return output
 
     def _forward_alone(self, cache: PagedKVCache, chunks: list, error: Exception, step: int, attention, slots_of):
         """The batched pass raised `error`: run each chunk alone. Returns (logits, {chunk index: its exception}).

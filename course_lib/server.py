@@ -1,0 +1,625 @@
+"""Chapter 12's engine behind a real server: an OpenAI-compatible ``POST /v1/completions`` over HTTP.
+
+One background thread runs the engine (``serving.Engine``'s online API): between two steps it takes the requests
+that came (they join the running batch at the next step) and the requests whose clients went away (their blocks go
+back to the pool); after each step it hands every request its new token. The HTTP side is a Starlette app served by
+uvicorn on the loopback address (127.0.0.1) only: many clients at once, each waiting on its own queue.
+
+The request body is OpenAI's completions API, checked before anything runs; a bad request gets HTTP 400 with
+OpenAI's error body ``{"error": {"message", "type": "invalid_request_error", "param": the field, "code"}}`` and
+touches no other request. Supported fields (any other is a 400 naming it):
+
+* ``model`` (the served model's name), ``prompt`` (a string, through the model's tokenizer, or a list of token ids),
+  ``max_tokens`` (an integer >= 1, default 16; prompt + max_tokens within the model's context),
+* ``temperature`` (in [0, 2], default 1; 0 is greedy), ``top_p`` (in (0, 1], default 1), ``presence_penalty`` and
+  ``frequency_penalty`` (in [-2, 2], default 0), ``seed`` (an integer; the request's own ``torch.Generator``, so a
+  seeded request gets the same tokens whatever batch it runs in; default: a random one),
+* ``stop`` (a string or a list of at most 4 non-empty strings: the text ends before the first one, which is not
+  returned), ``stream`` (server-sent events, one per token, then ``data: [DONE]``), ``stream_options``
+  (``{"include_usage": true}``: a last event with the usage), ``n`` (1 only), ``user`` (ignored).
+
+The model has no end-of-text token, so a completion ends at max_tokens (finish_reason "length") or at a stop string
+("stop"). ``usage`` counts the prompt's tokens and the completion's tokens (those generated, a stop string's included).
+A client that disconnects (streaming or not) aborts its request: its blocks go back at once. Stopping the server
+(``Server.stop``, or Ctrl-C for ``course serve``) stops accepting connections and drains: running requests finish.
+
+``Server`` runs it in a background thread (a notebook, a test); ``serve`` in the foreground (``course serve``);
+``bench_serve_http`` drives it with Poisson arrivals and reports time to first token and time per output token
+from the streamed tokens, as vLLM's benchmarks/benchmark_serving.py does (``course bench serve-http``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import queue
+import random
+import statistics
+import threading
+import time
+from collections import deque
+from contextlib import asynccontextmanager
+
+from . import assets
+from .serving import SEED_RANGE, Engine, Request, Trace, _integer, _number
+
+HOST = "127.0.0.1"  # loopback only: the course's server is for this machine's clients
+FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
+          "stop", "stream", "stream_options", "n", "user")
+TRACE_STEPS = 1024  # a running server keeps the trace of its last this many steps
+
+
+class BadRequest(ValueError):
+    """A request the server refuses: `message` says why, `param` names the field (None for the body as a whole)."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+@dataclasses.dataclass
+class Completion:
+    """A checked request: the engine's Request, and what the HTTP side needs (stop strings, streaming)."""
+
+    request: Request
+    stop: list
+    stream: bool
+    include_usage: bool
+
+
+def parse_completion(body, *, name: str, model_name: str, tokenizer, context: int, vocab_size: int, num_blocks: int,
+                     block_size: int) -> Completion:
+    """Check an OpenAI completions body (a dict parsed from JSON); raise BadRequest naming the first bad field.
+
+    name: the engine's name for the request; model_name: the served model; context: the model's context length;
+    vocab_size: token ids allowed in [0, vocab_size); num_blocks, block_size: the engine's pool."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}", None)
+    for key in body:
+        if key not in FIELDS:
+            raise BadRequest(f"unknown or unsupported field {key!r}; the fields are {', '.join(FIELDS)}", key)
+    if "model" in body and body["model"] != model_name:
+        raise BadRequest(f"model must be {model_name!r} (the model this server serves), got {body['model']!r}",
+                         "model", 404, "model_not_found")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        try:
+            ids = tokenizer.encode(prompt)
+        except ValueError as error:
+            raise BadRequest(f"prompt: {error}", "prompt") from None
+    elif isinstance(prompt, list) and all(_integer(t) for t in prompt):
+        ids = prompt
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"prompt token ids must be integers in [0, {vocab_size}), got {bad[0]}", "prompt")
+    else:
+        raise BadRequest("prompt must be a string or a list of integer token ids (one prompt: no batches), got "
+                         f"{_kind(prompt)}", "prompt")
+    if not ids:
+        raise BadRequest("prompt must hold at least 1 token, got an empty prompt", "prompt")
+    max_tokens = body.get("max_tokens", 16)
+    if not _integer(max_tokens) or max_tokens < 1:
+        raise BadRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
+    if len(ids) >= context:
+        raise BadRequest(f"prompt is too long: this model's context is {context} tokens, the prompt holds {len(ids)}, "
+                         f"leaving no room for a completion", "prompt", code="context_length_exceeded")
+    if len(ids) + max_tokens > context:
+        raise BadRequest(f"max_tokens is too large: this model's context is {context} tokens, the prompt holds "
+                         f"{len(ids)}, so max_tokens must be <= {context - len(ids)}, got {max_tokens}", "max_tokens",
+                         code="context_length_exceeded")
+    if math.ceil((len(ids) + max_tokens) / block_size) > num_blocks:
+        raise BadRequest(f"max_tokens is too large for the server's pool of {num_blocks} blocks of {block_size} tokens: "
+                         f"the prompt holds {len(ids)} tokens, so max_tokens must be <= "
+                         f"{num_blocks * block_size - len(ids)}, got {max_tokens}", "max_tokens")
+    temperature = _setting(body, "temperature", 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2] (0 is greedy)")
+    top_p = _setting(body, "top_p", 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
+    presence = _setting(body, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]")
+    frequency = _setting(body, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]")
+    seed = body.get("seed")
+    if seed is None:
+        seed = random.randrange(2 ** 63)
+    elif not _integer(seed) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise BadRequest(f"seed must be an integer in [-2**63, 2**64), got {seed!r}", "seed")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(f"stop must be null, a non-empty string or a list of at most 4 non-empty strings, got "
+                         f"{body.get('stop')!r}", "stop")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(f"stream must be a boolean, got {stream!r}", "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"} \
+                or not isinstance(options.get("include_usage", False), bool):
+            raise BadRequest(f'stream_options must be {{"include_usage": true or false}}, got {options!r}',
+                             "stream_options")
+    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
+        raise BadRequest(f"n must be 1 (one completion per request), got {body['n']!r}", "n")
+    if not isinstance(body.get("user", ""), str):
+        raise BadRequest(f"user must be a string, got {_kind(body['user'])}", "user")
+    sampling = None  # greedy
+    if temperature > 0:
+        sampling = {"temperature": temperature}
+        for key, value, default in (("top_p", top_p, 1.0), ("presence_penalty", presence, 0.0),
+                                    ("frequency_penalty", frequency, 0.0)):
+            if value != default:  # only the settings that change something: the same draws as a request without them
+                sampling[key] = value
+    request = Request(name, list(ids), max_tokens, sampling=sampling, seed=seed)
+    return Completion(request, stop, bool(stream), bool(options and options.get("include_usage")))
+
+
+def _kind(value) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"[:80]
+
+
+def _setting(body: dict, key: str, default: float, check, allowed: str) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not _number(value) or not check(value):
+        raise BadRequest(f"{key} must be {allowed}, got {value!r}", key)
+    return float(value)
+
+
+def _error_body(message: str, param: str | None, kind: str = "invalid_request_error", code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def stop_cut(text: str, stops: list) -> tuple:
+    """How much of `text` can be sent: (end, stopped). The text up to the first stop string, and stopped=True; else
+    everything but a tail that could begin a stop string (held back until the next tokens tell), and False."""
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    if first >= 0:
+        return first, True
+    held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return len(text) - held, False
+
+
+# ----------------------------------------------------------------------------------------------------
+# the engine's thread
+
+
+class EngineLoop:
+    """The thread that runs the engine. Other threads talk to it through ``add`` and ``abort`` (both thread-safe).
+
+    ``add(request, deliver)``: the request joins at the next step; ``deliver(event)`` is then called from the engine's
+    thread with ("token", id) for each new token but the last, ("done", id) for the last, or ("error", message) when
+    the request fails (rejected on arrival, failed in a step, or the engine's fault). ``abort(name)``:
+    the request leaves (if it has not already), its blocks go back. ``close()``: finish what runs, then stop.
+    ``counts``: requests finished, aborted, failed (rejected on arrival or failed in a step)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.inbox: queue.Queue = queue.Queue()
+        self.streams: dict = {}  # name -> deliver, for the requests in the engine
+        self.counts = {"finished": 0, "aborted": 0, "failed": 0}
+        self.closing = False
+        self._fresh()
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def add(self, request: Request, deliver) -> None:
+        self.inbox.put(("add", request, deliver))
+
+    def abort(self, name: str) -> None:
+        self.inbox.put(("abort", name))
+
+    def close(self, timeout: float | None = None) -> None:
+        self.inbox.put(("close",))
+        self.thread.join(timeout)
+
+    def _fresh(self) -> None:
+        """A new pool and a bounded trace (a server runs for days: it keeps only the last TRACE_STEPS steps)."""
+        self.engine.reset()
+        trace = Trace()
+        for f in dataclasses.fields(Trace):
+            if isinstance(getattr(trace, f.name), list):
+                setattr(trace, f.name, deque(maxlen=TRACE_STEPS))
+        self.engine.trace = trace
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            busy = bool(engine.waiting or engine.running)
+            try:
+                command = self.inbox.get(block=not busy)  # idle: sleep until someone comes
+                while True:
+                    self._command(command)
+                    command = self.inbox.get_nowait()
+            except queue.Empty:
+                pass
+            if engine.waiting or engine.running:
+                self._step()
+            elif self.closing and self.inbox.empty():
+                return
+
+    def _command(self, command: tuple) -> None:
+        engine = self.engine
+        if command[0] == "close":
+            self.closing = True
+        elif command[0] == "add":
+            _, request, deliver = command
+            if self.closing:
+                deliver(("error", "the server is shutting down"))
+                return
+            try:
+                result = engine.add_request(request)
+            except ValueError as error:  # a name already in the engine: the HTTP side makes them unique
+                deliver(("error", str(error)))
+                return
+            if result.error:  # rejected on arrival (the HTTP side checked it: only the engine's own limits are left)
+                engine.results.pop(request.name)
+                self.counts["failed"] += 1
+                deliver(("error", result.error))
+            else:
+                self.streams[request.name] = deliver
+        elif command[0] == "abort":
+            name = command[1]
+            if name in self.streams:  # not finished yet
+                engine.abort(name)
+                engine.results.pop(name)
+                del self.streams[name]
+                self.counts["aborted"] += 1
+
+    def _step(self) -> None:
+        engine = self.engine
+        try:
+            output = engine.step()
+        except Exception as error:  # noqa: BLE001 - the engine's own fault: every request gets it, then a fresh engine
+            message = f"the engine failed: {type(error).__name__}: {error}"
+            for deliver in self.streams.values():
+                deliver(("error", message))
+            self.counts["failed"] += len(self.streams)
+            self.streams.clear()
+            self._fresh()
+            return
+        for name in output.finished:
+            result = engine.results.pop(name)
+            deliver = self.streams.pop(name)
+            self.counts["failed" if result.error else "finished"] += 1
+            deliver(("error", result.error) if result.error else ("done", output.tokens[name]))
+        for name, token in output.tokens.items():
+            if name in self.streams:  # not finished in this step
+                self.streams[name](("token", token))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the HTTP side
+
+
+def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None, block_size: int = 8,
+             token_budget: int = 64, max_num_seqs: int | None = None):
+    """The Starlette app: POST /v1/completions, GET /v1/models, GET /health. Its engine runs while the app does
+    (started and drained by the ASGI lifespan); ``app.state.engine_loop`` is the ``EngineLoop``.
+
+    num_blocks: the pool (default: room for 32 sequences of the full context)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request as HTTPRequest
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    context, vocab_size = model.config.block_size, model.config.vocab_size
+    num_blocks = num_blocks if num_blocks is not None else 32 * math.ceil(context / max(block_size, 1))  # Engine checks
+    engine = Engine(model, num_blocks=num_blocks, block_size=block_size, token_budget=token_budget,
+                    max_num_seqs=max_num_seqs)
+    engine_loop = EngineLoop(engine)
+    counter = iter(range(1, 2 ** 62))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine_loop.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, engine_loop.close)  # drained already: connections closed
+
+    def error_response(error: BadRequest) -> JSONResponse:
+        return JSONResponse(_error_body(str(error), error.param, code=error.code), status_code=error.status)
+
+    async def completions(http: HTTPRequest):
+        try:
+            body = json.loads(await http.body())
+        except (ValueError, UnicodeDecodeError) as error:
+            return error_response(BadRequest(f"the body is not valid JSON: {error}", None))
+        created, cid = int(time.time()), f"cmpl-{next(counter)}-{random.getrandbits(32):08x}"
+        try:
+            completion = parse_completion(body, name=cid, model_name=model_name, tokenizer=tokenizer, context=context,
+                                          vocab_size=vocab_size, num_blocks=num_blocks, block_size=block_size)
+        except BadRequest as error:
+            return error_response(error)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def deliver(event: tuple) -> None:  # called from the engine's thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+
+        engine_loop.add(completion.request, deliver)
+        prompt_tokens = len(completion.request.prompt)
+
+        def chunk(text: str, finish: str | None, usage: dict | None = None, choices: bool = True) -> dict:
+            return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}] if choices else [],
+                    "usage": usage}
+
+        async def pieces():
+            """(text to send, finish_reason or None) as tokens come; a finish_reason ends it; an error raises."""
+            tokens, sent = [], 0
+            try:
+                while True:
+                    kind, value = await events.get()
+                    if kind == "error":
+                        raise RuntimeError(value)
+                    tokens.append(value)
+                    text = tokenizer.decode(tokens)
+                    end, stopped = stop_cut(text, completion.stop)
+                    if kind == "done" and not stopped:
+                        end = len(text)  # the end: nothing is held back
+                    elif not stopped and end == len(text):
+                        end = len(text.rstrip("\ufffd"))  # a character whose bytes are not all there yet
+                    if stopped:
+                        engine_loop.abort(cid)
+                    finish = "stop" if stopped else "length" if kind == "done" else None
+                    if end > sent or finish:
+                        yield text[sent:end], finish, len(tokens)
+                        sent = end
+                    if finish:
+                        return
+            finally:  # finished, stopped, failed, or the client went away (this generator is cancelled)
+                engine_loop.abort(cid)
+
+        def usage(n: int) -> dict:
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+
+        if completion.stream:
+            async def events_stream():
+                try:
+                    async for text, finish, n in pieces():
+                        yield f"data: {json.dumps(chunk(text, finish))}\n\n"
+                        if finish and completion.include_usage:
+                            yield f"data: {json.dumps(chunk('', None, usage(n), choices=False))}\n\n"
+                except RuntimeError as error:
+                    yield f"data: {json.dumps(_error_body(str(error), None, 'server_error'))}\n\n"
+                finally:  # also when the client went away while a chunk was being sent
+                    engine_loop.abort(cid)
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events_stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+
+        async def collect():
+            text, finish, n = "", None, 0
+            async for piece, finish, n in pieces():
+                text += piece
+            return text, finish, n
+
+        outcome = await _unless_disconnected(http, collect)
+        if outcome is None:  # the client went away: pieces() aborted the request
+            return JSONResponse(_error_body("the client disconnected", None), status_code=499)
+        if isinstance(outcome, RuntimeError):
+            return JSONResponse(_error_body(str(outcome), None, "server_error"), status_code=500)
+        text, finish, n = outcome
+        return JSONResponse(chunk(text, finish, usage(n)))
+
+    async def models(http: HTTPRequest):
+        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                                         "owned_by": "course", "max_model_len": context}]})
+
+    async def health(http: HTTPRequest):
+        return JSONResponse({"status": "ok", **engine_loop.counts})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                            Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])],
+                    lifespan=lifespan)
+    app.state.engine_loop = engine_loop
+    return app
+
+
+async def _unless_disconnected(http, work):
+    """await work(), unless the client disconnects first (then work is cancelled and None returned); a RuntimeError
+    that work raises is returned."""
+    task = asyncio.ensure_future(work())
+
+    async def disconnected():
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    watch.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return None
+    try:
+        return task.result()
+    except RuntimeError as error:
+        return error
+
+
+def _load(model_name: str):
+    """A GPT checkpoint (the engine runs course_lib.gpt.GPT) and its tokenizer."""
+    from .gpt import GPT
+
+    model = assets.load(model_name)
+    if not isinstance(model, GPT):
+        raise ValueError(f"model must be a GPT checkpoint of course_lib.assets with a tokenizer (char-gpt, "
+                         f"char-gpt-draft, bpe-gpt): the engine runs course_lib.gpt.GPT, got {model_name} "
+                         f"({type(model).__name__})")
+    return model, assets.tokenizer(model_name)
+
+
+class Server:
+    """The server in a background thread, on 127.0.0.1 at `port` (0: one the OS chooses): ``start()``, ``url``
+    (the OpenAI base URL, ``http://127.0.0.1:PORT/v1``), ``stop()`` (drains: running requests finish). Also a
+    context manager. model_name: a checkpoint of course_lib.assets with a tokenizer (default: chapter 12's
+    char-gpt); engine settings as ``make_app``'s."""
+
+    def __init__(self, model_name: str = "char-gpt", *, port: int = 0, log_level: str = "warning", **engine):
+        import uvicorn
+
+        model, tokenizer = _load(model_name)
+        self.app = make_app(model, tokenizer, model_name, **engine)
+        self.engine_loop = self.app.state.engine_loop
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=HOST, port=port, log_level=log_level,
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.port = None
+
+    def start(self, timeout: float = 30.0) -> "Server":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start (see the log above)")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}/v1"
+
+    def stop(self, timeout: float | None = 60.0) -> None:
+        """Stop accepting connections, let the running requests finish, stop the engine."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(model_name: str = "char-gpt", port: int = 8000, **engine) -> None:
+    """Serve in the foreground until Ctrl-C (then drain): ``course serve``."""
+    import uvicorn
+
+    model, tokenizer = _load(model_name)
+    where = f"http://{HOST}:{port}/v1" if port else "the port uvicorn reports below, under /v1"
+    print(f"serving {model_name}'s OpenAI-compatible completions API at {where}; Ctrl-C stops it, letting running "
+          f"requests finish", flush=True)
+    uvicorn.run(make_app(model, tokenizer, model_name, **engine), host=HOST, port=port, log_level="info")
+
+
+# ----------------------------------------------------------------------------------------------------
+# a benchmark: Poisson arrivals, TTFT and TPOT from the streamed tokens
+
+
+async def _drive(url: str, model_name: str, prompts: list, max_tokens: list, rate: float, seed: int) -> list:
+    """Send each prompt as a streamed greedy request, the gaps between sends exponential with mean 1 / rate seconds
+    (Poisson arrivals; rate inf: all at once). Per request: (seconds to the first token, seconds between the
+    first and the last, tokens (the usage the server reports), seconds from send to the end)."""
+    import httpx
+
+    rng = random.Random(seed)
+
+    async def one(client, prompt: str, n: int) -> tuple:
+        body = {"model": model_name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        sent, times, tokens = time.perf_counter(), [], 0
+        async with client.stream("POST", f"{url}/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    if event["choices"] and event["choices"][0]["text"]:
+                        times.append(time.perf_counter())
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+        return times[0] - sent, times[-1] - times[0], tokens, time.perf_counter() - sent
+
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+        tasks = []
+        for prompt, n in zip(prompts, max_tokens):
+            tasks.append(asyncio.ensure_future(one(client, prompt, n)))
+            if rate != math.inf:
+                await asyncio.sleep(rng.expovariate(rate))
+        return await asyncio.gather(*tasks)
+
+
+def bench_serve_http(model_name: str = "char-gpt", *, rates: tuple = (4.0, 16.0, math.inf), n_requests: int = 48,
+                     seed: int = 0, threads: int = 1, **engine) -> list:
+    """Drive a ``Server`` with Poisson arrivals at each rate (requests per second): prompts are windows of the
+    default corpus, outputs log-normal (``serving.make_trace``'s lengths), greedy. Returns one dict per rate:
+    rate, requests, seconds, output tokens per second, TTFT and TPOT p50 and p95 in seconds (TPOT: (last token's
+    time - first's) / (tokens - 1), per request, as vLLM's benchmark reports it)."""
+    import torch
+
+    from .data import default_corpus
+    from .serving import make_trace
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        corpus = default_corpus()
+        context = assets.info(model_name)["config"]["block_size"]
+        trace = make_trace(n_requests, seed, context=context, prompt_range=(8, 64), output_median=24)
+        rng = random.Random(seed)
+        prompts = []
+        for r in trace:
+            start = rng.randrange(len(corpus) - len(r.prompt))
+            prompts.append(corpus[start:start + len(r.prompt)])
+        max_tokens = [r.max_new_tokens for r in trace]
+        rows = []
+        with Server(model_name, **engine) as server:
+            asyncio.run(_drive(server.url, model_name, prompts[:4], [4] * 4, math.inf, seed))  # warm-up
+            for rate in rates:
+                start = time.perf_counter()
+                got = asyncio.run(_drive(server.url, model_name, prompts, max_tokens, rate, seed))
+                seconds = time.perf_counter() - start
+                ttft = [g[0] for g in got]
+                tpot = [g[1] / (g[2] - 1) for g in got if g[2] > 1]
+                rows.append({"rate": rate, "requests": len(got), "seconds": seconds,
+                             "tokens_per_second": sum(g[2] for g in got) / seconds,
+                             "ttft_p50": _quantile(ttft, 0.5), "ttft_p95": _quantile(ttft, 0.95),
+                             "tpot_p50": _quantile(tpot, 0.5), "tpot_p95": _quantile(tpot, 0.95)})
+        return rows
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _quantile(values: list, q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 else values[0]
+
+
+def format_serve_http(rows: list) -> str:
+    lines = ["the engine behind HTTP (course serve), streamed greedy requests, Poisson arrivals "
+             "(timings depend on the machine and its load)",
+             f"{'rate (req/s)':>12} {'requests':>8} {'seconds':>8} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p95':>9} "
+             f"{'TPOT p50':>9} {'TPOT p95':>9}"]
+    for r in rows:
+        lines.append(f"{r['rate']:>12} {r['requests']:>8} {r['seconds']:>8.2f} {r['tokens_per_second']:>9.0f} "
+                     f"{r['ttft_p50'] * 1e3:>7.1f}ms {r['ttft_p95'] * 1e3:>7.1f}ms "
+                     f"{r['tpot_p50'] * 1e3:>7.1f}ms {r['tpot_p95'] * 1e3:>7.1f}ms")
+    return "\n".join(lines)
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    """``course bench serve-http``."""
+    parser = argparse.ArgumentParser(prog="course bench serve-http",
+                                     description="drive `course serve` over HTTP with Poisson arrivals (as vLLM's "
+                                                 "benchmark_serving.py does): TTFT and TPOT from the streamed tokens")
+    parser.add_argument("--model", default="char-gpt", help="a language model of course_lib.assets with a tokenizer "
+                                                             "(char-gpt, bpe-gpt; default: %(default)s)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 16.0, math.inf],
+                        help="requests per second, one run each (inf: all at once; default: 4 16 inf)")
+    parser.add_argument("--requests", type=int, default=48, help="requests per rate (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="the prompts, lengths and arrival gaps (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.requests < 1 or any(not r > 0 for r in args.rates):
+        parser.error("--requests must be >= 1 and every --rates value > 0")
+    print(format_serve_http(bench_serve_http(args.model, rates=tuple(args.rates), n_requests=args.requests,
+                                             seed=args.seed, threads=args.threads)))
+    return 0

@@ -1,0 +1,321 @@
+"""course serve (course_lib.server): chapter 12's engine behind an OpenAI-compatible HTTP server, driven by the
+official ``openai`` client (and raw ``httpx`` where the bytes on the wire matter) on 127.0.0.1, a port the OS chose.
+
+Oracles: a greedy request's tokens equal chapter 05's ``generate_cached`` on the prompt alone (independent of the
+engine); a seeded sampled request's tokens equal ``Engine.run`` of that request alone (the engine's exactness under
+sampling is checked against an uncached loop in tests/lib/test_serving.py); the engine's pool itself (reference
+counts, running and waiting requests) for what a disconnect gives back. The model is chapter 12's char-gpt: one
+character, one token, so a completion's text encodes back to exactly its tokens.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+for package in ("starlette", "uvicorn", "openai", "httpx"):
+    pytest.importorskip(package, reason=f"{package} is not installed: `pip install -e .` installs the server's pins")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from course_lib import assets, bench, cli  # noqa: E402
+from course_lib.kv_cache import generate_cached  # noqa: E402
+from course_lib.server import Server, bench_serve_http, format_serve_http  # noqa: E402
+from course_lib.serving import Engine, Request  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODEL = "char-gpt"
+PROMPTS = ["The cat sat on the mat. ", "Once upon a time", "In the beginning there was", "def main():\n    ",
+           "The quick brown fox", "Attention is all you", "A paged cache holds", "Hello, world"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return assets.tokenizer(MODEL)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return assets.load(MODEL)
+
+
+@pytest.fixture(scope="module")
+def server():  # its engine thread runs each test's requests under the test's one torch thread (one_thread)
+    with Server(MODEL, num_blocks=256, block_size=8, token_budget=64) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
+
+
+def slow_down(monkeypatch, engine, seconds: float) -> None:
+    """Each engine step takes `seconds` more: a request then surely still runs while the test does what it tells."""
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+
+
+def alone(model, tokenizer, prompt: str, n: int) -> str:
+    ids = tokenizer.encode(prompt)
+    return tokenizer.decode(generate_cached(model, torch.tensor([ids]), n)[0, len(ids):].tolist())
+
+
+def sampled_alone(model, tokenizer, prompt: str, n: int, temperature: float, top_p: float, seed: int) -> str:
+    request = Request("alone", tokenizer.encode(prompt), n, sampling={"temperature": temperature, "top_p": top_p},
+                      seed=seed)
+    return tokenizer.decode(Engine(model, num_blocks=32, block_size=8).run([request])[0]["alone"].tokens)
+
+
+def stream_text(client, **kwargs) -> tuple:
+    """(text, finish_reason, usage, number of chunks with text) of a streamed completion."""
+    chunks = list(client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True},
+                                            **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] is not None and not any(finish[:-1]), finish
+    assert chunks[-1].usage is not None and not chunks[-1].choices
+    return text, finish[-1], chunks[-1].usage, sum(1 for c in chunks if c.choices and c.choices[0].text)
+
+
+def wait_until(condition, seconds: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
+        time.sleep(0.01)
+
+
+def engine_idle(server) -> bool:
+    engine = server.engine_loop.engine
+    return not engine.running and not engine.waiting and not any(engine.cache.refs)
+
+
+# ---------------------------------------------------------------------------------------------------- exact tokens
+
+
+def test_streamed_tokens_equal_the_run_alone_greedy_and_seeded(client, model, tokenizer, server):
+    cases = [dict(prompt=PROMPTS[0], max_tokens=24, temperature=0),
+             dict(prompt=PROMPTS[1], max_tokens=20, temperature=0.8, top_p=0.9, seed=7),
+             dict(prompt=PROMPTS[2], max_tokens=16, temperature=1.0, seed=123),
+             dict(prompt=tokenizer.encode(PROMPTS[3]), max_tokens=12, temperature=0)]  # token ids as the prompt
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:  # together: they share the engine's steps
+        got = list(pool.map(lambda kw: stream_text(client, **kw), cases))
+    for kw, (text, finish, usage, pieces) in zip(cases, got):
+        prompt = kw["prompt"] if isinstance(kw["prompt"], str) else tokenizer.decode(kw["prompt"])
+        if kw["temperature"] == 0:
+            want = alone(model, tokenizer, prompt, kw["max_tokens"])
+        else:
+            want = sampled_alone(model, tokenizer, prompt, kw["max_tokens"], kw["temperature"], kw.get("top_p", 1.0),
+                                 kw["seed"])
+        assert tokenizer.encode(text) == tokenizer.encode(want), kw
+        assert finish == "length" and pieces == kw["max_tokens"]  # one event per token
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == \
+               (len(tokenizer.encode(prompt)), kw["max_tokens"], len(tokenizer.encode(prompt)) + kw["max_tokens"])
+    # the same seeded request again gives the same text; unseeded sampling is not pinned
+    again = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0.8, top_p=0.9,
+                                      seed=7)
+    assert again.choices[0].text == got[1][0] and again.choices[0].finish_reason == "length"
+
+
+def test_the_wire_format_is_server_sent_events_ending_in_done(server, model, tokenizer):
+    body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert [e["object"] for e in events] == ["text_completion"] * 6 and len({e["id"] for e in events}) == 1
+    assert "".join(e["choices"][0]["text"] for e in events) == alone(model, tokenizer, PROMPTS[4], 6)
+
+
+def test_stop_strings_end_the_text_before_them_and_free_the_request(client, model, tokenizer, server):
+    full = alone(model, tokenizer, PROMPTS[0], 40)
+    stop = full[10:12]  # two characters the greedy text holds: it ends before their first occurrence
+    first = full.index(stop)
+    for stream in (False, True):
+        if stream:
+            text, finish, usage, _ = stream_text(client, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                                 stop=[stop, "never there"])
+        else:
+            r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                          stop=[stop, "never there"])
+            text, finish, usage = r.choices[0].text, r.choices[0].finish_reason, r.usage
+        assert (text, finish) == (full[:first], "stop"), stream
+        assert first + len(stop) <= usage.completion_tokens < 40  # generated up to the stop string, then aborted
+    wait_until(lambda: engine_idle(server), what="the stopped requests leave the engine")
+
+
+# ---------------------------------------------------------------------------------------------------- many clients
+
+
+def test_32_concurrent_clients_all_finish_with_their_tokens(client, model, tokenizer, server):
+    jobs = [(PROMPTS[i % len(PROMPTS)] + "abcdefgh"[i // len(PROMPTS)], 6 + i % 5) for i in range(32)]
+    steps_before = server.engine_loop.engine.clock
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        futures = [pool.submit(stream_text, client, prompt=p, max_tokens=n, temperature=0) for p, n in jobs]
+        got = [f.result(timeout=60) for f in futures]
+    seconds = time.monotonic() - start
+    for (prompt, n), (text, finish, usage, _) in zip(jobs, got):
+        assert text == alone(model, tokenizer, prompt, n) and finish == "length" and usage.completion_tokens == n
+    steps = server.engine_loop.engine.clock - steps_before
+    # they ran together: far fewer engine steps than the 32 requests' tokens one request at a time
+    assert steps < sum(n for _, n in jobs) / 2, (steps, seconds)
+    wait_until(lambda: engine_idle(server), what="all 32 requests leave the engine")
+
+
+# ---------------------------------------------------------------------------------------------------- disconnects
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, monkeypatch):
+    loop = server.engine_loop
+    slow_down(monkeypatch, loop.engine, 0.01)  # 100 tokens take 1 s or more: the disconnect comes long before
+    before = dict(loop.counts)
+    body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 100, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        for _ in range(3):  # three tokens in: the request runs and holds blocks
+            assert next(lines).startswith("data: {") and next(lines) == ""
+        assert any(loop.engine.cache.refs)
+    wait_until(lambda: loop.counts["aborted"] == before["aborted"] + 1 and engine_idle(server),
+               what="the engine aborts the request and frees its blocks")
+    assert loop.counts["finished"] == before["finished"]  # it did not run to its 100 tokens
+    # not streamed: the client gives up waiting
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/completions", json={**body, "stream": False}, timeout=httpx.Timeout(30, read=0.05))
+    wait_until(lambda: loop.counts["aborted"] == before["aborted"] + 2 and engine_idle(server),
+               what="the engine aborts the non-streamed request too")
+    assert loop.counts["finished"] == before["finished"]
+
+
+# ---------------------------------------------------------------------------------------------------- bad requests
+
+BAD = [  # (changes to a good body, the field the error names, HTTP status)
+    ({"bogus": 1}, "bogus", 400),
+    ({"max_tokens": 0}, "max_tokens", 400),
+    ({"max_tokens": -3}, "max_tokens", 400),
+    ({"max_tokens": "8"}, "max_tokens", 400),
+    ({"max_tokens": 2.5}, "max_tokens", 400),
+    ({"max_tokens": True}, "max_tokens", 400),
+    ({"prompt": "x" * 128}, "prompt", 400),  # the whole context: no room for a token
+    ({"prompt": "x" * 100, "max_tokens": 29}, "max_tokens", 400),  # 100 + 29 > 128
+    ({"prompt": 5}, "prompt", 400),
+    ({"prompt": ""}, "prompt", 400),
+    ({"prompt": [1, 2, 103]}, "prompt", 400),  # a token id outside the vocabulary of 103
+    ({"prompt": [[1, 2], [3]]}, "prompt", 400),  # a batch
+    ({"prompt": "\u20ac\u20ac"}, "prompt", 400),  # a character the tokenizer does not know
+    ({"temperature": -0.5}, "temperature", 400),
+    ({"temperature": 2.5}, "temperature", 400),
+    ({"temperature": "hot"}, "temperature", 400),
+    ({"top_p": 0}, "top_p", 400),
+    ({"top_p": 1.5}, "top_p", 400),
+    ({"top_p": [0.5]}, "top_p", 400),
+    ({"presence_penalty": 3}, "presence_penalty", 400),
+    ({"seed": "seven"}, "seed", 400),
+    ({"seed": 1.5}, "seed", 400),
+    ({"stop": 5}, "stop", 400),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
+    ({"stream": "yes"}, "stream", 400),
+    ({"stream_options": {"include_usage": True}}, "stream_options", 400),  # without stream
+    ({"n": 2}, "n", 400),
+    ({"model": "gpt-4"}, "model", 404),
+]
+
+
+def test_each_bad_request_gets_an_error_naming_its_field_while_a_running_request_finishes(server, model, tokenizer,
+                                                                                         monkeypatch):
+    slow_down(monkeypatch, server.engine_loop.engine, 0.02)  # the long request runs 1.8 s or more
+    good = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 8, "temperature": 0}
+    out = {}
+
+    def running():  # a long streamed request, in the running batch while the bad ones come
+        with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60) as c:
+            out["text"] = stream_text(c, prompt=PROMPTS[7], max_tokens=90, temperature=0)[0]
+
+    thread = threading.Thread(target=running)
+    thread.start()
+    wait_until(lambda: server.engine_loop.engine.running, what="the long request runs")
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for change, param, status in BAD:
+            response = http.post("/completions", json={**good, **change})
+            assert response.status_code == status, (change, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and error["type"] == "invalid_request_error", (change, error)
+            assert param in error["message"], (change, error)
+        response = http.post("/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+        response = http.post("/completions", json=[good])
+        assert response.status_code == 400 and "JSON object" in response.json()["error"]["message"]
+        assert server.engine_loop.engine.running  # all answered while the long request still runs
+        assert http.post("/completions", json=good).json()["choices"][0]["text"] == alone(model, tokenizer, PROMPTS[6], 8)
+    with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0) as c:  # the official client raises
+        with pytest.raises(openai.BadRequestError) as caught:
+            c.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+        assert caught.value.status_code == 400 and caught.value.body["param"] == "max_tokens"
+    thread.join(60)
+    assert out["text"] == alone(model, tokenizer, PROMPTS[7], 90)
+
+
+# ---------------------------------------------------------------------------------------------------- shutdown
+
+
+def test_shutdown_drains_the_running_requests(model, tokenizer, monkeypatch):
+    server = Server(MODEL, num_blocks=64, block_size=8).start()
+    slow_down(monkeypatch, server.engine_loop.engine, 0.02)  # 60 tokens take 1.2 s or more
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "stream": True}
+    stopper = threading.Thread(target=server.stop)
+    with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        first = next(lines)
+        stopper.start()  # shutdown begins with the request 1 token in
+
+        def refused() -> bool:
+            try:
+                httpx.get(f"{server.url}/models", timeout=5)
+            except httpx.ConnectError:
+                return True
+            return False
+
+        wait_until(refused, seconds=5, what="the server stops accepting connections")
+        assert server.engine_loop.engine.running  # ... while the request still runs
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in [first, *rest[:-1]])
+    assert text == alone(model, tokenizer, PROMPTS[0], 60)  # all 60 tokens came
+    stopper.join(30)
+    assert not stopper.is_alive() and not server.thread.is_alive() and not server.engine_loop.thread.is_alive()
+
+
+def test_course_serve_refuses_bad_engine_settings_clearly(capsys):
+    assert cli.main(["serve", "--num-blocks", "0"]) == 2
+    assert "num_blocks must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_benchmark_reports_ttft_and_tpot_percentiles_from_the_stream():
+    rows = bench_serve_http(MODEL, rates=(50.0, math.inf), n_requests=6, seed=1)
+    assert [r["rate"] for r in rows] == [50.0, math.inf] and all(r["requests"] == 6 for r in rows)
+    for r in rows:
+        assert 0 < r["ttft_p50"] <= r["ttft_p95"] < r["seconds"] and 0 < r["tpot_p50"] <= r["tpot_p95"] < r["seconds"]
+        assert r["tokens_per_second"] > 0
+    table = format_serve_http(rows).splitlines()
+    assert "TTFT p50" in table[1] and table[2].split()[:2] == ["50.0", "6"] and table[3].split()[:2] == ["inf", "6"]
+
+
+def test_course_bench_serve_http_refuses_bad_options(capsys):
+    for options in (["--requests", "0"], ["--rates", "0"]):
+        with pytest.raises(SystemExit):
+            bench.main(["serve-http", *options])
+        assert "--requests must be >= 1 and every --rates value > 0" in capsys.readouterr().err
