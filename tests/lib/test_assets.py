@@ -19,6 +19,9 @@ from course_lib.seq2seq import GRUSeq2Seq
 from course_lib.train import fixed_batches
 from course_lib.transformer import Transformer
 
+# one thread, as in the notebooks (pretrain() sets each recipe's own); the recorded figures are compared with tolerances
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CHAR_MODELS = sorted(name for name, recipe in RECIPES.items() if recipe.corpus)
 BPE_MODELS = sorted(name for name, recipe in RECIPES.items() if recipe.bpe)
 REVERSAL_MODELS = {"gru-reversal-baseline": GRUSeq2Seq, "gru-reversal-attention": GRUSeq2Seq, "transformer-reversal": Transformer}
