@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import numbers
 import random
+import statistics
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -533,6 +534,7 @@ class Trace:
     computed: list = field(default_factory=list)  # per step: tokens through the forward pass (padding included)
     prefill: list = field(default_factory=list)  # per step: those of them in prompt chunks (a recompute's included)
     step_seconds: list = field(default_factory=list)  # per step: seconds from its start to its end (machine-dependent)
+    clock: list = field(default_factory=list)  # per step: its number (steps with nothing to run are skipped, not listed)
     seconds: float = 0.0
     steps: int = 0
     evictions: int = 0  # cached free blocks the engine forgot to reuse them (prefix caching)
@@ -672,6 +674,7 @@ class Engine:
             trace.computed.append(sum(n for _, n in scheduled))
             trace.prefill.append(prefill_tokens)
             trace.step_seconds.append(time.perf_counter() - start_time - step_start)
+            trace.clock.append(step)
             step += 1
         trace.seconds, trace.steps, trace.evictions = time.perf_counter() - start_time, step, cache.evictions
         return results, trace
@@ -844,6 +847,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8, *, reserve: 
             trace.computed.append(B * (width if t == 0 else 1))  # every row, padding and idle rows included
             trace.prefill.append(B * width if t == 0 else 0)
             trace.step_seconds.append(time.perf_counter() - start_time - step_start)
+            trace.clock.append(step)
             step += 1
             while pending and pending[0].arrival <= step:  # arrivals during the batch wait for the next one
                 request = pending.pop(0)
@@ -883,3 +887,56 @@ def make_trace(n_requests: int, seed: int = 0, *, context: int = 128, mean_gap: 
         requests.append(Request(f"r{i:02d}", prompt, n_out, arrival=int(clock)))
         clock += rng.expovariate(1.0 / mean_gap) if mean_gap > 0 else 0.0
     return requests
+
+
+# ----------------------------------------------------------------------------------------------------
+# load: a sweep of request rates (or of any setting) on the step clock
+
+
+def _quantile(values: list, q: float) -> float:
+    """The q-quantile (0 < q <= 1) by the nearest-rank rule: the smallest value with a fraction q at or below it."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def serving_stats(results: dict, trace: Trace) -> dict:
+    """What a run gave its users, in engine steps (the same on any machine) and in seconds (this machine, now).
+
+    tokens_per_step: tokens generated / the run's steps (throughput); ttft_steps: per request, first_token_step -
+    arrival_step; tpot_steps: per request with 2 tokens or more, (finish_step - first_token_step) / (tokens - 1);
+    step_tokens: per request, the median tokens computed by the steps that gave its 2nd .. last token (what a
+    decoding request waits for: its own token and everyone else's, prompt chunks included). Each as its median
+    (p50) and 95th percentile (p95, nearest rank); ttft_s, tpot_s: the same in seconds (``Result.ttft``, ``tpot``)."""
+    served = [r for r in results.values() if r.error is None]
+    if not served:
+        raise ValueError("results holds no finished request: nothing to measure")
+    computed = dict(zip(trace.clock, trace.computed))
+    later = [r for r in served if len(r.tokens) > 1]
+    measures = {
+        "ttft_steps": [r.first_token_step - r.arrival_step for r in served],
+        "tpot_steps": [(r.finish_step - r.first_token_step) / (len(r.tokens) - 1) for r in later],
+        "step_tokens": [statistics.median(computed[s] for s in range(r.first_token_step + 1, r.finish_step + 1))
+                        for r in later],
+        "ttft_s": [r.ttft for r in served], "tpot_s": [r.tpot for r in later],
+    }
+    tokens = sum(len(r.tokens) for r in served)
+    stats = {"requests": len(served), "tokens": tokens, "steps": trace.steps, "seconds": trace.seconds,
+             "tokens_per_step": tokens / trace.steps, "tokens_per_s": tokens / trace.seconds}
+    for name, values in measures.items():
+        stats[f"{name}_p50"] = _quantile(values, 0.5) if values else math.nan
+        stats[f"{name}_p95"] = _quantile(values, 0.95) if values else math.nan
+    return stats
+
+
+def load_sweep(systems: Mapping, traces: Mapping) -> list:
+    """Run every system on every trace; one row of ``serving_stats`` per (trace, system), with their names.
+
+    systems: {name: a function of a list of Requests returning ({name: Result}, Trace)} (``Engine(...).run``,
+    ``lambda reqs: static_batching(model, reqs, 8)``); traces: {label: a list of Requests} (e.g. request rates,
+    ``make_trace(..., mean_gap=1 / rate)``). The systems run one after another on each trace, so that background
+    load hits them alike. Rows carry "trace" (the label), "system" and every ``serving_stats`` field."""
+    rows = []
+    for label, requests in traces.items():
+        for name, run in systems.items():
+            rows.append({"trace": label, "system": name, **serving_stats(*run(requests))})
+    return rows

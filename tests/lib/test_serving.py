@@ -472,3 +472,26 @@ def test_static_batching_reserving_the_context_holds_context_slots_per_row(small
     assert oracle_run.prefill == [3 * width(first)] + [0] * (steps(first) - 1) + [2 * width(second)] + [0] * (steps(second) - 1)
     with pytest.raises(ValueError, match='reserve must be "oracle"'):
         static_batching(small, requests, 3, reserve="max")
+
+
+# ---------------------------------------------------------------------------------------------------- load: what a run gave its users
+
+
+def test_serving_stats_counts_steps_and_quantiles_by_hand():
+    from course_lib.serving import Result, Trace, serving_stats
+
+    # three requests: arrive at 0, 0, 4; first tokens at 1, 3, 4; last at 3 (3 tokens), 3 (1 token), 8 (5 tokens)
+    results = {"a": Result("a", tokens=[1, 2, 3], arrival_step=0, first_token_step=1, finish_step=3,
+                           token_times=[0.1, 0.2, 0.3]),
+               "b": Result("b", tokens=[4], arrival_step=0, first_token_step=3, finish_step=3, token_times=[0.5]),
+               "c": Result("c", tokens=[5] * 5, arrival_step=4, first_token_step=4, finish_step=8,
+                           arrival_time=0.4, token_times=[0.6, 0.7, 0.8, 0.9, 1.0]),
+               "x": Result("x", error="rejected")}
+    trace = Trace(computed=[9, 2, 3, 7, 1, 1, 2, 2], clock=[0, 1, 2, 3, 5, 6, 7, 8], steps=9, seconds=2.0)  # step 4 idle
+    stats = serving_stats(results, trace)
+    assert stats["requests"] == 3 and stats["tokens"] == 9 and stats["tokens_per_step"] == 1.0 and stats["tokens_per_s"] == 4.5
+    assert (stats["ttft_steps_p50"], stats["ttft_steps_p95"]) == (1, 3)  # 1, 3, 0: median 1, nearest-rank p95 3
+    assert (stats["tpot_steps_p50"], stats["tpot_steps_p95"]) == (1.0, 1.0)  # a: 2 steps / 2; c: 4 / 4
+    # a's steps 2, 3 compute 3 and 7 (median 5); c's steps 5..8 compute 1, 1, 2, 2 (median 1.5)
+    assert (stats["step_tokens_p50"], stats["step_tokens_p95"]) == (1.5, 5)
+    assert stats["ttft_s_p50"] == pytest.approx(0.2) and stats["tpot_s_p95"] == pytest.approx(0.1)
