@@ -30,7 +30,9 @@ block), V vocabulary. The pool of one layer holds keys (N, S, H, Dh) and values 
 The ``Trace`` of a run counts, per step, the tokens through the forward pass and those in prompt chunks
 (the cost of shared prefixes, recompute and prefill interference, in tokens), beside each step's seconds.
 ``static_batching`` reserves each batch's cache from the requests' true output lengths (an oracle) or the
-model's context per row (``reserve="context"``).
+model's context per row (``reserve="context"``). ``serving_stats`` measures what a run gave its users (throughput,
+time to first token, time per output token, in steps and seconds); ``load_sweep`` runs systems over traces (the
+request-rate and token-budget sweeps of chapter 12 and ``course bench serve``).
 
 ``slot_mapping``, ``paged_attention`` and ``schedule_step`` are the reference solutions of
 chapter 12's exercises (``tests/grading/test_solution_drift.py`` keeps them equal to the notebook's).
@@ -428,7 +430,10 @@ class Sequence:
         self.n_cached = len(self.hit) * self.cache.block_size
 
     def blocks_needed(self, n: int) -> int:
-        """Blocks taken from the free list to cache n more tokens: new ones, and (waiting) cached ones now free."""
+        """Blocks taken from the free list to cache n more tokens: new ones, and (waiting) cached ones now free.
+
+        Two waiting sequences that found the same free block both count it, so admission may stop a step early
+        (never take more blocks than are free)."""
         S = self.cache.block_size
         table = self.blocks or self.hit  # a waiting sequence's table will be its cached prefix
         reused = 0 if self.blocks else sum(1 for b in self.hit if self.cache.refs[b] == 0)  # on the free list
