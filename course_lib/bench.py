@@ -18,7 +18,8 @@ same weights; see ``bench_llama_decode``.
 (``course_lib.serving.make_trace``) and the same weights: our continuous batching over a paged KV cache
 (``serving.Engine``), our static batching (``serving.static_batching``) and Hugging Face's continuous
 batching (the manager behind ``generate_batch``, with its paged cache); throughput, time to first token,
-time per output token, KV bytes allocated per byte used; see ``bench_serve``.
+time per output token, KV bytes allocated per byte used; see ``bench_serve``. Then chapter 12's load sweep, timed:
+request rates with Poisson arrivals and token budgets, ours only (``bench_serve_load``).
 """
 from __future__ import annotations
 
@@ -530,6 +531,78 @@ def format_serve(result: dict) -> str:
     return "\n".join(lines)
 
 
+#: ``course bench serve``'s load sweep: request rates (requests per engine step, Poisson arrivals), and the token
+#: budgets tried at the highest rate (the notebook's, chapter 12 section 8)
+SWEEP_RATES = (0.2, 0.4, 0.8, 1.6)
+SWEEP_BUDGETS = (8, 16, 32, 64)
+
+
+def bench_serve_load(rates=SWEEP_RATES, budgets=SWEEP_BUDGETS, n_requests: int = 32, block_size: int = 8,
+                     token_budget: int = 64, max_batch_size: int = 8, threads: int = 1, repeats: int = 3,
+                     seed: int = 3) -> dict:
+    """Chapter 12's load sweep on the course model, timed: ``serving.load_sweep`` in seconds as well as steps.
+
+    Traces: ``make_trace(n_requests, seed, mean_gap=1 / rate)`` per rate. Systems: static batching (batches of
+    max_batch_size) sized by the true output lengths (the oracle) and reserving the context; the engine (a pool of
+    max_batch_size x the context, the notebook's) capped at max_batch_size running requests and uncapped; and, at
+    the highest rate, the uncapped engine with each token budget. Each round runs every (trace, system) once, in
+    order (so that background load hits all alike); a row holds, per field of ``serving_stats``, the median over
+    the rounds (the step counts are the same in every round). Hugging Face's continuous batching has no arrival
+    times, so it is not swept: ``bench_serve`` compares it with every request arriving at once."""
+    from .serving import Engine, load_sweep, make_trace, static_batching
+
+    if repeats < 1 or not rates or not budgets:
+        raise ValueError(f"need repeats >= 1 and at least one rate and one budget; got {repeats}, {rates}, {budgets}")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = serve_model("char-gpt")
+        use_fastest_kernels(model, rows=[1 << i for i in range(8)])
+        V, context = model.config.vocab_size, model.config.block_size
+        traces = {rate: make_trace(n_requests, seed=seed, context=context, vocab=list(range(V)), mean_gap=1 / rate)
+                  for rate in rates}
+        pool = max_batch_size * context // block_size
+        systems = {
+            "static, oracle": lambda reqs: static_batching(model, reqs, max_batch_size),
+            "static, context": lambda reqs: static_batching(model, reqs, max_batch_size, reserve="context"),
+            f"engine, capped {max_batch_size}": Engine(model, pool, block_size, token_budget, max_num_seqs=max_batch_size).run,
+            "engine": Engine(model, pool, block_size, token_budget).run,
+        }
+        by_budget = {f"engine, budget {b}": Engine(model, pool, block_size, b).run for b in budgets}
+        top = {max(rates): traces[max(rates)]}
+        load_sweep(systems, {rates[0]: traces[rates[0]][:4]})  # warm-up: allocator, first-call overheads
+        rounds = [(load_sweep(systems, traces), load_sweep(by_budget, top)) for _ in range(repeats)]
+    finally:
+        torch.set_num_threads(previous_threads)
+
+    def medians(runs):
+        return [{k: (statistics.median(run[i][k] for run in runs) if isinstance(v, float) else v)
+                 for k, v in row.items()} for i, row in enumerate(runs[0])]
+
+    return {"rates": medians([r[0] for r in rounds]), "budgets": medians([r[1] for r in rounds]),
+            "threads": threads, "repeats": repeats, "n_requests": n_requests, "token_budget": token_budget,
+            "max_batch_size": max_batch_size}
+
+
+def format_serve_load(result: dict) -> str:
+    """The load sweep's table, as `course bench serve` prints it."""
+    r = result
+    lines = [f"load sweep (chapter 12): char-gpt, {r['n_requests']} requests per trace, Poisson arrivals at each rate "
+             f"(requests per engine step), {r['threads']} thread(s), medians of {r['repeats']} rounds; steps: the same on "
+             "any machine; ms: this machine, now",
+             f"{'rate':>4s} {'system':18s} {'tok/step':>8s} {'tok/s':>6s} {'TTFT steps p50':>14s} {'p95':>4s} "
+             f"{'TTFT ms p50':>11s} {'p95':>6s} {'TPOT ms p50':>11s} {'p95':>6s} {'step tokens p50':>15s} {'p95':>5s}"]
+    for row in r["rates"] + r["budgets"]:
+        lines.append(f"{row['trace']:4.1f} {row['system']:18s} {row['tokens_per_step']:8.2f} {row['tokens_per_s']:6.0f} "
+                     f"{row['ttft_steps_p50']:14.0f} {row['ttft_steps_p95']:4.0f} {row['ttft_s_p50'] * 1e3:11.1f} "
+                     f"{row['ttft_s_p95'] * 1e3:6.1f} {row['tpot_s_p50'] * 1e3:11.2f} {row['tpot_s_p95'] * 1e3:6.2f} "
+                     f"{row['step_tokens_p50']:15.1f} {row['step_tokens_p95']:5.1f}")
+    lines.append("step tokens: the tokens computed in the steps between a request's tokens (its own and everyone else's); "
+                 "the budget rows: the uncapped engine at the highest rate with that token budget")
+    lines.append("Hugging Face is not swept: it has no arrival times (see the 'all at 0' rows above)")
+    return "\n".join(lines)
+
+
 #: Llama-style shapes of ``course bench decode`` (random weights): char-llama's, and a 12-layer model of GPT-2 small's
 #: width with 4 key/value heads and a 32,000-token vocabulary (Llama's)
 LLAMA_DECODE_SHAPES = {
@@ -669,6 +742,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result = bench_serve(models=models, n_requests=args.requests, threads=threads, repeats=args.repeats or 3)
         print(format_serve(result))
+        print()
+        if args.quick:
+            load = bench_serve_load(rates=SWEEP_RATES[-1:], budgets=SWEEP_BUDGETS[-1:], n_requests=args.requests or 8,
+                                    threads=threads, repeats=args.repeats or 1)
+        else:
+            load = bench_serve_load(threads=threads, repeats=args.repeats or 3)
+        print(format_serve_load(load))
         return 0
     args.threads = args.threads or 2
     if args.what == "decode":

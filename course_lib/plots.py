@@ -87,3 +87,44 @@ def request_timeline(states: list, names: list, ax=None, title: str | None = Non
     if title:
         ax.set_title(title)
     return ax
+
+
+def block_diagram(cache, tables: dict, ax=None, title: str | None = None):
+    """A paged KV cache at one moment (chapter 12): each sequence's block table above the pool it points into.
+
+    cache: a course_lib.serving.PagedKVCache; tables: {sequence name: its block table (block numbers, in order)}.
+    Top rows: one box per entry of a block table, the block's number in it. Bottom row: the pool, one box per
+    block with its reference count, coloured: held by one sequence, shared (count > 1), free but cached (still
+    findable by its hash, hatched), free. Lines join each table entry to its block.
+    """
+    from matplotlib.patches import Patch, Rectangle
+
+    ax = _axes(ax, figsize=(0.55 * cache.num_blocks + 2.0, 0.5 * len(tables) + 1.6))
+    colours = {"held": "#55a868", "shared": "#4c72b0", "free, cached": "#f0e0a0", "free": "white"}
+
+    def state(block):
+        refs = cache.refs[block]
+        return "shared" if refs > 1 else "held" if refs else "free, cached" if block in cache.hash_of else "free"
+
+    for block in range(cache.num_blocks):
+        s = state(block)
+        ax.add_patch(Rectangle((block, 0), 0.9, 0.8, facecolor=colours[s], edgecolor="black",
+                               hatch="//" if s == "free, cached" else None))
+        ax.text(block + 0.45, 0.4, str(cache.refs[block]), ha="center", va="center", fontsize=8)
+        ax.text(block + 0.45, -0.3, str(block), ha="center", va="center", fontsize=7, color="grey")
+    for row, (name, table) in enumerate(tables.items()):
+        y = 1.6 + 1.1 * (len(tables) - 1 - row)
+        ax.text(-0.3, y + 0.4, name, ha="right", va="center", fontsize=8)
+        for i, block in enumerate(table):
+            ax.add_patch(Rectangle((i, y), 0.9, 0.8, facecolor=colours[state(block)], edgecolor="black"))
+            ax.text(i + 0.45, y + 0.4, str(block), ha="center", va="center", fontsize=8)
+            ax.plot([i + 0.45, block + 0.45], [y, 0.8], color="grey", linewidth=0.5)
+    ax.set_xlim(-1.6, cache.num_blocks + 0.2)
+    ax.set_ylim(-0.6, 1.6 + 1.1 * len(tables))
+    ax.axis("off")
+    ax.text(-0.3, 0.4, "pool\n(refs)", ha="right", va="center", fontsize=8)
+    ax.legend(handles=[Patch(facecolor=c, edgecolor="black", hatch="//" if s == "free, cached" else None, label=s)
+                       for s, c in colours.items()], fontsize=7, loc="upper right", ncol=4)
+    if title:
+        ax.set_title(title, fontsize=9)
+    return ax

@@ -11,9 +11,10 @@ Agrawal et al. 2023 and 2024, and vLLM):
   new request is prefilled in chunks beside the decode steps of the others, under a token budget;
 * **a paged KV cache**: one pool of fixed-size blocks per layer, a block table per sequence, a free
   list; attention reads keys and values through the block table;
-* **shared prefixes**: a full block whose tokens (and all tokens before them) equal another
-  sequence's is shared, with a reference count; a shared block that would be written is copied first
-  (copy-on-write);
+* **a prefix cache** (vLLM's automatic prefix caching): a full block is known by the hash of its tokens
+  and its prefix's hash; a sequence whose tokens start the same way shares it (a reference count) instead
+  of computing it; a block nobody holds stays cached on the free list and is evicted, least recently
+  used first, only when a fresh block is needed, so later requests and preempted ones resuming find it;
 * **preemption**: when the pool is full, the most recently admitted running sequence gives its blocks
   back and is recomputed later (vLLM's default); it keeps the tokens it generated;
 * **a cap on running sequences** (``max_num_seqs``, vLLM's name; none by default): the engine admits no
@@ -29,7 +30,9 @@ block), V vocabulary. The pool of one layer holds keys (N, S, H, Dh) and values 
 The ``Trace`` of a run counts, per step, the tokens through the forward pass and those in prompt chunks
 (the cost of shared prefixes, recompute and prefill interference, in tokens), beside each step's seconds.
 ``static_batching`` reserves each batch's cache from the requests' true output lengths (an oracle) or the
-model's context per row (``reserve="context"``).
+model's context per row (``reserve="context"``). ``serving_stats`` measures what a run gave its users (throughput,
+time to first token, time per output token, in steps and seconds); ``load_sweep`` runs systems over traces (the
+request-rate and token-budget sweeps of chapter 12 and ``course bench serve``).
 
 ``slot_mapping``, ``paged_attention`` and ``schedule_step`` are the reference solutions of
 chapter 12's exercises (``tests/grading/test_solution_drift.py`` keeps them equal to the notebook's).
@@ -40,7 +43,9 @@ import math
 import numbers
 import random
 import dataclasses
+import statistics
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -184,6 +189,8 @@ class Result:
     arrival_time: float = 0.0  # seconds since the start of the run when its arrival step began
     token_times: list = field(default_factory=list)  # seconds since the start of the run, one per token
     preemptions: int = 0
+    admissions: list = field(default_factory=list)  # per admission (the first, then one per resume after a preemption):
+    # (its tokens then, those of them found in the prefix cache)
 
     @property
     def ttft(self) -> float:
@@ -294,13 +301,31 @@ def _choose(logits: torch.Tensor, tokens: list, prompt_len: int, sampling: dict 
 # the paged cache
 
 
+def block_hashes(tokens: list, block_size: int) -> list:
+    """The hash of every full block of `tokens`, in order: block i's is hash((block i - 1's hash, its tokens)).
+
+    Block 0's parent is None. So a block's hash stands for its tokens and every token before them (vLLM's
+    automatic prefix caching keys its blocks the same way). Python's hash of a tuple of ints is not
+    collision-free: ``PagedKVCache.lookup`` compares the tokens too, so a collision can only miss, never hit."""
+    hashes, parent = [], None
+    for end in range(block_size, len(tokens) + 1, block_size):
+        parent = hash((parent, tuple(tokens[end - block_size:end])))
+        hashes.append(parent)
+    return hashes
+
+
 class PagedKVCache:
     """Keys and values of every layer in one pool of blocks: storage (L, 2, N, S, H, Dh).
 
-    The pool is shared by all sequences. ``allocate()`` takes a block from the free list (reference
-    count 1), ``share(b)`` adds a reference, ``release(b)`` drops one and returns the block to the free
-    list at zero. Full blocks are remembered by the tokens that fill them and every token before
-    (``register``/``lookup``): a new sequence with the same prefix shares them (prefix sharing).
+    The pool is shared by all sequences. ``allocate()`` takes a block from the free list (reference count 1),
+    ``share(b)`` adds a reference, ``release(b)`` drops one and puts the block at the end of the free list at
+    zero. Automatic prefix caching, as vLLM's: a full block is remembered by its hash (``block_hashes``: its
+    tokens and its prefix's hash) with ``register``, and found by ``lookup``. A released block **stays**
+    remembered while it sits on the free list: a later request with the same prefix, or a preempted one
+    resuming, still finds it, and ``share`` takes it back off the list. The free list is kept least recently
+    freed first; ``allocate`` takes its first block and, if that block is remembered, forgets it (an eviction,
+    counted in ``evictions``): freed blocks are evicted least recently used first, and only when a fresh block
+    is needed.
     """
 
     def __init__(self, n_layer: int, n_head: int, head_dim: int, num_blocks: int, block_size: int, *,
@@ -310,10 +335,11 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.block_size, self.num_blocks = block_size, num_blocks
         self.storage = torch.zeros(n_layer, 2, num_blocks, block_size, n_head, head_dim, dtype=dtype)
-        self.free = list(range(num_blocks))  # the free list
+        self.free = OrderedDict.fromkeys(range(num_blocks))  # the free list, least recently freed first
         self.refs = [0] * num_blocks  # reference counts
-        self.prefix: dict = {}  # tuple of tokens 0 .. end of a full block -> that block
-        self.key_of: dict = {}  # block -> its key in self.prefix
+        self.cached: dict = {}  # block hash -> the block remembered under it
+        self.hash_of: dict = {}  # block -> (its hash, its parent's hash, its tokens): what it was remembered as
+        self.evictions = 0  # remembered free blocks forgotten to be reused
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int) -> "PagedKVCache":
@@ -327,44 +353,55 @@ class PagedKVCache:
         return self.storage[:, :, 0].numel() * self.storage.element_size()
 
     def allocate(self) -> int:
+        """A fresh block (reference count 1): the least recently freed, evicted from the prefix cache if remembered."""
         if not self.free:
             raise RuntimeError("the pool has no free block (the scheduler should have preempted)")
-        block = self.free.pop()
+        block, _ = self.free.popitem(last=False)
+        remembered = self.hash_of.pop(block, None)
+        if remembered is not None:
+            del self.cached[remembered[0]]
+            self.evictions += 1
         self.refs[block] = 1
         return block
 
     def share(self, block: int) -> None:
+        """One more reference; a remembered block found on the free list leaves it."""
+        if self.refs[block] == 0:
+            del self.free[block]
         self.refs[block] += 1
 
     def release(self, block: int) -> None:
+        """One reference less; at zero the block goes to the end of the free list, still remembered."""
         self.refs[block] -= 1
         if self.refs[block] == 0:
-            key = self.key_of.pop(block, None)
-            if key is not None:
-                del self.prefix[key]
-            self.free.append(block)
+            self.free[block] = None
 
-    def copy_block(self, source: int) -> int:
-        """Copy-on-write: a fresh block holding `source`'s keys and values; `source` loses one reference."""
-        target = self.allocate()
-        self.storage[:, :, target] = self.storage[:, :, source]
-        self.release(source)
-        return target
+    def release_all(self, blocks: list) -> None:
+        """Release a sequence's blocks, its last block first: a prefix outlives the blocks after it (as in vLLM)."""
+        for block in reversed(blocks):
+            self.release(block)
 
     def register(self, tokens: tuple, block: int) -> None:
-        """Remember that `block` holds the last block_size of `tokens` (all of them computed, in order)."""
-        if tokens not in self.prefix and block not in self.key_of:
-            self.prefix[tokens] = block
-            self.key_of[block] = tokens
+        """Remember that `block` holds the last block_size of `tokens` (all of them computed, in order).
+
+        A block already remembered, or a hash already taken (the same prefix computed twice), is left as it is."""
+        S = self.block_size
+        hashes = block_hashes(tokens, S)
+        if block in self.hash_of or hashes[-1] in self.cached:
+            return
+        parent = hashes[-2] if len(hashes) > 1 else None
+        self.cached[hashes[-1]] = block
+        self.hash_of[block] = (hashes[-1], parent, tuple(tokens[-S:]))
 
     def lookup(self, tokens: list) -> list:
-        """The blocks that already hold the longest run of full blocks at the start of `tokens`."""
-        blocks, S = [], self.block_size
-        for end in range(S, len(tokens) + 1, S):
-            block = self.prefix.get(tuple(tokens[:end]))
-            if block is None:
+        """The remembered blocks that hold the longest run of full blocks at the start of `tokens` (in use or free)."""
+        blocks, parent, S = [], None, self.block_size
+        for i, h in enumerate(block_hashes(tokens, S)):
+            block = self.cached.get(h)
+            if block is None or self.hash_of[block] != (h, parent, tuple(tokens[i * S:(i + 1) * S])):
                 break
             blocks.append(block)
+            parent = h
         return blocks
 
 
@@ -377,7 +414,7 @@ class Sequence:
         self.prompt_len = len(request.prompt)
         self.n_cached = 0
         self.blocks: list = []  # the block table
-        self.hit: list = []  # blocks of a shared prefix found while waiting (no reference taken yet)
+        self.hit: list = []  # blocks of a cached prefix found while waiting (no reference taken yet)
         self.generator = torch.Generator().manual_seed(request.seed)
 
     @property
@@ -385,20 +422,23 @@ class Sequence:
         return len(self.tokens)
 
     def find_prefix(self, share: bool) -> None:
-        """While waiting: find the blocks of a shared prefix (references are taken on admission) and start after them.
+        """While waiting: find the cached blocks of its prefix (references are taken on admission), start after them.
 
-        The last prompt token is always computed (its logits give the first new token), so a prefix that
-        covers the whole prompt starts one token early, inside its last shared block."""
-        self.hit = self.cache.lookup(self.tokens) if share else []
-        self.n_cached = min(len(self.hit) * self.cache.block_size, self.n_tokens - 1)
+        The last token is always computed (its logits give the next token), so only blocks within the first
+        n_tokens - 1 tokens are looked up: when every block of the tokens is cached, the last one is computed
+        again into a fresh block (vLLM does the same), and no sequence ever writes into a block another holds."""
+        self.hit = self.cache.lookup(self.tokens[:-1]) if share else []
+        self.n_cached = len(self.hit) * self.cache.block_size
 
     def blocks_needed(self, n: int) -> int:
-        """New blocks to cache n more tokens: one more if the last block is shared and would be written (copy-on-write)."""
+        """Blocks taken from the free list to cache n more tokens: new ones, and (waiting) cached ones now free.
+
+        Two waiting sequences that found the same free block both count it, so admission may stop a step early
+        (never take more blocks than are free)."""
         S = self.cache.block_size
-        table = self.blocks or self.hit  # a waiting sequence's table will be its shared prefix
-        writes_held = self.n_cached < len(table) * S  # the next token goes into a block already in the table
-        shared_tail = writes_held and (not self.blocks or self.cache.refs[table[self.n_cached // S]] > 1)
-        return max(0, math.ceil((self.n_cached + n) / S) - len(table)) + int(shared_tail)
+        table = self.blocks or self.hit  # a waiting sequence's table will be its cached prefix
+        reused = 0 if self.blocks else sum(1 for b in self.hit if self.cache.refs[b] == 0)  # on the free list
+        return max(0, math.ceil((self.n_cached + n) / S) - len(table)) + reused
 
     def blocks_freed(self) -> int:
         """Blocks only this sequence holds (reference count 1): they go back to the free list if it is preempted.
@@ -500,8 +540,10 @@ class Trace:
     computed: list = field(default_factory=list)  # per step: tokens through the forward pass (padding included)
     prefill: list = field(default_factory=list)  # per step: those of them in prompt chunks (a recompute's included)
     step_seconds: list = field(default_factory=list)  # per step: seconds from its start to its end (machine-dependent)
+    clock: list = field(default_factory=list)  # per step: its number (steps with nothing to run are skipped, not listed)
     seconds: float = 0.0
     steps: int = 0
+    evictions: int = 0  # cached free blocks the engine forgot to reuse them (prefix caching)
 
 
 @dataclass
@@ -617,8 +659,7 @@ class Engine:
             for seq in queue:
                 if seq.request.name == name:
                     seq.result.error = f"request {name}: aborted at step {self.clock}"
-                    for b in seq.blocks:  # a waiting sequence's shared prefix (seq.hit) holds no reference yet
-                        self.cache.release(b)
+                    self.cache.release_all(seq.blocks)  # a waiting sequence's cached prefix (seq.hit) holds no reference yet
                     seq.blocks = []
                     queue.remove(seq)
                     return True
@@ -655,22 +696,23 @@ class Engine:
         scheduled, preempted = scheduler(running, admissible, len(cache.free), self.token_budget)
         if not scheduled and not preempted:
             raise RuntimeError(self._no_progress(cache, running, waiting, step))
-        for seq in preempted:  # give the blocks back; recompute later, keeping the tokens generated
-            for b in seq.blocks:
-                cache.release(b)
+        for seq in preempted:  # give the blocks back (still cached); recompute later, keeping the tokens generated
+            cache.release_all(seq.blocks)
             seq.blocks, seq.n_cached = [], 0
             seq.result.preemptions += 1
             running.remove(seq)
         waiting = sorted(preempted, key=lambda s: s.request.arrival) + waiting
         self.waiting = waiting
-        chunks, prefill_tokens = [], 0
-        for seq, n in scheduled:
-            if seq in waiting:  # admitted: take the shared prefix
+        for seq, _ in scheduled:  # admitted: take the cached prefix first (before any allocation can evict it)
+            if seq in waiting:
                 waiting.remove(seq)
                 running.append(seq)
                 for b in seq.hit:
                     cache.share(b)
                 seq.blocks, seq.hit = seq.hit, []
+                seq.result.admissions.append((seq.n_tokens, seq.n_cached))
+        chunks, prefill_tokens = [], 0
+        for seq, n in scheduled:
             self._make_room(cache, seq, n)
             if not (n == 1 and seq.prompt_len <= seq.n_cached == seq.n_tokens - 1):  # not a decode: a prompt chunk
                 prefill_tokens += n
@@ -707,8 +749,7 @@ class Engine:
                     seq.result.first_token_step = step
                 if len(seq.result.tokens) == seq.request.max_new_tokens:
                     seq.result.finish_step = step
-                    for b in seq.blocks:
-                        cache.release(b)
+                    cache.release_all(seq.blocks)
                     seq.blocks = []
                     running.remove(seq)
                     output.finished.append(seq.request.name)
@@ -724,13 +765,15 @@ class Engine:
         trace.computed.append(sum(n for _, n in scheduled))
         trace.prefill.append(prefill_tokens)
         trace.step_seconds.append(time.perf_counter() - start_time - step_start)
+        trace.clock.append(step)
+        trace.evictions = cache.evictions
         self.clock += 1
         return output
 
     def _forward_alone(self, cache: PagedKVCache, chunks: list, error: Exception, step: int, attention, slots_of):
         """The batched pass raised `error`: run each chunk alone. Returns (logits, {chunk index: its exception}).
 
-        A chunk's keys and values go to its own blocks (a shared block is copied before it is written), so
+        A chunk's keys and values go to its own blocks (no sequence writes a block another holds), so
         what the failed batched pass wrote is rewritten here or freed with a failed request's blocks."""
         rows, failed = [], {}
         for i, chunk in enumerate(chunks):
@@ -748,8 +791,7 @@ class Engine:
     def _fail(cache: PagedKVCache, seq: Sequence, running: list, step: int, error: Exception) -> None:
         """Record `error` on the request's Result and give its blocks back; it leaves the engine."""
         seq.result.error = f"request {seq.request.name}: failed at step {step}: {type(error).__name__}: {error}"
-        for b in seq.blocks:
-            cache.release(b)
+        cache.release_all(seq.blocks)
         seq.blocks = []
         running.remove(seq)
 
@@ -774,17 +816,13 @@ class Engine:
 
     @staticmethod
     def _make_room(cache: PagedKVCache, seq: Sequence, n: int) -> None:
-        """Blocks for positions n_cached .. n_cached + n - 1: copy a shared block first, then append new ones."""
-        S = cache.block_size
-        i = seq.n_cached // S  # the block the next token goes into
-        if seq.n_cached < len(seq.blocks) * S and cache.refs[seq.blocks[i]] > 1:  # it would write into a shared block
-            seq.blocks[i] = cache.copy_block(seq.blocks[i])
-        while len(seq.blocks) * S < seq.n_cached + n:
+        """Fresh blocks for positions n_cached .. n_cached + n - 1 (never a block another sequence holds: see find_prefix)."""
+        while len(seq.blocks) * cache.block_size < seq.n_cached + n:
             seq.blocks.append(cache.allocate())
 
     @staticmethod
     def _register_full_blocks(cache: PagedKVCache, seq: Sequence, before: int) -> None:
-        """Offer for sharing every block this step filled."""
+        """Remember every block this step filled (for the prefix cache)."""
         S = cache.block_size
         for i in range(before // S, seq.n_cached // S):
             cache.register(tuple(seq.tokens[:(i + 1) * S]), seq.blocks[i])
@@ -900,6 +938,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8, *, reserve: 
             trace.computed.append(B * (width if t == 0 else 1))  # every row, padding and idle rows included
             trace.prefill.append(B * width if t == 0 else 0)
             trace.step_seconds.append(time.perf_counter() - start_time - step_start)
+            trace.clock.append(step)
             step += 1
             while pending and pending[0].arrival <= step:  # arrivals during the batch wait for the next one
                 request = pending.pop(0)
@@ -939,3 +978,56 @@ def make_trace(n_requests: int, seed: int = 0, *, context: int = 128, mean_gap: 
         requests.append(Request(f"r{i:02d}", prompt, n_out, arrival=int(clock)))
         clock += rng.expovariate(1.0 / mean_gap) if mean_gap > 0 else 0.0
     return requests
+
+
+# ----------------------------------------------------------------------------------------------------
+# load: a sweep of request rates (or of any setting) on the step clock
+
+
+def _quantile(values: list, q: float) -> float:
+    """The q-quantile (0 < q <= 1) by the nearest-rank rule: the smallest value with a fraction q at or below it."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def serving_stats(results: dict, trace: Trace) -> dict:
+    """What a run gave its users, in engine steps (the same on any machine) and in seconds (this machine, now).
+
+    tokens_per_step: tokens generated / the run's steps (throughput); ttft_steps: per request, first_token_step -
+    arrival_step; tpot_steps: per request with 2 tokens or more, (finish_step - first_token_step) / (tokens - 1);
+    step_tokens: per request, the median tokens computed by the steps that gave its 2nd .. last token (what a
+    decoding request waits for: its own token and everyone else's, prompt chunks included). Each as its median
+    (p50) and 95th percentile (p95, nearest rank); ttft_s, tpot_s: the same in seconds (``Result.ttft``, ``tpot``)."""
+    served = [r for r in results.values() if r.error is None]
+    if not served:
+        raise ValueError("results holds no finished request: nothing to measure")
+    computed = dict(zip(trace.clock, trace.computed))
+    later = [r for r in served if len(r.tokens) > 1]
+    measures = {
+        "ttft_steps": [r.first_token_step - r.arrival_step for r in served],
+        "tpot_steps": [(r.finish_step - r.first_token_step) / (len(r.tokens) - 1) for r in later],
+        "step_tokens": [statistics.median(computed[s] for s in range(r.first_token_step + 1, r.finish_step + 1))
+                        for r in later],
+        "ttft_s": [r.ttft for r in served], "tpot_s": [r.tpot for r in later],
+    }
+    tokens = sum(len(r.tokens) for r in served)
+    stats = {"requests": len(served), "tokens": tokens, "steps": trace.steps, "seconds": trace.seconds,
+             "tokens_per_step": tokens / trace.steps, "tokens_per_s": tokens / trace.seconds}
+    for name, values in measures.items():
+        stats[f"{name}_p50"] = _quantile(values, 0.5) if values else math.nan
+        stats[f"{name}_p95"] = _quantile(values, 0.95) if values else math.nan
+    return stats
+
+
+def load_sweep(systems: Mapping, traces: Mapping) -> list:
+    """Run every system on every trace; one row of ``serving_stats`` per (trace, system), with their names.
+
+    systems: {name: a function of a list of Requests returning ({name: Result}, Trace)} (``Engine(...).run``,
+    ``lambda reqs: static_batching(model, reqs, 8)``); traces: {label: a list of Requests} (e.g. request rates,
+    ``make_trace(..., mean_gap=1 / rate)``). The systems run one after another on each trace, so that background
+    load hits them alike. Rows carry "trace" (the label), "system" and every ``serving_stats`` field."""
+    rows = []
+    for label, requests in traces.items():
+        for name, run in systems.items():
+            rows.append({"trace": label, "system": name, **serving_stats(*run(requests))})
+    return rows

@@ -191,3 +191,23 @@ def test_no_decode_step_of_chapter_08_reads_faster_than_the_measured_bandwidth_b
     assert rates[fastest] <= 1.1 * bound, (f"a decode step ({fastest}) read {rates[fastest] / 1e9:.1f} GB/s, more than 1.1 x "
                                            f"the measured bound {bound / 1e9:.1f} GB/s; every step's best (GB/s): {report}")
     print(f"bound {bound / 1e9:.1f} GB/s; every step's best (GB/s): {report}")
+
+
+def test_bench_serve_load_tiny_run_has_every_row():
+    """The load sweep of `course bench serve` on 4 requests, one round: its rows and their step counts, never speed."""
+    from course_lib.bench import bench_serve_load, format_serve_load
+
+    result = bench_serve_load(rates=(0.5, 2.0), budgets=(8, 64), n_requests=4, repeats=1)
+    systems = ["static, oracle", "static, context", "engine, capped 8", "engine"]
+    assert [(r["trace"], r["system"]) for r in result["rates"]] == [(rate, s) for rate in (0.5, 2.0) for s in systems]
+    assert [(r["trace"], r["system"]) for r in result["budgets"]] == [(2.0, "engine, budget 8"), (2.0, "engine, budget 64")]
+    for rate in (0.5, 2.0):
+        rows = {r["system"]: r for r in result["rates"] if r["trace"] == rate}
+        assert len({r["tokens"] for r in rows.values()}) == 1 and all(r["requests"] == 4 for r in rows.values())
+        assert rows["static, oracle"]["steps"] == rows["static, context"]["steps"]  # the same schedule, other memory
+    budget_64 = result["budgets"][1]
+    engine_top = next(r for r in result["rates"] if r["trace"] == 2.0 and r["system"] == "engine")
+    assert budget_64["steps"] == engine_top["steps"] and budget_64["ttft_steps_p95"] == engine_top["ttft_steps_p95"]
+    table = format_serve_load(result)
+    for text in (*systems, "engine, budget 8", "TTFT steps", "TPOT ms", "not swept"):
+        assert text in table, text

@@ -2,7 +2,7 @@
 
 * Greedy tokens: every request's tokens equal generating it alone with chapter 05's ``generate_cached`` (exact),
   for any arrival order, token budget, block size and pool size that holds one request, with shared prefixes
-  (and copy-on-write) and with preemption. Exact equality of tokens is a claim about rounding: the engine
+  (the prefix cache, its evictions included) and with preemption. Exact equality of tokens is a claim about rounding: the engine
   runs a request's rows through matrix products of other shapes than ``generate_cached`` does, so its
   logits differ from the alone run by float32 rounding (checked at 1e-5 here too); the argmax is the same
   whenever no two logits are that close, which holds on every model and trace below (the tests would show it
@@ -11,6 +11,9 @@
   ``process_logits``, one ``torch.multinomial`` draw per token from a generator seeded per request).
 * Paged attention: F.scaled_dot_product_attention in float64 over each sequence's keys laid out contiguously.
 * The scheduler: its documented policy, on hand-made sequences.
+* The prefix cache: what must hit, from a brute-force set of every block-aligned prefix computed before (requests
+  one after another, a pool that never evicts); which blocks least-recently-used eviction must have reused, argued
+  block by block on a pool that holds two requests.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from course_lib import assets
 from course_lib.decoding import process_logits
 from course_lib.gpt import GPT, GPTConfig
 from course_lib.kv_cache import generate_cached
-from course_lib.serving import (Engine, PagedKVCache, Request, make_trace, paged_attention, paged_forward,
+from course_lib.serving import (Engine, PagedKVCache, Request, block_hashes, make_trace, paged_attention, paged_forward,
                                 schedule_step, slot_mapping, static_batching)
 from tests.helpers import assert_parity
 
@@ -121,7 +124,7 @@ def test_a_pool_that_holds_one_request_preempts_and_every_request_still_finishes
         assert results[r.name].tokens == alone(small, r), r.name
 
 
-def test_shared_prefix_saves_blocks_copies_on_write_and_stays_exact(small):
+def test_shared_prefix_saves_blocks_and_stays_exact(small):
     prefix = list(range(20, 32))  # 12 tokens: 3 full blocks of 4
     requests = trace(8, 6, prefix=prefix, gap=0.3)
     same = [Request(f"same{i}", prefix[:8], 5, arrival=2) for i in range(3)]  # block-aligned identical prompts
@@ -136,17 +139,99 @@ def test_shared_prefix_saves_blocks_copies_on_write_and_stays_exact(small):
     assert sum(trace_shared.allocated) < sum(trace_private.allocated)
 
 
-def test_copy_on_write_copies_a_shared_block_before_writing_it(small):
-    cache = PagedKVCache.for_model(small, 6, 4)
-    block = cache.allocate()
-    cache.storage[:, :, block] = 1.5
-    cache.share(block)
-    copy = cache.copy_block(block)
-    assert copy != block and cache.refs[block] == 1 and cache.refs[copy] == 1
-    assert torch.equal(cache.storage[:, :, copy], cache.storage[:, :, block])
-    cache.release(block)
-    cache.release(copy)
-    assert sorted(cache.free) == list(range(6))
+def test_a_freed_block_stays_cached_until_the_least_recently_freed_is_evicted(small):
+    cache = PagedKVCache.for_model(small, 4, 2)
+    tokens = [5, 6, 7, 8, 9, 10]  # three full blocks of 2
+    blocks = [cache.allocate() for _ in range(3)]
+    for i, b in enumerate(blocks):
+        cache.register(tuple(tokens[:2 * (i + 1)]), b)
+    assert cache.lookup(tokens) == blocks and cache.lookup([5, 6, 7, 0, 9, 10]) == blocks[:1]
+    cache.release_all(blocks)  # the last block first: the prefix's first block is freed last
+    assert len(cache.free) == 4 and cache.lookup(tokens) == blocks  # free, still found
+    cache.share(blocks[0])  # a hit on a free block takes it off the free list
+    assert len(cache.free) == 3 and cache.refs[blocks[0]] == 1
+    spare = cache.allocate()  # the never-used block is first on the free list: nothing evicted
+    assert spare not in blocks and cache.evictions == 0 and cache.lookup(tokens) == blocks
+    assert cache.allocate() == blocks[2] and cache.evictions == 1  # then the least recently freed: the prefix's end
+    assert cache.lookup(tokens) == blocks[:2]
+    cache.release(blocks[0])
+    assert cache.allocate() == blocks[1] and cache.lookup(tokens) == [blocks[0]]  # blocks[0] was freed after blocks[1]
+
+
+def test_block_hashes_chain_the_prefix():
+    a, b = block_hashes([1, 2, 3, 4, 5], 2), block_hashes([9, 9, 3, 4], 2)
+    assert len(a) == 2 and len(b) == 2 and a[0] != b[0] and a[1] != b[1]  # the same tokens 3, 4 after another prefix
+    assert block_hashes([1, 2, 3, 4, 7], 2) == a and block_hashes([1], 2) == []
+
+
+def computed_tokens(request, tokens):
+    """What a request's run puts in the cache: its prompt and every generated token but the last (never fed back)."""
+    return list(request.prompt) + tokens[:-1]
+
+
+def test_the_prefix_cache_hits_every_block_aligned_prefix_computed_before(small):
+    # Requests one after another (each arrives after the previous finished) in a pool that never evicts: a
+    # request must find exactly the longest run of full blocks of its tokens but the last that an earlier
+    # request computed (the oracle: a set of every block-aligned prefix computed so far).
+    S = 4
+    system = list(range(30, 42))  # 12 tokens: 3 full blocks
+    base = trace(6, 21, prefix=system)
+    requests = [Request(r.name, r.prompt, min(r.max_new_tokens, 10), arrival=60 * i) for i, r in enumerate(base)]
+    first = alone(small, requests[0])
+    follow_up = computed_tokens(requests[0], first) + [first[-1], 7, 8]  # a second turn: the whole first exchange
+    requests += [Request("again", requests[1].prompt, 4, arrival=60 * 6),  # a prompt seen before, whole
+                 Request("turn2", follow_up, 5, arrival=60 * 7),
+                 Request("aligned", system[:8], 3, arrival=60 * 8), Request("aligned2", system[:8], 3, arrival=60 * 9)]
+    results, run = Engine(small, num_blocks=400, block_size=S, token_budget=16).run(requests)
+    seen, hits = set(), {}
+    for r in requests:
+        tokens = list(r.prompt)
+        k = 0
+        while (k + 1) * S <= len(tokens) - 1 and tuple(tokens[:(k + 1) * S]) in seen:
+            k += 1
+        hits[r.name] = k * S
+        done = computed_tokens(r, alone(small, r))
+        seen.update(tuple(done[:j * S]) for j in range(1, len(done) // S + 1))
+    assert {n: res.admissions for n, res in results.items()} == {r.name: [(len(r.prompt), hits[r.name])] for r in requests}
+    assert hits["turn2"] > len(requests[0].prompt)  # it found blocks of generated tokens too
+    assert hits["aligned2"] == 4  # the whole prompt is cached: its last block is computed again, fresh
+    assert run.evictions == 0 and sum(run.computed) == sum(len(r.prompt) - hits[r.name] + r.max_new_tokens - 1
+                                                           for r in requests)
+    for r in requests:
+        assert results[r.name].tokens == alone(small, r), r.name
+
+
+def test_least_recently_freed_blocks_are_evicted_first(small):
+    # Block size 4; each request: a 9-token prompt and 3 new tokens, 11 tokens computed: 3 blocks, 2 of them
+    # full (cached). A pool of 6 holds two requests. A, then B, then C (a new prompt): C's 3 fresh blocks come
+    # from the front of the free list, the never-used blocks first, then the least recently freed, A's.
+    # So D (B's prompt) finds B's 2 blocks, and E (A's prompt) finds nothing.
+    prompts = {n: [i * 10 + k for k in range(9)] for i, n in enumerate("ABC")}
+    prompts.update(D=prompts["B"], E=prompts["A"])
+    requests = [Request(n, p, 3, arrival=30 * i) for i, (n, p) in enumerate(prompts.items())]
+    results, run = Engine(small, num_blocks=6, block_size=4, token_budget=16).run(requests)
+    assert [results[n].admissions[0][1] for n in "ABCDE"] == [0, 0, 0, 8, 0]
+    assert run.evictions == 2 + 2  # C evicts A's 2 cached blocks; E evicts 2 more (its own 3 blocks: 1 never cached)
+    roomy, roomy_run = Engine(small, num_blocks=9, block_size=4, token_budget=16).run(requests)  # room for three
+    assert [roomy[n].admissions[0][1] for n in "ABCDE"] == [0, 0, 0, 8, 8] and roomy_run.evictions < run.evictions
+    for r in requests:
+        assert results[r.name].tokens == roomy[r.name].tokens == alone(small, r), r.name
+
+
+def test_a_preempted_request_finds_its_own_blocks_on_resume(small):
+    S = 4
+    requests = trace(10, 8, gap=0.3)
+    fits = max(math.ceil((len(r.prompt) + r.max_new_tokens) / S) for r in requests)
+    cached, cached_run = Engine(small, num_blocks=fits + 2, block_size=S, token_budget=16).run(requests)
+    plain, plain_run = Engine(small, num_blocks=fits + 2, block_size=S, token_budget=16,
+                              share_prefixes=False).run(requests)
+    resumes = [a for res in cached.values() for a in res.admissions[1:]]
+    assert sum(res.preemptions for res in cached.values()) == len(resumes) > 0
+    assert all(c % S == 0 and c <= n - 1 for n, c in resumes)  # full blocks, within the tokens but the last
+    assert sum(c for _, c in resumes) > 0 and sum(cached_run.computed) < sum(plain_run.computed)
+    assert all(c == 0 for res in plain.values() for _, c in res.admissions)
+    for r in requests:
+        assert cached[r.name].tokens == plain[r.name].tokens == alone(small, r), r.name
 
 
 def test_every_block_goes_back_to_the_free_list(small):
@@ -272,7 +357,7 @@ def test_scheduler_changes_neither_list():
 @pytest.mark.parametrize("block_size", [1, 2, 4])
 def test_no_write_lands_in_a_shared_block_when_a_whole_prompt_is_shared(small, block_size, monkeypatch):
     # Two identical prompts, the second arriving once the first has cached its prompt: the second shares every
-    # prompt block and recomputes its last prompt token, which must go into a copy (copy-on-write), whatever
+    # prompt block but the last, which it computes again into a fresh block (as vLLM does), whatever
     # block_size (with block_size 1 the block to write is a full one, not a partly filled last block).
     import course_lib.serving as serving
     written = []
@@ -387,3 +472,26 @@ def test_static_batching_reserving_the_context_holds_context_slots_per_row(small
     assert oracle_run.prefill == [3 * width(first)] + [0] * (steps(first) - 1) + [2 * width(second)] + [0] * (steps(second) - 1)
     with pytest.raises(ValueError, match='reserve must be "oracle"'):
         static_batching(small, requests, 3, reserve="max")
+
+
+# ---------------------------------------------------------------------------------------------------- load: what a run gave its users
+
+
+def test_serving_stats_counts_steps_and_quantiles_by_hand():
+    from course_lib.serving import Result, Trace, serving_stats
+
+    # three requests: arrive at 0, 0, 4; first tokens at 1, 3, 4; last at 3 (3 tokens), 3 (1 token), 8 (5 tokens)
+    results = {"a": Result("a", tokens=[1, 2, 3], arrival_step=0, first_token_step=1, finish_step=3,
+                           token_times=[0.1, 0.2, 0.3]),
+               "b": Result("b", tokens=[4], arrival_step=0, first_token_step=3, finish_step=3, token_times=[0.5]),
+               "c": Result("c", tokens=[5] * 5, arrival_step=4, first_token_step=4, finish_step=8,
+                           arrival_time=0.4, token_times=[0.6, 0.7, 0.8, 0.9, 1.0]),
+               "x": Result("x", error="rejected")}
+    trace = Trace(computed=[9, 2, 3, 7, 1, 1, 2, 2], clock=[0, 1, 2, 3, 5, 6, 7, 8], steps=9, seconds=2.0)  # step 4 idle
+    stats = serving_stats(results, trace)
+    assert stats["requests"] == 3 and stats["tokens"] == 9 and stats["tokens_per_step"] == 1.0 and stats["tokens_per_s"] == 4.5
+    assert (stats["ttft_steps_p50"], stats["ttft_steps_p95"]) == (1, 3)  # 1, 3, 0: median 1, nearest-rank p95 3
+    assert (stats["tpot_steps_p50"], stats["tpot_steps_p95"]) == (1.0, 1.0)  # a: 2 steps / 2; c: 4 / 4
+    # a's steps 2, 3 compute 3 and 7 (median 5); c's steps 5..8 compute 1, 1, 2, 2 (median 1.5)
+    assert (stats["step_tokens_p50"], stats["step_tokens_p95"]) == (1.5, 5)
+    assert stats["ttft_s_p50"] == pytest.approx(0.2) and stats["tpot_s_p95"] == pytest.approx(0.1)

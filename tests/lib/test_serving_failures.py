@@ -48,7 +48,8 @@ def pools(monkeypatch):
 
 def assert_all_blocks_back(cache):
     assert sorted(cache.free) == list(range(cache.num_blocks)), f"{cache.num_blocks - len(cache.free)} blocks held"
-    assert not any(cache.refs) and not cache.prefix and not cache.key_of
+    assert not any(cache.refs)  # blocks stay cached on the free list (prefix caching), each under its own hash
+    assert all(cache.cached[h] == block for block, (h, _, _) in cache.hash_of.items()) and len(cache.cached) == len(cache.hash_of)
 
 
 @contextlib.contextmanager
@@ -87,7 +88,7 @@ def expected(model, request) -> list:
 
 
 def batch():
-    """Eight requests of at most 31 tokens, a shared 8-token prefix (prefix sharing, copy-on-write), some sampled, arrivals 0..4."""
+    """Eight requests of at most 31 tokens, a shared 8-token prefix (the prefix cache), some sampled, arrivals 0..4."""
     requests = make_trace(8, 3, context=31, vocab=list(range(V)), prompt_range=(1, 10), output_median=6,
                           mean_gap=0.6, prefix=PREFIX)  # 31 tokens at most: contexts <= 30
     for i, r in enumerate(requests[::3]):
@@ -265,8 +266,6 @@ def test_a_batched_pass_that_raises_though_every_chunk_alone_succeeds_is_an_engi
 def test_leaked_blocks_stop_the_engine_with_an_error_instead_of_a_hang(small, pools, monkeypatch):
     def leaking_release(self, block):  # planted: at the last reference, forgets to put the block on the free list
         self.refs[block] -= 1
-        if self.refs[block] == 0 and block in self.key_of:
-            del self.prefix[self.key_of.pop(block)]
     monkeypatch.setattr(serving.PagedKVCache, "release", leaking_release)
     requests = [Request(f"q{i}", [i + 1] * 6, 6, arrival=2 * i) for i in range(6)]  # 3 blocks each, one after another
     with deadline(20), pytest.raises(RuntimeError, match="the engine made no progress at step") as info:
