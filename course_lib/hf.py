@@ -123,9 +123,9 @@ def llama_to_hf(model):
     model.config.rope_layout) gives model's config and weights back exactly. model itself is left unchanged.
     The parameter names are the same on both sides (the list at the top of course_lib/llama.py).
     """
-    import transformers
+    import transformers  # here rather than at the top: it takes seconds to import
 
-    c = model.config
+    c = model.config  # ours, course_lib.llama.LlamaConfig
     sizes = dict(vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate_size,
                  num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
                  head_dim=c.head_dim, max_position_embeddings=c.block_size, rms_norm_eps=c.eps,
