@@ -116,16 +116,16 @@ def from_hf(hf_model) -> GPT:
 def llama_to_hf(model):
     """Our Llama -> Hugging Face's model with the same weights and the same function, in eval mode.
 
-    model: a course_lib.llama.Llama (float32), either rope_layout, any n_kv_head, with or without a window.
+    model: our Llama (float32), either rope_layout, any n_kv_head, with or without a window.
     Returns a LlamaForCausalLM, or a MistralForCausalLM with sliding_window = W when model.config.window = W,
     built from a configuration (nothing downloaded), with its own (untied) lm_head. Its logits equal model's on
     any input within 1e-5 (float32), whatever the layout, n_kv_head, eps and rope_base; llama_from_hf(result,
     model.config.rope_layout) gives model's config and weights back exactly. model itself is left unchanged.
-    The parameter names are the same on both sides (the list at the top of course_lib/llama.py).
+    The parameter names are the same on both sides.
     """
     import transformers  # here rather than at the top: it takes seconds to import
 
-    c = model.config  # ours, course_lib.llama.LlamaConfig
+    c = model.config  # ours: sizes, eps, rope_base, layout, window
     sizes = dict(vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate_size,
                  num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
                  head_dim=c.head_dim, max_position_embeddings=c.block_size, rms_norm_eps=c.eps,
@@ -150,7 +150,7 @@ def llama_from_hf(hf_model, rope_layout="half"):
     """Hugging Face's LlamaForCausalLM or MistralForCausalLM -> our Llama with the same weights and function, eval mode.
 
     hf_model: float32, built from a configuration or loaded from a checkpoint. rope_layout: "half" (Hugging Face's
-    pairing) or "interleaved" (chapter 02's). Returns a course_lib.llama.Llama with that rope_layout whose config
+    pairing) or "interleaved" (chapter 02's). Returns our Llama with that rope_layout whose config
     holds hf_model's sizes, num_key_value_heads, intermediate_size, max_position_embeddings (as block_size),
     rms_norm_eps (as eps), rope_theta (as rope_base) and sliding_window (as window; None for full attention), and
     whose logits equal hf_model's within 1e-5; llama_to_hf of it gives hf_model's weights back exactly. A tied
