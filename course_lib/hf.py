@@ -109,72 +109,77 @@ def from_hf(hf_model) -> GPT:
 # can be the RoPE layout: Hugging Face pairs feature i with i + Dh/2 ("half"); a model of ours built with
 # rope_layout="interleaved" pairs 2i with 2i + 1, and converts by permuting the rows of every W_q and W_k
 # within each head (``rope_to_half``; back: ``rope_to_interleaved``). A model with a sliding window converts
-# to MistralForCausalLM (``sliding_window=W``), one without to LlamaForCausalLM.
+# to MistralForCausalLM (``sliding_window=W``), one without to LlamaForCausalLM. Both functions are the
+# reference solution of chapter 11's fifth exercise, the conversion both ways.
 
 
-def llama_hf_config(config: LlamaConfig):
-    """The LlamaConfig (MistralConfig if config.window) of Hugging Face with our sizes: no biases, untied head,
-    no dropout, no special tokens (so that generate never stops early)."""
-    transformers = _transformers()
-    common = dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.intermediate_size,
-                  num_hidden_layers=config.n_layer, num_attention_heads=config.n_head, num_key_value_heads=config.n_kv_head,
-                  head_dim=config.head_dim, max_position_embeddings=config.block_size, rms_norm_eps=config.eps,
-                  rope_parameters={"rope_type": "default", "rope_theta": config.rope_base}, hidden_act="silu",
-                  attention_dropout=0.0, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    if config.window is not None:
-        return transformers.MistralConfig(sliding_window=config.window, **common)
-    return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+def llama_to_hf(model):
+    """Our Llama -> Hugging Face's model with the same weights and the same function, in eval mode.
 
+    model: our Llama (float32), either rope_layout, any n_kv_head, with or without a window.
+    Returns a LlamaForCausalLM, or a MistralForCausalLM with sliding_window = W when model.config.window = W,
+    built from a configuration (nothing downloaded), with its own (untied) lm_head. Its logits equal model's on
+    any input within 1e-5 (float32), whatever the layout, n_kv_head, eps and rope_base; llama_from_hf(result,
+    model.config.rope_layout) gives model's config and weights back exactly. model itself is left unchanged.
+    The parameter names are the same on both sides.
+    """
+    import transformers  # here rather than at the top: it takes seconds to import
 
-def _rope_rows(state: dict, config: LlamaConfig, permute) -> dict:
-    """A copy of the state dict with permute(weight, heads) applied to every W_q (H heads) and W_k (H_kv heads)."""
-    out = {}
-    for name, value in state.items():
-        if name.endswith("self_attn.q_proj.weight"):
-            value = permute(value, config.n_head)
-        elif name.endswith("self_attn.k_proj.weight"):
-            value = permute(value, config.n_kv_head)
-        out[name] = value.clone()
-    return out
-
-
-def llama_to_hf(model: Llama):
-    """A LlamaForCausalLM (MistralForCausalLM if the model has a window), eval mode, with our weights; its logits equal ours."""
-    transformers = _transformers()
-    config = model.config
-    hf_config = llama_hf_config(config)
-    hf_class = transformers.MistralForCausalLM if config.window is not None else transformers.LlamaForCausalLM
-    hf_model = hf_class(hf_config)
-    state = model.state_dict()
-    if config.rope_layout == "interleaved":
-        state = _rope_rows(state, config, rope_to_half)
-    _copy_into(hf_model.state_dict(), state, "Hugging Face's model")
+    c = model.config  # ours: sizes, eps, rope_base, layout, window
+    sizes = dict(vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate_size,
+                 num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
+                 head_dim=c.head_dim, max_position_embeddings=c.block_size, rms_norm_eps=c.eps,
+                 rope_parameters={"rope_type": "default", "rope_theta": c.rope_base}, hidden_act="silu",
+                 tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if c.window is None:
+        hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **sizes))
+    else:
+        hf_model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=c.window, **sizes))
+    state = {}
+    for name, weight in model.state_dict().items():
+        if c.rope_layout == "interleaved" and name.endswith("self_attn.q_proj.weight"):
+            weight = rope_to_half(weight, c.n_head)  # rotated features: pairs (2i, 2i + 1) -> (i, i + Dh/2)
+        elif c.rope_layout == "interleaved" and name.endswith("self_attn.k_proj.weight"):
+            weight = rope_to_half(weight, c.n_kv_head)  # W_k has H_kv heads, not H
+        state[name] = weight
+    hf_model.load_state_dict(state)  # strict: the same names and shapes on both sides, or an error
     return hf_model.eval()
 
 
-def llama_from_hf(hf_model, rope_layout: str = "half") -> Llama:
-    """Our Llama (eval mode) with the weights of a LlamaForCausalLM or MistralForCausalLM with default RoPE, SiLU,
-    no biases and an untied head; rope_layout "interleaved" permutes W_q and W_k for chapter 02's RoPE."""
+def llama_from_hf(hf_model, rope_layout="half"):
+    """Hugging Face's LlamaForCausalLM or MistralForCausalLM -> our Llama with the same weights and function, eval mode.
+
+    hf_model: float32, built from a configuration or loaded from a checkpoint. rope_layout: "half" (Hugging Face's
+    pairing) or "interleaved" (chapter 02's). Returns our Llama with that rope_layout whose config
+    holds hf_model's sizes, num_key_value_heads, intermediate_size, max_position_embeddings (as block_size),
+    rms_norm_eps (as eps), rope_theta (as rope_base) and sliding_window (as window; None for full attention), and
+    whose logits equal hf_model's within 1e-5; llama_to_hf of it gives hf_model's weights back exactly. A tied
+    head (tie_word_embeddings=True) converts too: our lm_head is a copy of the embedding. hf_model is unchanged.
+    Raises ValueError, naming the setting, for what our Llama cannot represent: a rope_type other than "default"
+    (scaled RoPE), a hidden_act other than "silu", biases (attention_bias or mlp_bias), or head_dim *
+    num_attention_heads != hidden_size.
+    """
     c = hf_model.config
-    rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"hf_model must use the default RoPE (no scaling), got rope_type={rope.get('rope_type')!r}")
+    if c.rope_parameters["rope_type"] != "default":
+        raise ValueError(f"hf_model must use RoPE without scaling (rope_type 'default'), got {c.rope_parameters['rope_type']!r}")
     if c.hidden_act != "silu":
         raise ValueError(f"hf_model.config.hidden_act must be 'silu' (SwiGLU), got {c.hidden_act!r}")
     if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
-        raise ValueError("hf_model must have no biases (attention_bias=False, mlp_bias=False)")
-    if c.tie_word_embeddings:
-        raise ValueError("hf_model's lm_head must be untied (tie_word_embeddings=False)")
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    if head_dim * c.num_attention_heads != c.hidden_size:
-        raise ValueError(f"hf_model's head_dim x heads must equal hidden_size, got {head_dim} x {c.num_attention_heads}")
+        raise ValueError("hf_model must have no biases: attention_bias and mlp_bias must be False")
+    if c.head_dim * c.num_attention_heads != c.hidden_size:
+        raise ValueError(f"hf_model.config.head_dim x num_attention_heads must equal hidden_size = {c.hidden_size}, "
+                         f"got {c.head_dim} x {c.num_attention_heads}")
     config = LlamaConfig(vocab_size=c.vocab_size, block_size=c.max_position_embeddings, n_layer=c.num_hidden_layers,
                          n_head=c.num_attention_heads, n_embd=c.hidden_size, n_kv_head=c.num_key_value_heads,
-                         intermediate_size=c.intermediate_size, rope_base=float(rope["rope_theta"]), eps=c.rms_norm_eps,
-                         window=getattr(c, "sliding_window", None), rope_layout=rope_layout)
+                         intermediate_size=c.intermediate_size, rope_base=float(c.rope_parameters["rope_theta"]),
+                         eps=c.rms_norm_eps, window=getattr(c, "sliding_window", None), rope_layout=rope_layout)
+    state = {}
+    for name, weight in hf_model.state_dict().items():
+        if rope_layout == "interleaved" and name.endswith("self_attn.q_proj.weight"):
+            weight = rope_to_interleaved(weight, config.n_head)
+        elif rope_layout == "interleaved" and name.endswith("self_attn.k_proj.weight"):
+            weight = rope_to_interleaved(weight, config.n_kv_head)
+        state[name] = weight
     model = Llama(config)
-    state = hf_model.state_dict()
-    if rope_layout == "interleaved":
-        state = _rope_rows(state, config, rope_to_interleaved)
     model.load_state_dict(state)
     return model.eval()

@@ -1,15 +1,17 @@
 """Visible checks of chapter 11 (from GPT-2 to Llama), and the independent oracles they compare against.
 
-Oracles: float64 formulas written out here (the root mean square, SiLU as x * sigmoid(x)), and the row order
-of the RoPE permutation spelled out index by index; never course_lib's reference solutions.
+Oracles: float64 formulas written out here (the root mean square, SiLU as x * sigmoid(x)), the row order of the
+RoPE permutation spelled out index by index, and (exercise 5, the conversion) Hugging Face's LlamaForCausalLM and
+MistralForCausalLM built from their own configurations; never course_lib's reference solutions.
 """
 from __future__ import annotations
 
 import torch
 
-from .core import assert_shape, assert_tensor, call_learner, fail, passed
+from .core import assert_close, assert_shape, assert_tensor, call_learner, fail, passed
 
-__all__ = ["check_rms_norm", "check_swiglu", "check_rope_to_half", "check_expand_kv_heads", "rms_norm_oracle", "swiglu_oracle", "half_rows"]
+__all__ = ["check_rms_norm", "check_swiglu", "check_rope_to_half", "check_expand_kv_heads", "check_llama_conversion",
+           "rms_norm_oracle", "swiglu_oracle", "half_rows"]
 
 
 def rms_norm_oracle(x, weight, eps):
@@ -172,3 +174,173 @@ def check_expand_kv_heads(expand_kv_heads) -> None:
     if not torch.equal(expand_kv_heads(kv, 1), kv):
         fail("expand_kv_heads(kv, 1) should return the heads unchanged (multi-head attention: one key/value head per query head)")
     passed("expand_kv_heads")
+
+
+# ----------------------------------------------------------------------------- exercise 5: the conversion both ways
+
+_SIZES = dict(vocab_size=37, n_layer=2, n_head=4, n_embd=32, n_kv_head=2, intermediate_size=48)  # Dh = 8, two query heads per key/value head
+_EPS, _THETA = 1e-3, 500.0  # far from both defaults (ours 1e-5 and 10,000; Hugging Face's 1e-6 and 10,000)
+_ATTN = "model.layers.0.self_attn."
+
+
+def _random_gains(model):
+    """Norm gains away from 1 (their init), so that a norm copied to the wrong place shows in the logits."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.copy_(torch.rand_like(parameter) + 0.5)
+    return model.eval()
+
+
+def _hf_llama(transformers, window=None, n_layer=2):
+    """Hugging Face's model of the check's sizes, built from its own configuration (the oracle for llama_from_hf)."""
+    sizes = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=n_layer, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=16, rms_norm_eps=_EPS,
+                 rope_parameters={"rope_type": "default", "rope_theta": _THETA}, tie_word_embeddings=False)
+    if window is None:
+        return _random_gains(transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)))
+    return _random_gains(transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=window, **sizes)))
+
+
+def _snapshot(model) -> dict:
+    return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+def _unchanged(model, before: dict, who: str) -> None:
+    for name, value in model.state_dict().items():
+        if not torch.equal(value, before[name]):
+            fail(f"{who} changed the model it was given ({name}): permute and copy new tensors, and leave the "
+                 "model you were handed as it was")
+
+
+def _compare_logits(got_model, expected_model, name: str) -> None:
+    idx = torch.randint(0, _SIZES["vocab_size"], (2, 12))  # 12 tokens: longer than the window of 4 below
+    with torch.no_grad():
+        got, expected = got_model(idx), expected_model(idx)
+    got, expected = (out.logits if hasattr(out, "logits") else out[0] for out in (got, expected))
+    assert_close(got, expected, name)
+
+
+def _diagnose_rows(q, k, v, original_q, original_k, original_v, who: str, permute: str) -> None:
+    """Name the classic mistakes of the W_q, W_k, W_v rows, given the converted and the original matrices of layer 0.
+    Expected: q = original_q[half_rows(H, Dh)] and k = original_k[half_rows(H_kv, Dh)] (to the half layout), v unchanged."""
+    H, H_kv, Dh = _SIZES["n_head"], _SIZES["n_kv_head"], _SIZES["n_embd"] // _SIZES["n_head"]
+    if torch.equal(q, original_q) and torch.equal(k, original_k):
+        fail(f"{who} copies W_q and W_k without the permutation: the interleaved layout rotates the feature pairs "
+             f"(2i, 2i + 1), Hugging Face's the pairs (i, i + Dh/2). The rows of W_q and W_k must be permuted within "
+             f"each head ({permute}); without it nothing fails loudly, the logits are just wrong")
+    if torch.equal(v, original_v[half_rows(H_kv, Dh)]) or torch.equal(original_v, v[half_rows(H_kv, Dh)]):
+        fail(f"{who} permutes the rows of W_v too: RoPE rotates queries and keys only, and the values (like W_o and "
+             "the MLP) are copied as they are")
+    if torch.equal(q, original_q):
+        fail(f"{who} permutes W_k but not W_q: both are rotated, so both need the permutation ({permute})")
+    if torch.equal(k, original_k):
+        fail(f"{who} permutes W_q but not W_k: both are rotated, so both need the permutation ({permute}), "
+             "W_k with n_kv_head heads")
+    wrong_heads = half_rows(H, H_kv * Dh // H)  # W_k's rows cut into n_head "heads" of H_kv Dh / H rows
+    if torch.equal(k, original_k[wrong_heads]) or torch.equal(original_k, k[wrong_heads]):
+        fail(f"{who} permutes W_k as if it had n_head = {H} heads: W_k has n_kv_head = {H_kv} heads of Dh = {Dh} rows "
+             f"(grouped-query attention), so its permutation works head by head over {H_kv} heads")
+
+
+def _check_to_hf(llama_to_hf, transformers) -> None:
+    from ..llama import Llama, LlamaConfig
+
+    config = LlamaConfig(block_size=16, eps=_EPS, rope_base=_THETA, rope_layout="interleaved", **_SIZES)
+    ours = _random_gains(Llama(config))
+    before = _snapshot(ours)
+    what = (f"llama_to_hf(model) for a model with rope_layout='interleaved', n_head = {config.n_head}, "
+            f"n_kv_head = {config.n_kv_head}, eps = {_EPS}, rope_base = {_THETA:g}")
+    theirs = call_learner(lambda: llama_to_hf(ours), what,
+                          "Hugging Face's configuration must give its model our shapes: hidden_size, intermediate_size, "
+                          "num_attention_heads, num_key_value_heads, vocab_size, num_hidden_layers")
+    if not isinstance(theirs, transformers.LlamaForCausalLM):
+        fail(f"{what} should return a transformers.LlamaForCausalLM, got {type(theirs).__name__}")
+    _unchanged(ours, before, "llama_to_hf")
+    c = theirs.config
+    if c.rms_norm_eps != _EPS:
+        fail(f"{what}: its rms_norm_eps is {c.rms_norm_eps:g}, the model's eps is {_EPS:g}. Pass eps along: the "
+             "defaults differ (ours 1e-5, Hugging Face's 1e-6), and eps changes every norm of the model")
+    theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta")
+    if theta != _THETA:
+        fail(f"{what}: its rope_theta is {theta}, the model's rope_base is {_THETA:g}. Pass it along in "
+             "rope_parameters={'rope_type': 'default', 'rope_theta': ...}: the base sets every rotation's speed")
+    if c.tie_word_embeddings or theirs.lm_head.weight.data_ptr() == theirs.model.embed_tokens.weight.data_ptr():
+        fail(f"{what}: its lm_head is tied to the token embedding (tie_word_embeddings=True). Llama's head is its own "
+             "matrix: tie_word_embeddings=False, and lm_head.weight copied from the model's lm_head")
+    state, mine = theirs.state_dict(), ours.state_dict()
+    _diagnose_rows(*(state[_ATTN + f"{m}_proj.weight"] for m in "qkv"), *(mine[_ATTN + f"{m}_proj.weight"] for m in "qkv"),
+                   "llama_to_hf", "rope_to_half(W_q, n_head), rope_to_half(W_k, n_kv_head)")
+    Dh = config.head_dim
+    for name, value in mine.items():
+        heads = config.n_head if name.endswith("q_proj.weight") else config.n_kv_head if name.endswith("k_proj.weight") else 0
+        expected = value[half_rows(heads, Dh)] if heads else value
+        if name not in state or not torch.equal(state[name], expected):
+            fail(f"{what}: Hugging Face's {name} is not the model's " + ("(its rows permuted within each head)" if heads else "(copied as it is)"))
+    _compare_logits(theirs, ours, f"the logits of {what}")
+
+    windowed = _random_gains(Llama(LlamaConfig(block_size=16, window=4, **{**_SIZES, "n_layer": 1})))
+    theirs = call_learner(lambda: llama_to_hf(windowed), "llama_to_hf(model) for a model with window = 4")
+    if not isinstance(theirs, transformers.MistralForCausalLM) or getattr(theirs.config, "sliding_window", None) != 4:
+        fail(f"llama_to_hf(model) for a model with window = 4 should return a transformers.MistralForCausalLM with "
+             f"sliding_window = 4 (LlamaForCausalLM has no window), got a {type(theirs).__name__} with sliding_window = "
+             f"{getattr(theirs.config, 'sliding_window', None)}")
+    _compare_logits(theirs, windowed, "the logits of llama_to_hf(model) for a model with window = 4, on 12 tokens")
+
+
+def _check_from_hf(llama_from_hf, transformers) -> None:
+    from ..llama import Llama
+
+    theirs = _hf_llama(transformers)
+    before = _snapshot(theirs)
+    for layout in ("interleaved", "half"):
+        what = f"llama_from_hf(hf_model, {layout!r}) for a LlamaForCausalLM with 4 heads, 2 key/value heads"
+        ours = call_learner(lambda: llama_from_hf(theirs, layout), what,
+                            "our LlamaConfig must give the model Hugging Face's shapes: n_embd, n_head, n_kv_head, "
+                            "intermediate_size, vocab_size, n_layer")
+        if not isinstance(ours, Llama):
+            fail(f"{what} should return a course_lib.llama.Llama, got {type(ours).__name__}")
+        _unchanged(theirs, before, "llama_from_hf")
+        expected = dict(rope_layout=layout, eps=_EPS, rope_base=_THETA, n_kv_head=2, block_size=16, window=None)
+        for field, value in expected.items():
+            if getattr(ours.config, field) != value:
+                source = {"rope_layout": "the rope_layout argument", "eps": "rms_norm_eps", "rope_base": "rope_theta",
+                          "n_kv_head": "num_key_value_heads", "block_size": "max_position_embeddings",
+                          "window": "sliding_window (a LlamaForCausalLM has none)"}[field]
+                fail(f"{what}: the model's config.{field} is {getattr(ours.config, field)!r}, expected {value!r}, "
+                     f"from Hugging Face's {source}")
+        if layout == "interleaved":
+            state, hf_state = ours.state_dict(), theirs.state_dict()
+            # read backwards: Hugging Face's rows are ours permuted to the half layout
+            _diagnose_rows(*(hf_state[_ATTN + f"{m}_proj.weight"] for m in "qkv"), *(state[_ATTN + f"{m}_proj.weight"] for m in "qkv"),
+                           "llama_from_hf(hf_model, 'interleaved')", "rope_to_interleaved(W_q, n_head), rope_to_interleaved(W_k, n_kv_head)")
+        _compare_logits(ours, theirs, f"the logits of {what}")
+    mistral = _hf_llama(transformers, window=4, n_layer=1)
+    ours = call_learner(lambda: llama_from_hf(mistral), "llama_from_hf(hf_model) for a MistralForCausalLM with sliding_window = 4")
+    if ours.config.window != 4:
+        fail(f"llama_from_hf(hf_model) for a MistralForCausalLM with sliding_window = 4: the model's config.window is "
+             f"{ours.config.window!r}, expected 4 (Hugging Face's sliding_window)")
+    _compare_logits(ours, mistral, "the logits of llama_from_hf(hf_model) for a MistralForCausalLM with sliding_window = 4, on 12 tokens")
+
+
+def check_llama_conversion(llama_to_hf, llama_from_hf) -> None:
+    """Visible checks for chapter 11, exercise 5: our Llama to Hugging Face's and back, with grouped-query heads,
+    the interleaved RoPE layout, eps and rope_base away from every default, an untied head and a sliding window."""
+    import transformers
+
+    from ..llama import Llama, LlamaConfig
+
+    with torch.random.fork_rng():  # the check's random models leave the notebook's random numbers as they were
+        torch.manual_seed(11)
+        _check_to_hf(llama_to_hf, transformers)
+        _check_from_hf(llama_from_hf, transformers)
+        config = LlamaConfig(block_size=16, eps=_EPS, rope_base=_THETA, rope_layout="interleaved", **_SIZES)
+        ours = _random_gains(Llama(config))
+        back = call_learner(lambda: llama_from_hf(llama_to_hf(ours), "interleaved"), "llama_from_hf(llama_to_hf(model), 'interleaved')")
+        if back.config != config:
+            fail(f"llama_from_hf(llama_to_hf(model), 'interleaved') has config {back.config}, expected the model's {config}")
+        for (name, value), mine in zip(back.state_dict().items(), ours.state_dict().values()):
+            if not torch.equal(value, mine):
+                fail(f"llama_from_hf(llama_to_hf(model), 'interleaved'): {name} is not the model's: the two "
+                     "conversions must undo each other exactly (rope_to_interleaved undoes rope_to_half)")
+    passed("llama_to_hf and llama_from_hf")

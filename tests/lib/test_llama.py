@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib.hf import llama_from_hf, llama_hf_config, llama_to_hf
+from course_lib.hf import llama_from_hf, llama_to_hf
 from course_lib.kv_cache import kv_cache_bytes
 from course_lib.layers import RMSNorm, SwiGLU, rms_norm, swiglu, swiglu_width
 from course_lib.llama import Llama, LlamaConfig, generate_llama, llama_cached_forward, llama_param_count, new_cache
@@ -91,7 +91,9 @@ def test_a_model_from_hugging_face_converts_to_either_layout():
     torch.manual_seed(1)
     import transformers
 
-    theirs = transformers.LlamaForCausalLM(llama_hf_config(small())).eval()
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=48, rms_norm_eps=1e-5)).eval()
     idx = torch.randint(0, 61, (1, 20))
     with torch.no_grad():
         expected = theirs(idx).logits
@@ -100,6 +102,25 @@ def test_a_model_from_hugging_face_converts_to_either_layout():
         wrong = Llama(small(rope_layout="interleaved")).eval()
         wrong.load_state_dict(theirs.state_dict())  # no permutation: the wrong pairing for these weights
         assert (wrong(idx)[0] - expected).abs().max() > 1e-3
+
+
+def test_a_tied_head_converts_and_what_our_llama_cannot_represent_is_refused():
+    import transformers
+
+    sizes = dict(vocab_size=61, hidden_size=32, intermediate_size=88, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=48)
+    torch.manual_seed(3)
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=True, **sizes)).eval()
+    ours = llama_from_hf(tied)
+    idx = torch.randint(0, 61, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], tied(idx).logits, **TOL)
+    assert ours.lm_head.weight.data_ptr() != ours.model.embed_tokens.weight.data_ptr()  # a copy: ours is untied
+    for setting, overrides in [("rope_type", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})),
+                               ("hidden_act", dict(hidden_act="gelu")), ("bias", dict(attention_bias=True)),
+                               ("bias", dict(mlp_bias=True)), ("head_dim", dict(head_dim=16))]:
+        with pytest.raises(ValueError, match=setting):
+            llama_from_hf(transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**sizes, **overrides})))
 
 
 @pytest.mark.parametrize("window", [None, 5])

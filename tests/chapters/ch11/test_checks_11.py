@@ -1,11 +1,13 @@
 """Chapter 11's learner-facing checks: the reference and correct alternatives pass; each classic bug gets a specific message."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib import checks
+from course_lib import checks, hf
 from course_lib.layers import swiglu
 from course_lib.positional import rope_to_half
 
@@ -140,3 +142,66 @@ def unchanged(weight, n_heads):
 def test_classic_bugs_get_specific_messages(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):
         check(buggy)
+
+
+# ----------------------------------------------------------------------------- exercise 5: the conversion both ways
+
+
+def mutated(function, *replacements):
+    """The course_lib.hf function with each (old, new) replacement applied to its source, defined in its module's namespace."""
+    source = inspect.getsource(function)
+    for old, new in replacements:
+        assert old in source, f"{old!r} is no longer in {function.__name__}"
+        source = source.replace(old, new)
+    namespace = dict(vars(hf))
+    exec(source, namespace)  # noqa: S102 - the course's own code, with one planted bug
+    return namespace[function.__name__]
+
+
+TO, FROM = hf.llama_to_hf, hf.llama_from_hf
+TO_Q, TO_K = "weight = rope_to_half(weight, c.n_head)", "weight = rope_to_half(weight, c.n_kv_head)"
+FROM_Q, FROM_K = "weight = rope_to_interleaved(weight, config.n_head)", "weight = rope_to_interleaved(weight, config.n_kv_head)"
+V_TOO = ('name.endswith("self_attn.k_proj.weight")', 'name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight"))')
+
+
+def to_hf_in_place(model):
+    """Permutes our model's own W_q and W_k rows in place, then converts it as a half-layout model would be."""
+    c = model.config
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.copy_(rope_to_half(layer.self_attn.q_proj.weight, c.n_head))
+            layer.self_attn.k_proj.weight.copy_(rope_to_half(layer.self_attn.k_proj.weight, c.n_kv_head))
+    c.rope_layout = "half"
+    try:
+        return TO(model)
+    finally:
+        c.rope_layout = "interleaved"
+
+
+def test_the_course_conversion_passes_and_each_half_is_judged_with_the_others():
+    checks.check_llama_conversion(TO, FROM)
+
+
+@pytest.mark.parametrize("to_hf,from_hf,message", [
+    (mutated(TO, (TO_Q, "weight = weight"), (TO_K, "weight = weight")), FROM,
+     r"llama_to_hf copies W_q and W_k without the permutation"),
+    (mutated(TO, (TO_K, "weight = weight")), FROM, r"llama_to_hf permutes W_q but not W_k"),
+    (mutated(TO, V_TOO), FROM, r"llama_to_hf permutes the rows of W_v too"),
+    (mutated(TO, (TO_K, "weight = rope_to_half(weight, c.n_head)")), FROM, r"llama_to_hf permutes W_k as if it had n_head = 4 heads"),
+    (mutated(TO, ("tie_word_embeddings=False", "tie_word_embeddings=True")), FROM, r"its lm_head is tied to the token embedding"),
+    (mutated(TO, ("rms_norm_eps=c.eps,", "")), FROM, r"its rms_norm_eps is 1e-06, the model's eps is 0.001"),
+    (mutated(TO, ('rope_parameters={"rope_type": "default", "rope_theta": c.rope_base}, ', "")), FROM, r"its rope_theta is 10000"),
+    (mutated(TO, ("if c.window is None:", "if True:")), FROM, r"window = 4 should return a transformers.MistralForCausalLM"),
+    (to_hf_in_place, FROM, r"llama_to_hf changed the model it was given"),
+    (TO, mutated(FROM, (FROM_Q, "weight = weight"), (FROM_K, "weight = weight")),
+     r"llama_from_hf\(hf_model, 'interleaved'\) copies W_q and W_k without the permutation"),
+    (TO, mutated(FROM, V_TOO), r"llama_from_hf\(hf_model, 'interleaved'\) permutes the rows of W_v too"),
+    (TO, mutated(FROM, (FROM_K, "weight = rope_to_interleaved(weight, config.n_head)")),
+     r"llama_from_hf\(hf_model, 'interleaved'\) permutes W_k as if it had n_head = 4 heads"),
+    (TO, mutated(FROM, ("rope_layout=rope_layout)", "rope_layout=\"half\")")), r"config.rope_layout is 'half', expected 'interleaved'"),
+    (TO, mutated(FROM, ("eps=c.rms_norm_eps, ", "")), r"config.eps is 1e-05, expected 0.001, from Hugging Face's rms_norm_eps"),
+    (TO, mutated(FROM, ('window=getattr(c, "sliding_window", None)', "window=None")), r"config.window is None, expected 4"),
+])
+def test_conversion_bugs_get_specific_messages(to_hf, from_hf, message):
+    with pytest.raises(checks.CheckFailed, match=message):
+        checks.check_llama_conversion(to_hf, from_hf)
