@@ -66,14 +66,14 @@ def _hf_chunks(text: str) -> list[bytes]:
 
 
 def hf_trainer_oracle(text: str, vocab_size: int, order: str = "hf") -> tuple[dict, dict]:
-    """(merges {(a, b): new_id}, vocab {id: bytes}) that Hugging Face's BpeTrainer learns from text, in OUR ids
-    (bytes 0..255, then 256, 257, ... in the order learned): the chunks of its ByteLevel pre-tokenizer, each byte
-    written as one character, all 256 in the alphabet, no special tokens.
+    """What Hugging Face's BpeTrainer learns from text: merges {(a, b): new_id} in OUR ids (bytes 0..255, then 256,
+    257, ... in the order learned), and its vocabulary {id: bytes} in ITS ids. It trains on the chunks of its
+    ByteLevel pre-tokenizer, each byte written as one character, all 256 in the alphabet, no special tokens.
 
-    order="hf": the bytes written as ByteLevel writes them, so a tie in the count goes to the smallest pair in
-    Hugging Face's own numbering of the bytes (what ``train_hf_bpe`` learns); order="bytes": byte b written as
-    chr(256 + b), so that its alphabet, sorted by character, numbers the bytes 0..255 as we do and its tie rule
-    (the smallest pair of its ids) is ours."""
+    order="hf": the bytes written as ByteLevel writes them, so its ids number the bytes in the order of those
+    characters and a tie in the count goes to the smallest pair in that numbering (what ``train_hf_bpe`` learns);
+    order="bytes": byte b written as chr(256 + b), so that its alphabet, sorted by character, numbers the bytes
+    0..255 as we do: its ids are ours, and its tie rule (the smallest pair of its ids) is ours."""
     import json
 
     from tokenizers import Tokenizer, models, trainers
@@ -261,7 +261,7 @@ def check_train_bpe(train_bpe) -> None:
 
 
 def check_bpe_encode(bpe_encode) -> None:
-    """Visible checks for chapter 09, exercise 2: bytes, rank order, chunk boundaries, Hugging Face parity."""
+    """Visible checks for chapter 09, exercise 3: bytes, rank order, chunk boundaries, Hugging Face parity."""
     got = _as_ids(bpe_encode("héllo", {}), "bpe_encode", "no merges")
     if got != list("héllo".encode("utf-8")):
         fail(f"with no merges, bpe_encode('héllo', {{}}) must return the UTF-8 bytes {list('héllo'.encode('utf-8'))}, "
@@ -306,7 +306,7 @@ def check_bpe_encode(bpe_encode) -> None:
 
 
 def check_bpe_decode(bpe_decode) -> None:
-    """Visible checks for chapter 09, exercise 3: bytes joined, then decoded; characters split over tokens."""
+    """Visible checks for chapter 09, exercise 4: bytes joined, then decoded; characters split over tokens."""
     merges = {(104, 105): 256, (256, 33): 257, (0xC3, 0xA9): 258, (0xE6, 0x97): 259}
     vocab = vocab_oracle(merges)
     for ids, expected in (([104, 105], "hi"), ([257], "hi!"), ([256, 32, 258], "hi é"), ([], "")):
