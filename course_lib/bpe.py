@@ -90,34 +90,37 @@ def train_bpe(text: str, vocab_size: int) -> dict:
     chunks = Counter(pretokenize(text))  # the word-frequency dict: each distinct chunk once, with its count
     words = [list(chunk.encode("utf-8")) for chunk in chunks]
     freqs = list(chunks.values())
-    counts = {}
-    where = {}  # pair -> indices of the words that hold it
+    counts: dict = {}
+    where: dict = {}  # pair -> indices of the words that hold it
     for w, (ids, freq) in enumerate(zip(words, freqs)):
         count_pairs(ids, counts, freq)
         for pair in zip(ids, ids[1:]):
             where.setdefault(pair, set()).add(w)
     heap = [(-n, pair) for pair, n in counts.items()]  # popped first: the highest count, then the smallest pair
     heapq.heapify(heap)
-    merges = {}
-    while len(merges) < vocab_size - 256 and heap:
-        negative, pair = heapq.heappop(heap)
-        if counts.get(pair, 0) != -negative:  # a stale entry: the count changed since it was pushed
-            if counts.get(pair, 0) > 0:
-                heapq.heappush(heap, (-counts[pair], pair))  # back in, with its current count
-            continue
+
+    def most_frequent():
+        while heap:
+            negative, pair = heapq.heappop(heap)
+            if counts.get(pair, 0) == -negative:  # else stale: the pair was pushed again when its count changed
+                return pair
+        return None
+
+    merges: dict = {}
+    while len(merges) < vocab_size - 256 and (pair := most_frequent()) is not None:
         new_id = 256 + len(merges)
         merges[pair] = new_id
         changed = set()
         for w in where.pop(pair):  # only the words that hold the pair change
             ids, freq = words[w], freqs[w]
+            changed.update(zip(ids, ids[1:]))
             count_pairs(ids, counts, -freq)  # take the word's pairs out, merge, put its new pairs in
             words[w] = ids = bpe_merge(ids, pair, new_id)
             count_pairs(ids, counts, freq)
             for p in zip(ids, ids[1:]):
                 where.setdefault(p, set()).add(w)
                 changed.add(p)
-        counts.pop(pair, None)
-        for p in changed:
+        for p in changed:  # every pair whose count changed, back in with its current count
             if counts.get(p, 0) > 0:
                 heapq.heappush(heap, (-counts[p], p))
     return merges
