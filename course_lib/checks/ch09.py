@@ -1,8 +1,9 @@
 """Visible checks of chapter 09 (byte-level BPE), and the independent oracles they compare against.
 
 Oracles: Python's own ``str.replace`` for a merge (non-overlapping, left to right, on ids written as
-characters), Hugging Face ``tokenizers``' BPE model given the same merges for encoding, and the original
-text for decoding; never course_lib.bpe's reference solutions.
+characters), Hugging Face ``tokenizers``' BpeTrainer shown the bytes in our order for training (merge for merge;
+a from-scratch recount of the pairs names the first difference's cause), its BPE model given the same merges for
+encoding, and the original text for decoding; never course_lib.bpe's reference solutions.
 """
 from __future__ import annotations
 
