@@ -1,15 +1,16 @@
 """Visible checks of chapter 09 (byte-level BPE), and the independent oracles they compare against.
 
 Oracles: Python's own ``str.replace`` for a merge (non-overlapping, left to right, on ids written as
-characters), Hugging Face ``tokenizers``' BPE model given the same merges for encoding, and the original
-text for decoding; never course_lib.bpe's reference solutions.
+characters), Hugging Face ``tokenizers``' BpeTrainer shown the bytes in our order for training (merge for merge;
+a from-scratch recount of the pairs names the first difference's cause), its BPE model given the same merges for
+encoding, and the original text for decoding; never course_lib.bpe's reference solutions.
 """
 from __future__ import annotations
 
-from .core import fail, passed
+from .core import call_learner, fail, passed
 
-__all__ = ["check_bpe_merge", "check_bpe_encode", "check_bpe_decode", "merge_oracle", "hf_encode_oracle",
-           "hf_trained_merges", "vocab_oracle"]
+__all__ = ["check_bpe_merge", "check_train_bpe", "check_bpe_encode", "check_bpe_decode", "merge_oracle", "hf_encode_oracle",
+           "hf_trained_merges", "hf_trainer_oracle", "vocab_oracle", "compare_training"]
 
 _OFFSET = 0x10000  # ids written as characters from U+10000 on, so that any id < 0xFFFFF is one character
 
@@ -56,25 +57,49 @@ def hf_encode_oracle(text: str, merges: dict) -> list[int]:
     return tokenizer.encode(text).ids
 
 
-def hf_trained_merges(text: str, vocab_size: int) -> dict:
-    """Merges {(a, b): new_id} (our ids: bytes 0..255, then 256, 257, ... in order) learned by Hugging Face's
-    BpeTrainer on text with byte-level pre-tokenization."""
+def _hf_chunks(text: str) -> list[bytes]:
+    """The chunks of text as Hugging Face's ByteLevel pre-tokenizer (GPT-2's pattern, no prefix space) cuts them."""
+    from tokenizers import pre_tokenizers
+
+    byte_of = {c: b for b, c in _byte_level_chars().items()}
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return [bytes(byte_of[c] for c in chunk) for chunk, _ in pre.pre_tokenize_str(text)]
+
+
+def hf_trainer_oracle(text: str, vocab_size: int, order: str = "hf") -> tuple[dict, dict]:
+    """What Hugging Face's BpeTrainer learns from text: merges {(a, b): new_id} in OUR ids (bytes 0..255, then 256,
+    257, ... in the order learned), and its vocabulary {id: bytes} in ITS ids. It trains on the chunks of its
+    ByteLevel pre-tokenizer, each byte written as one character, all 256 in the alphabet, no special tokens.
+
+    order="hf": the bytes written as ByteLevel writes them, so its ids number the bytes in the order of those
+    characters and a tie in the count goes to the smallest pair in that numbering (what ``train_hf_bpe`` learns);
+    order="bytes": byte b written as chr(256 + b), so that its alphabet, sorted by character, numbers the bytes
+    0..255 as we do: its ids are ours, and its tie rule (the smallest pair of its ids) is ours."""
     import json
 
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, models, trainers
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=[],
-                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    byte_of = {c: b for b, c in _byte_level_chars().items()}
+    if order not in ("hf", "bytes"):
+        raise ValueError(f"order must be 'hf' or 'bytes', got {order!r}")
+    chars = _byte_level_chars() if order == "hf" else {b: chr(256 + b) for b in range(256)}
+    byte_of = {c: b for b, c in chars.items()}
+    words = ["".join(chars[b] for b in chunk) for chunk in _hf_chunks(text)]
+    tokenizer = Tokenizer(models.BPE())  # no pre-tokenizer: each string it is given is one word
+    tokenizer.train_from_iterator(words, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=[],
+                                                             initial_alphabet=sorted(chars.values())))
     ids = {bytes([b]): b for b in range(256)}
     merges = {}
     for merge in json.loads(tokenizer.to_str())["model"]["merges"]:
         left, right = merge.split(" ") if isinstance(merge, str) else merge
         a, b = (bytes(byte_of[c] for c in s) for s in (left, right))
         merges[(ids[a], ids[b])] = ids[a + b] = 256 + len(merges)
-    return merges
+    vocab = {i: bytes(byte_of[c] for c in token) for token, i in tokenizer.get_vocab().items()}
+    return merges, vocab
+
+
+def hf_trained_merges(text: str, vocab_size: int, order: str = "hf") -> dict:
+    """The merges of ``hf_trainer_oracle(text, vocab_size, order)``."""
+    return hf_trainer_oracle(text, vocab_size, order)[0]
 
 
 def _call(fn, name, *args):
@@ -124,8 +149,120 @@ def check_bpe_merge(bpe_merge) -> None:
     passed("bpe_merge")
 
 
+def _recount(chunks: list[bytes], merges: list, weighted: bool = True, overlaps: bool = True) -> dict:
+    """Pair counts in chunks once merges [((a, b), new_id), ...] are applied (str.replace): every position of every
+    chunk; with weighted=False each distinct chunk once; with overlaps=False a run "aaa" holds (a, a) once."""
+    counts: dict = {}
+    for chunk in (chunks if weighted else dict.fromkeys(chunks)):
+        ids = list(chunk)
+        for pair, new_id in merges:
+            ids = merge_oracle(ids, pair, new_id)
+        for pair in (zip(ids, ids[1:]) if overlaps else dict.fromkeys(zip(ids, ids[1:]))):
+            counts[pair] = counts.get(pair, 0) + (1 if overlaps else len(ids) - len(merge_oracle(ids, pair, -1)))
+    return counts
+
+
+def _most(counts: dict, pair) -> bool:
+    return counts.get(pair, 0) == max(counts.values(), default=0) > 0
+
+
+def _train_call(text: str, vocab_size: int) -> str:
+    shown = repr(text) if len(text) <= 40 else repr(text[:37]) + "..."
+    return f"train_bpe({shown}, {vocab_size})"
+
+
+def compare_training(train_bpe, text: str, vocab_size: int) -> None:
+    """Fail, naming the first difference and its likely cause, unless train_bpe(text, vocab_size) returns Hugging Face's
+    merges (bytes in our order, ``hf_trainer_oracle``), merge for merge in the order learned, and its vocabulary."""
+    call = _train_call(text, vocab_size)
+    got = call_learner(lambda: train_bpe(text, vocab_size), call, "with no pair left to merge (every chunk one token), "
+                       "training stops early, below vocab_size", errors=(Exception,))
+    if not isinstance(got, dict):
+        fail(f"{call} should return a dict {{(a, b): new_id}}, got {type(got).__name__}")
+    for pair, new_id in got.items():
+        if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(i, int) for i in (*pair, new_id))):
+            fail(f"{call} should map pairs of ids (a, b) to new ids (ints), got {pair!r}: {new_id!r}")
+    expected, hf_vocab = hf_trainer_oracle(text, vocab_size, order="bytes")
+    if list(got.items()) == list(expected.items()):
+        vocab = vocab_oracle(got)
+        if vocab != hf_vocab:  # cannot differ when the merges agree; checked all the same, as the hidden tests do
+            fail(f"{call}: the vocabulary of your merges differs from Hugging Face's")
+        return
+    if list(got.values()) != list(range(256, 256 + len(got))):
+        fail(f"{call}: the new ids should be 256, 257, ... in the order the merges were learned (the dict's order), "
+             f"got {list(got.values())[:8]}")
+    mine, theirs = list(got), list(expected)
+    k = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+    if k == len(theirs):
+        if len(theirs) == vocab_size - 256:
+            fail(f"{call} returned {len(mine)} merges, expected {len(theirs)}: the vocabulary is the 256 bytes plus the "
+                 "merges, so vocab_size - 256 merges")
+        fail(f"{call} returned {len(mine)} merges, expected {len(theirs)}: after those, no chunk has two tokens left, no "
+             "pair to merge: training stops there, below vocab_size")
+    if k == len(mine):
+        fail(f"{call} returned {len(mine)} merges, expected {len(theirs)}: the vocabulary is the 256 bytes plus "
+             "vocab_size - 256 merges (fewer only when no pair is left)")
+    chunks = _hf_chunks(text)
+    before = list(expected.items())[:k]
+    vocab = vocab_oracle(dict(before))
+    counts = _recount(chunks, before)
+    yours, right = mine[k], theirs[k]
+
+    def show(pair):
+        return f"{pair} ({vocab[pair[0]]!r} + {vocab[pair[1]]!r})" if all(i in vocab for i in pair) else str(pair)
+
+    agree, after = ("", "in the text") if k == 0 else (f" merges 0..{k - 1} agree;", f"once merges 0..{k - 1} are applied")
+    head = f"{call}:{agree} merge {k} (new id {256 + k}) is yours {show(yours)}, expected {show(right)}"
+    unknown = [i for i in yours if i not in vocab]
+    if unknown or (not text.isascii() and counts.get(yours, 0) == 0 and max(yours) < 256 and chr(yours[0]) + chr(yours[1]) in text):
+        fail(f"{head}: the ids of a chunk start as its UTF-8 bytes (chunk.encode('utf-8'), 0..255), not its characters "
+             + (f"(id {unknown[0]} is neither a byte nor a merge learned before)" if unknown else f"({chr(yours[0]) + chr(yours[1])!r})"))
+    if counts.get(yours, 0) == counts[right]:
+        fail(f"{head}: both occur {counts[right]} times, the most, a tie; a tie goes to the smallest pair (a, b), "
+             f"compared as tuples ({min(yours, right)} < {max(yours, right)}), not to the pair counted first or last")
+    if counts.get(yours, 0) == 0:
+        token = vocab[yours[0]] + vocab[yours[1]] if not unknown else b""
+        if not any(token in chunk for chunk in chunks):
+            fail(f"{head}, whose bytes {token!r} are in no chunk of pretokenize(text): count and merge pairs inside each "
+                 "chunk, never across a chunk boundary")
+        fail(f"{head}, which no longer occurs {after}: count the pairs again (or update the counts) after each merge")
+    why = f"{head}: yours occurs {counts.get(yours, 0)} times {after}, the expected {counts[right]}"
+    if _most(_recount(chunks, before, overlaps=False), yours):
+        fail(f"{why}. Count a pair at every position, as count_pairs does: a run 'aaa' holds (97, 97) twice, even "
+             "though a merge can take it only once")
+    if _most(_recount(chunks, before, weighted=False), yours):
+        fail(f"{why}. A chunk counts as often as it occurs in the text: a word repeated 4 times adds its pairs 4 times")
+    fail(f"{why}, the most")
+
+
+def check_train_bpe(train_bpe) -> None:
+    """Visible checks for chapter 09, exercise 2: merge for merge against Hugging Face's trainer (bytes in our order)
+    on ties, a run of one byte, non-ASCII text, repeated words, pairs exhausted, a paragraph; the ValueError."""
+    compare_training(train_bpe, "low lower newest widest", 262)  # ties from the first merge on
+    compare_training(train_bpe, "zzzz abab", 258)  # a run of one byte: overlapping pairs
+    compare_training(train_bpe, "日本語 日本 ñoño", 260)  # multi-byte characters
+    compare_training(train_bpe, "ok\nok\nok\nok\nso son sons", 258)  # a repeated word
+    compare_training(train_bpe, "abab", 1000)  # no pair left after 2 merges
+    compare_training(train_bpe, "abab", 256)  # no merge at all
+    from ..data import default_corpus
+
+    compare_training(train_bpe, default_corpus()[:3000], 320)
+    try:
+        got = train_bpe("abc", 255)
+    except NotImplementedError:
+        raise
+    except ValueError as error:
+        if "vocab_size" not in str(error):
+            fail(f"train_bpe('abc', 255) raised ValueError({str(error)!r}): name the argument, vocab_size, and its range")
+    except Exception as error:  # noqa: BLE001 - any other error is the learner's, named
+        fail(f"train_bpe('abc', 255) raised {type(error).__name__}, expected ValueError: vocab_size must be at least 256")
+    else:
+        fail(f"train_bpe('abc', 255) returned {got!r}, expected ValueError: vocab_size must be at least 256, the byte tokens")
+    passed("train_bpe")
+
+
 def check_bpe_encode(bpe_encode) -> None:
-    """Visible checks for chapter 09, exercise 2: bytes, rank order, chunk boundaries, Hugging Face parity."""
+    """Visible checks for chapter 09, exercise 3: bytes, rank order, chunk boundaries, Hugging Face parity."""
     got = _as_ids(bpe_encode("héllo", {}), "bpe_encode", "no merges")
     if got != list("héllo".encode("utf-8")):
         fail(f"with no merges, bpe_encode('héllo', {{}}) must return the UTF-8 bytes {list('héllo'.encode('utf-8'))}, "
@@ -170,7 +307,7 @@ def check_bpe_encode(bpe_encode) -> None:
 
 
 def check_bpe_decode(bpe_decode) -> None:
-    """Visible checks for chapter 09, exercise 3: bytes joined, then decoded; characters split over tokens."""
+    """Visible checks for chapter 09, exercise 4: bytes joined, then decoded; characters split over tokens."""
     merges = {(104, 105): 256, (256, 33): 257, (0xC3, 0xA9): 258, (0xE6, 0x97): 259}
     vocab = vocab_oracle(merges)
     for ids, expected in (([104, 105], "hi"), ([257], "hi!"), ([256, 32, 258], "hi é"), ([], "")):

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from course_lib import bpe
+from course_lib import bpe, checks
 from course_lib.data import default_corpus
 from course_lib.pretrain import VAL_FRACTION
 
@@ -49,12 +49,6 @@ def test_byte_map_is_gpt2s():
     from tokenizers import pre_tokenizers
 
     assert set(bpe.bytes_to_unicode().values()) == set(pre_tokenizers.ByteLevel.alphabet())
-
-
-def test_hf_byte_order_is_the_order_of_hugging_faces_alphabet(hf512):
-    vocab = hf512.get_vocab()  # token string -> id; ids 0..255 are the alphabet
-    chars = bpe.bytes_to_unicode()
-    assert [vocab[chars[b]] for b in range(256)] == bpe.hf_byte_order()
 
 
 def test_count_pairs_counts_every_position():
@@ -105,10 +99,17 @@ def test_incremental_trainer_equals_the_naive_one(corpus):
 
 
 @pytest.mark.parametrize("vocab_size", [300, 512, 1024])
-def test_with_hugging_faces_tie_rule_the_merges_are_hugging_faces(corpus, vocab_size):
-    ours = bpe.train_bpe(corpus[0], vocab_size, ties="hf")
-    theirs = bpe.merges_from_hf(bpe.train_hf_bpe(corpus[0], vocab_size))
-    assert list(ours.items()) == list(theirs.items())
+def test_hugging_faces_trainer_shown_the_bytes_in_our_order_learns_our_merges(corpus, vocab_size):
+    theirs, vocab = checks.hf_trainer_oracle(corpus[0], vocab_size, order="bytes")
+    ours = bpe.train_bpe(corpus[0], vocab_size)
+    assert list(ours.items()) == list(theirs.items()) and bpe.vocab_from_merges(ours) == vocab
+
+
+def test_hugging_faces_trainer_in_our_order_agrees_on_adversarial_strings_until_the_pairs_run_out():
+    for text in ADVERSARIAL:
+        theirs, vocab = checks.hf_trainer_oracle(text * 3, 1000, order="bytes")
+        ours = bpe.train_bpe(text * 3, 1000)
+        assert list(ours.items()) == list(theirs.items()) and bpe.vocab_from_merges(ours) == vocab, text[:50]
 
 
 def test_with_our_tie_rule_the_first_difference_is_a_tie(corpus, hf512):
@@ -176,8 +177,8 @@ def test_decode_joins_bytes_before_decoding():
 def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="vocab_size must be an int >= 256"):
         bpe.train_bpe("abc", 100)
-    with pytest.raises(ValueError, match="ties must be 'ids' or 'hf'"):
-        bpe.train_bpe("abc", 300, ties="random")
+    with pytest.raises(ValueError, match="vocab_size must be an int >= 256"):
+        bpe.train_bpe("abc", 300.0)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\]"):
         bpe.BPETokenizer({(1, 2): 256}).decode([257])
     with pytest.raises(ValueError, match="merges must map pairs to the new ids"):

@@ -2,6 +2,8 @@
 agree with Hugging Face tokenizers and with course_lib.bpe."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from course_lib import bpe, checks
@@ -48,6 +50,31 @@ def overlaps_from_the_right(ids, pair, new_id):
             out.append(ids[i])
             i -= 1
     return out[::-1]
+
+
+def naive_trainer(choose=lambda counts: min(counts, key=lambda p: (-counts[p], p)), chunk_ids=lambda chunk: list(chunk.encode("utf-8")),
+                  weighted=True, overlaps=True, pretokenized=True, stops=True, extra=0, recount=True, checks_size=True):
+    """A learner's trainer (every pair recounted after every merge), correct with the defaults; each option plants one bug."""
+    def train_bpe(text, vocab_size):
+        if checks_size and vocab_size < 256:
+            raise ValueError(f"vocab_size must be at least 256, got {vocab_size}")
+        words = [[chunk_ids(chunk), n if weighted else 1] for chunk, n in Counter(bpe.pretokenize(text) if pretokenized else [text]).items()]
+        merges, counts = {}, {}
+        while len(merges) < vocab_size - 256 + extra:
+            if recount or not merges:
+                counts = {}
+                for ids, n in words:
+                    for pair in (zip(ids, ids[1:]) if overlaps else set(zip(ids, ids[1:]))):
+                        counts[pair] = counts.get(pair, 0) + n * (1 if overlaps else len(ids) - len(bpe.bpe_merge(ids, pair, -1)))
+            if not counts and stops:
+                break
+            pair = choose(counts)
+            merges[pair] = 256 + len(merges)
+            counts.pop(pair)
+            for word in words:
+                word[0] = bpe.bpe_merge(word[0], pair, merges[pair])
+        return merges
+    return train_bpe
 
 
 def leftmost_encode(text, merges):
@@ -113,6 +140,28 @@ def ignoring_decode(ids, vocab):
     (checks.check_bpe_merge, first_occurrence_merge, r"returned \[9, 3, 1, 2\], .*you replaced only the first occurrence"),
     (checks.check_bpe_merge, overlaps_from_the_right, r"returned \[5, 9\], expected \[9, 5\]: occurrences overlap here"),
     (checks.check_bpe_merge, mutating_merge, r"changed its input list to \[9, 3, 9\]: build and return a new list"),
+    (checks.check_train_bpe, naive_trainer(choose=lambda counts: max(counts, key=counts.get)),
+     r"train_bpe\('low lower newest widest', 262\): merge 0 \(new id 256\) is yours \(108, 111\) \(b'l' \+ b'o'\), expected "
+     r"\(101, 115\) \(b'e' \+ b's'\): both occur 2 times, the most, a tie; a tie goes to the smallest pair"),
+    (checks.check_train_bpe, naive_trainer(choose=lambda counts: max(counts, key=lambda p: (counts[p], p))),
+     r"is yours \(119, 101\) .* a tie goes to the smallest pair \(a, b\), compared as tuples \(\(101, 115\) < \(119, 101\)\)"),
+    (checks.check_train_bpe, naive_trainer(overlaps=False),
+     r"train_bpe\('zzzz abab', 258\): .* yours occurs 2 times in the text, the expected 3\. Count a pair at every position"),
+    (checks.check_train_bpe, naive_trainer(chunk_ids=lambda chunk: [ord(c) for c in chunk]),
+     r"train_bpe\('日本語 日本 ñoño', 260\): .* start as its UTF-8 bytes \(chunk.encode\('utf-8'\), 0..255\), not its characters"),
+    (checks.check_train_bpe, naive_trainer(weighted=False), r"A chunk counts as often as it occurs in the text"),
+    (checks.check_train_bpe, naive_trainer(pretokenized=False),
+     r"whose bytes b'k\\n' are in no chunk of pretokenize\(text\): count and merge pairs inside each chunk, never across"),
+    (checks.check_train_bpe, naive_trainer(recount=False),
+     r"merges 0..1 agree; merge 2 .* which no longer occurs once merges 0..1 are applied: count the pairs again"),
+    (checks.check_train_bpe, naive_trainer(stops=False),
+     r"train_bpe\('abab', 1000\) raised ValueError: .* training stops early, below vocab_size"),
+    (checks.check_train_bpe, naive_trainer(extra=1), r"returned 7 merges, expected 6: .* so vocab_size - 256 merges"),
+    (checks.check_train_bpe, naive_trainer(extra=-1), r"returned 5 merges, expected 6: the vocabulary is the 256 bytes plus"),
+    (checks.check_train_bpe, naive_trainer(checks_size=False), r"train_bpe\('abc', 255\) returned \{\}, expected ValueError"),
+    (checks.check_train_bpe, lambda text, vocab_size: list(bpe.train_bpe(text, vocab_size).items()), r"should return a dict"),
+    (checks.check_train_bpe, lambda text, vocab_size: {p: i - 1 for p, i in bpe.train_bpe(text, vocab_size).items()},
+     r"the new ids should be 256, 257, ... in the order the merges were learned"),
     (checks.check_bpe_encode, frequency_encode, r"you merged the most frequent pair .* merges are applied by rank"),
     (checks.check_bpe_encode, highest_rank_encode, r"you merged the pair with the HIGHEST rank \(the latest learned"),
     (checks.check_bpe_encode, leftmost_encode, r"returned \[257, 99\], expected \[97, 256\]: 'b' \+ 'c' was learned first"),
@@ -125,3 +174,23 @@ def ignoring_decode(ids, vocab):
 def test_classic_bugs_get_specific_messages(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):
         check(buggy)
+
+
+@pytest.mark.parametrize("trainer", [
+    naive_trainer(),
+    naive_trainer(choose=lambda counts: max(counts, key=lambda p: (counts[p], -p[0], -p[1]))),
+    naive_trainer(choose=lambda counts: sorted(counts.items(), key=lambda item: (-item[1], item[0]))[0][0]),
+], ids=["naive", "max with negated ids", "sorted"])
+def test_correct_trainers_pass(trainer, capsys):
+    checks.check_train_bpe(trainer)
+    assert "all visible checks passed" in capsys.readouterr().out
+
+
+def test_the_trainer_oracle_is_hugging_faces_in_either_order_and_ours_in_our_order():
+    text = default_corpus()[:20_000] + " aaaa aaa 日本語 🙂🙂"
+    merges, vocab = checks.hf_trainer_oracle(text, 400, order="hf")
+    assert merges == bpe.merges_from_hf(bpe.train_hf_bpe(text, 400)) and vocab != checks.vocab_oracle(merges)  # its own ids
+    merges, vocab = checks.hf_trainer_oracle(text, 400, order="bytes")
+    assert list(merges.items()) == list(bpe.train_bpe(text, 400).items()) and vocab == checks.vocab_oracle(merges)
+    with pytest.raises(ValueError, match="order must be 'hf' or 'bytes'"):
+        checks.hf_trainer_oracle(text, 300, order="ids")

@@ -4,10 +4,13 @@ One `grading.grade` run grades four students: the reference (full marks), the un
 students with planted bugs whose targeted tests are disjoint:
 
 * planted_a: bpe_merge merges overlapping occurrences twice (every matching position, "aaa" -> one token) ->
-  the visible test and `overlap` only (pairs of two different ids cannot overlap, so `random` passes); bpe_decode
-  decodes token by token -> the visible test and `utf8`. bpe_encode is the reference and calls the buggy merge
-  in the notebook, but grading runs it with the reference merge: it loses nothing.
-* planted_b: bpe_encode merges the pair most frequent in the text instead of the earliest learned -> the visible
+  the visible test and `overlap` only (pairs of two different ids cannot overlap, so `random` passes); train_bpe
+  breaks ties by the order it counted pairs (max(counts, key=counts.get)) -> the visible test and `ties` (the
+  `bytes` and `stop` texts have no ties); bpe_decode decodes token by token -> the visible test and `utf8`.
+  train_bpe and bpe_encode call the buggy merge in the notebook, but grading runs them with the reference merge:
+  they lose nothing for it.
+* planted_b: train_bpe counts a run as the merges it allows ("aaa" holds (a, a) once) -> the visible test and
+  `bytes`; bpe_encode merges the pair most frequent in the text instead of the earliest learned -> the visible
   test, `rank` and `hf` (the boundary cases have no merge inside a chunk, so `boundary` passes).
 
 tests/chapters/ch09/test_hidden_09.py runs the same cells against more bugs, one at a time and without nbgrader.
@@ -21,7 +24,7 @@ from tests.helpers import failing
 from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("09-tokenization", "tokenization")
-MERGE, ENCODE, DECODE = "bpe_merge-solution", "bpe_encode-solution", "bpe_decode-solution"
+MERGE, TRAIN, ENCODE, DECODE = "bpe_merge-solution", "train_bpe-solution", "bpe_encode-solution", "bpe_decode-solution"
 
 OVERLAPPING_MERGE = '''def bpe_merge(ids, pair, new_id):
     out = list(ids)
@@ -31,10 +34,34 @@ OVERLAPPING_MERGE = '''def bpe_merge(ids, pair, new_id):
     return out
 '''
 
+NAIVE_TRAINER = '''def train_bpe(text, vocab_size):
+    if vocab_size < 256:
+        raise ValueError(f"vocab_size must be at least 256, got {vocab_size}")
+    words = [[list(chunk.encode("utf-8")), n] for chunk, n in Counter(pretokenize(text)).items()]
+    merges = {}
+    while len(merges) < vocab_size - 256:
+        counts = {}
+        for ids, n in words:
+            count_pairs(ids, counts, n)
+        if not counts:
+            break
+        pair = min(counts, key=lambda p: (-counts[p], p))
+        merges[pair] = 256 + len(merges)
+        for word in words:
+            word[0] = bpe_merge(word[0], pair, merges[pair])
+    return merges
+'''
+FIRST_COUNTED_TIE = NAIVE_TRAINER.replace("pair = min(counts, key=lambda p: (-counts[p], p))", "pair = max(counts, key=counts.get)")
+RUNS_WITHOUT_OVERLAP = NAIVE_TRAINER.replace("            count_pairs(ids, counts, n)\n", """            for p in set(zip(ids, ids[1:])):
+                counts[p] = counts.get(p, 0) + n * (len(ids) - len(bpe_merge(ids, p, -1)))
+""")
+assert FIRST_COUNTED_TIE != NAIVE_TRAINER != RUNS_WITHOUT_OVERLAP
+
 
 def planted_a() -> dict:
     return CH.solved({
         MERGE: OVERLAPPING_MERGE,
+        TRAIN: FIRST_COUNTED_TIE,
         DECODE: CH.mutate(DECODE, 'return b"".join(vocab[int(i)] for i in ids).decode("utf-8", errors="replace")',
                           'return "".join(vocab[int(i)].decode("utf-8", errors="replace") for i in ids)'),
     })
@@ -42,6 +69,7 @@ def planted_a() -> dict:
 
 def planted_b() -> dict:
     return CH.solved({
+        TRAIN: RUNS_WITHOUT_OVERLAP,
         ENCODE: CH.mutate(ENCODE, 'pair = min(zip(chunk_ids, chunk_ids[1:]), key=lambda p: merges.get(p, float("inf")))',
                           'counts = count_pairs(chunk_ids)\n'
                           '            known = [p for p in counts if p in merges]\n'
@@ -53,13 +81,14 @@ def planted_b() -> dict:
 STUDENTS = {
     "reference": (CH.solved, set()),
     "untouched": (CH.untouched, set(CH.points)),
-    "planted_a": (planted_a, failing("bpe_merge", "visible", "overlap") | failing("bpe_decode", "visible", "utf8")),
-    "planted_b": (planted_b, failing("bpe_encode", "visible", "rank", "hf")),
+    "planted_a": (planted_a, failing("bpe_merge", "visible", "overlap") | failing("train_bpe", "visible", "ties")
+                  | failing("bpe_decode", "visible", "utf8")),
+    "planted_b": (planted_b, failing("train_bpe", "visible", "bytes") | failing("bpe_encode", "visible", "rank", "hf")),
 }
 
 
 graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions = round_trip(
-    CH, STUDENTS, total=9)  # one nbgrader run grades every student
+    CH, STUDENTS, total=17)  # one nbgrader run grades every student
 
 
 @pytest.mark.slow
@@ -67,4 +96,6 @@ def test_failures_carry_the_checks_messages(graded):
     a, b = roundtrip.messages(graded, CH, "planted_a"), roundtrip.messages(graded, CH, "planted_b")
     assert "occurrences overlap here" in a["bpe_merge-visible"]
     assert "join the bytes of ALL tokens first" in a["bpe_decode-visible"]
+    assert "a tie goes to the smallest pair" in a["train_bpe-visible"]
+    assert "Count a pair at every position" in b["train_bpe-visible"]
     assert "merges are applied by rank" in b["bpe_encode-visible"]

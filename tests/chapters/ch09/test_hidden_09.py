@@ -2,14 +2,18 @@
 
 Each exercise's visible and hidden test cells run in a namespace holding the reference solutions with ONE
 planted bug. Every bug must fail exactly the tests documented to target it (the comment at the top of each
-cell), and correct alternative implementations must pass everything. The four classic bugs of the chapter:
-overlapping pairs merged twice ("aaa"), merges applied by frequency in the text instead of by learned rank,
-a merge across a pre-tokenization boundary, and a decoder that decodes token by token. The encoder calls bpe_merge: grading runs each exercise with the
-other exercises' reference solutions, so a bug in exercise 1 costs nothing in exercise 2 (tests/chapters/ch09/test_grading_09.py
-checks that, and the rest, on whole notebooks through nbgrader).
+cell), and correct alternative implementations must pass everything. The classic bugs of the chapter:
+overlapping pairs merged twice ("aaa"); in the trainer (planted in a naive learner's trainer), a tie broken
+by the order pairs were counted, a run counted without overlaps, characters instead of bytes, repeated chunks
+counted once, no stop when the pairs run out; merges applied by frequency in the text instead of by learned
+rank, a merge across a pre-tokenization boundary, and a decoder that decodes token by token. The trainer and the
+encoder call bpe_merge: grading runs each exercise with the other exercises' reference solutions, so a bug in
+exercise 1 costs nothing in exercises 2 and 3 (tests/chapters/ch09/test_grading_09.py checks that, and the rest,
+on whole notebooks through nbgrader).
 """
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import Counter
@@ -19,22 +23,54 @@ import torch
 
 from course_lib import checks
 from course_lib.bpe import (BPETokenizer, bytes_to_unicode, count_pairs, hf_encode_bytes, merges_from_hf, pretokenize,
-                            text_nats, train_bpe, train_hf_bpe, vocab_from_merges)
+                            text_nats, train_hf_bpe, vocab_from_merges)
 from course_lib.data import default_corpus
 from tests.cell_harness import TestCells
 from tests.helpers import ROOT
 
 SOURCE = ROOT / "solutions" / "09-tokenization" / "tokenization.ipynb"
-HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "time": time, "Counter": Counter, "checks": checks,
+HARNESS = TestCells(SOURCE, {"torch": torch, "heapq": heapq, "math": math, "time": time, "Counter": Counter, "checks": checks,
                              "BPETokenizer": BPETokenizer, "bytes_to_unicode": bytes_to_unicode, "count_pairs": count_pairs,
                              "hf_encode_bytes": hf_encode_bytes, "merges_from_hf": merges_from_hf, "pretokenize": pretokenize,
-                             "text_nats": text_nats, "train_bpe": train_bpe, "train_hf_bpe": train_hf_bpe,
+                             "text_nats": text_nats, "train_hf_bpe": train_hf_bpe,
                              "vocab_from_merges": vocab_from_merges, "default_corpus": default_corpus})
 CELLS, REFERENCE = HARNESS.cells, HARNESS.reference
 cells_of, mutate, failing_tests = HARNESS.cells_of, HARNESS.mutate, HARNESS.failing_tests
 
-MERGE, ENCODE, DECODE = "bpe_merge", "bpe_encode", "bpe_decode"
+MERGE, TRAIN, ENCODE, DECODE = "bpe_merge", "train_bpe", "bpe_encode", "bpe_decode"
 RANK = 'pair = min(zip(chunk_ids, chunk_ids[1:]), key=lambda p: merges.get(p, float("inf")))'
+
+# a learner's trainer: correct, and naive (every pair recounted after every merge); the trainer's bugs are planted in it
+NAIVE = '''
+def train_bpe(text, vocab_size):
+    if vocab_size < 256:
+        raise ValueError(f"vocab_size must be at least 256, got {vocab_size}")
+    words = [[list(chunk.encode("utf-8")), n] for chunk, n in Counter(pretokenize(text)).items()]
+    merges = {}
+    while len(merges) < vocab_size - 256:
+        counts = {}
+        for ids, n in words:
+            count_pairs(ids, counts, n)
+        if not counts:
+            break
+        pair = min(counts, key=lambda p: (-counts[p], p))
+        merges[pair] = 256 + len(merges)
+        for word in words:
+            word[0] = bpe_merge(word[0], pair, merges[pair])
+    return merges
+'''
+CHOOSE = "pair = min(counts, key=lambda p: (-counts[p], p))"
+COUNT = "count_pairs(ids, counts, n)"
+TRAIN_ALL = {f"{TRAIN}-visible", f"{TRAIN}-ties", f"{TRAIN}-bytes", f"{TRAIN}-stop"}
+
+
+def naive(*replacements: tuple[str, str]) -> str:
+    code = NAIVE
+    for old, new in replacements:
+        assert old in code, old
+        code = code.replace(old, new)
+    return code
+
 
 CASES = [
     # exercise 1: the merge
@@ -80,7 +116,35 @@ def bpe_merge(ids, pair, new_id):
     as_text = "".join(chr(0x10000 + i) for i in ids)
     return [ord(c) - 0x10000 for c in as_text.replace(chr(0x10000 + pair[0]) + chr(0x10000 + pair[1]), chr(0x10000 + new_id))]
 ''', set()),
-    # exercise 2: the encoder
+    # exercise 2: the trainer
+    (TRAIN, "ties to the pair counted first (max(counts, key=counts.get))", naive((CHOOSE, "pair = max(counts, key=counts.get)")),
+     {f"{TRAIN}-visible", f"{TRAIN}-ties"}),
+    (TRAIN, "ties to the largest pair", naive((CHOOSE, "pair = max(counts, key=lambda p: (counts[p], p))")),
+     {f"{TRAIN}-visible", f"{TRAIN}-ties"}),
+    (TRAIN, "a run counted as the merges it allows ('aaa' holds (a, a) once)", naive((COUNT, """for p in set(zip(ids, ids[1:])):
+                counts[p] = counts.get(p, 0) + n * (len(ids) - len(bpe_merge(ids, p, -1)))""")),
+     {f"{TRAIN}-visible", f"{TRAIN}-bytes"}),
+    (TRAIN, "characters instead of UTF-8 bytes", naive(('list(chunk.encode("utf-8"))', "[ord(c) for c in chunk]")),
+     {f"{TRAIN}-visible", f"{TRAIN}-bytes"}),
+    (TRAIN, "each distinct chunk counted once", naive((COUNT, "count_pairs(ids, counts)")), {f"{TRAIN}-visible", f"{TRAIN}-bytes"}),
+    (TRAIN, "no stop when no pair is left (min of an empty dict)", naive(("        if not counts:\n            break\n", "")),
+     {f"{TRAIN}-visible", f"{TRAIN}-stop"}),
+    (TRAIN, "no ValueError below 256", naive(('    if vocab_size < 256:\n        raise ValueError(f"vocab_size must be at least 256, got {vocab_size}")\n', "")),
+     {f"{TRAIN}-visible", f"{TRAIN}-stop"}),
+    (TRAIN, "one merge too many (vocab_size - 255)", naive(("while len(merges) < vocab_size - 256:", "while len(merges) <= vocab_size - 256:")),
+     TRAIN_ALL),
+    (TRAIN, "no pre-tokenization: merges across chunks", naive(("Counter(pretokenize(text))", "Counter([text])")),
+     {f"{TRAIN}-visible", f"{TRAIN}-ties", f"{TRAIN}-stop"}),
+    (TRAIN, "pairs counted once, never recounted after a merge", naive(
+        ("    while len(merges) < vocab_size - 256:\n        counts = {}\n        for ids, n in words:\n            count_pairs(ids, counts, n)\n",
+         "    counts = {}\n    for ids, n in words:\n        count_pairs(ids, counts, n)\n    while len(merges) < vocab_size - 256:\n"),
+        ("        merges[pair] = 256 + len(merges)\n", "        merges[pair] = 256 + len(merges)\n        del counts[pair]\n")),
+     TRAIN_ALL),
+    (TRAIN, "correct: naive, every pair recounted after every merge", naive(), set()),
+    (TRAIN, "correct: the tie rule as max with negated ids, every chunk occurrence on its own", naive(
+        (CHOOSE, "pair = max(counts, key=lambda p: (counts[p], -p[0], -p[1]))"),
+        ("for chunk, n in Counter(pretokenize(text)).items()", "for chunk, n in ((chunk, 1) for chunk in pretokenize(text))")), set()),
+    # exercise 3: the encoder
     (ENCODE, "merges by frequency in the text, not by rank", mutate(ENCODE, (RANK, '''counts = count_pairs(chunk_ids)
             known = [p for p in counts if p in merges]
             pair = max(known, key=lambda p: counts[p]) if known else (-1, -1)''')),
@@ -99,7 +163,7 @@ def bpe_encode(text, merges):
         ids += chunk_ids
     return ids
 ''', set()),
-    # exercise 3: the decoder
+    # exercise 4: the decoder
     (DECODE, "each token decoded on its own (errors replaced)", mutate(DECODE, (
         'return b"".join(vocab[int(i)] for i in ids).decode("utf-8", errors="replace")',
         'return "".join(vocab[int(i)].decode("utf-8", errors="replace") for i in ids)')),
@@ -119,13 +183,13 @@ def bpe_decode(ids, vocab):
 
 
 def test_every_exercise_has_a_visible_test_and_hidden_tests():
-    assert set(REFERENCE) == {MERGE, ENCODE, DECODE}
-    assert {e: len(cells_of(e)) for e in REFERENCE} == {MERGE: 3, ENCODE: 4, DECODE: 2}
+    assert set(REFERENCE) == {MERGE, TRAIN, ENCODE, DECODE}
+    assert {e: len(cells_of(e)) for e in REFERENCE} == {MERGE: 3, TRAIN: 4, ENCODE: 4, DECODE: 2}
     for exercise in REFERENCE:
         assert f"{exercise}-visible" in CELLS
 
 
-@pytest.mark.parametrize("exercise", [MERGE, ENCODE, DECODE])
+@pytest.mark.parametrize("exercise", [MERGE, TRAIN, ENCODE, DECODE])
 def test_the_reference_passes_every_test(exercise):
     assert failing_tests(exercise, REFERENCE[exercise]) == set()
 
