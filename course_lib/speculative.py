@@ -20,8 +20,6 @@ solutions of chapter 07's exercises; the notebook's solution cells are the same 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -152,7 +150,7 @@ def check_speculative_arguments(target, draft, input_ids, max_new_tokens, num_dr
 @torch.no_grad()
 def speculative_generate(target, draft, input_ids, max_new_tokens: int, *, num_draft_tokens: int = 4,
                          do_sample: bool = False, temperature: float = 1.0, generator: torch.Generator | None = None,
-                         accept: Callable = speculative_accept) -> SpeculativeOutput:
+                         accept=speculative_accept) -> SpeculativeOutput:
     """Extend input_ids (1, T) by exactly max_new_tokens tokens with speculative decoding.
 
     target, draft: course_lib.gpt.GPT models in eval mode, one vocabulary of V tokens. Rounds: the draft
