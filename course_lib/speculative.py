@@ -153,7 +153,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens: int, *, num_d
                          accept=speculative_accept) -> SpeculativeOutput:
     """Extend input_ids (1, T) by exactly max_new_tokens tokens with speculative decoding.
 
-    target, draft: course_lib.gpt.GPT models in eval mode, one vocabulary of V tokens. Rounds: the draft
+    target, draft: chapter 04's GPT models, in eval mode, one vocabulary of V tokens. Rounds: the draft
     proposes up to K = num_draft_tokens tokens, the target judges them in one forward pass, and
     ``accept(p, q, draft_tokens, u)`` (exercise 1's contract: p (k + 1, V), q (k, V), draft_tokens (k,),
     u (k,) float64 uniform in [0, 1), k proposals) gives a, how many are kept, and next_probs (V,), the
