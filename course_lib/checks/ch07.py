@@ -1,8 +1,11 @@
 """Visible checks of chapter 07 (speculative decoding), and the independent oracles they compare against.
 
 Oracles: the acceptance rule written as one float64 vectorised formula (``speculative_accept_oracle``),
-plain greedy decoding by full forward passes of the model (no cache), and fresh caches filled from the
-committed tokens; never course_lib.speculative's reference solutions.
+plain greedy decoding by full forward passes of the model (no cache), the rounds of greedy speculative
+decoding run by full forward passes (``greedy_rounds_oracle``), and each model's distributions from one
+full forward pass; never course_lib.speculative's reference solutions. The learner's loop is observed
+through its documented interface only: the ``accept`` it is given (``AcceptSpy``, which records and checks
+every round) and the target's forward passes (``TargetPasses``, a hook on its LM head).
 """
 from __future__ import annotations
 
