@@ -13,14 +13,13 @@ rolled back from both KV caches (``KVCache.crop``).
 Shapes: K draft tokens, V vocabulary, n committed tokens. Batch size 1 only (each row of a batch
 would accept a different number of tokens, and the caches hold one length for all rows).
 
-``speculative_accept`` and ``speculative_step`` are the reference solutions of chapter 07's
-exercises; the notebook's solution cells are the same code (``tests/grading/test_solution_drift.py``).
+``speculative_accept`` (the acceptance rule) and ``speculative_generate`` (the whole loop) are the reference
+solutions of chapter 07's exercises; the notebook's solution cells are the same code
+(``tests/grading/test_solution_drift.py``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -46,15 +45,16 @@ def draw_token(probs: torch.Tensor, generator: torch.Generator | None = None) ->
 
 
 def speculative_accept(p, q, draft_tokens, u):
-    """Verify K draft tokens: the acceptance rule, the residual distribution and the bonus token.
+    """Verify k draft tokens: how many to keep, and the distribution of the token that follows them.
 
-    p (K + 1, V): the target's probabilities at each draft position and at the position after them;
-    q (K, V): the draft's probabilities each draft token was drawn from; draft_tokens (K,) int64;
-    u (K,): uniform random numbers in [0, 1), one per draft token.
-    Draft token i = x is accepted when u[i] < p[i, x] / q[i, x] (probability min(1, p/q)), in order,
-    until the first rejection. Returns (n, next_probs): the number n of accepted tokens (0..K) and the
-    distribution (V,) of the token that follows them: the residual norm(max(0, p[n] - q[n])) after a
-    rejection, or the target's own p[K] (the bonus token) when all K are accepted.
+    p (k + 1, V): the target's probabilities at each draft position and at the position after them;
+    q (k, V): the draft's probabilities each draft token was drawn from; draft_tokens (k,) int64;
+    u (k,): uniform numbers in [0, 1), u[i] the one section 3's acceptance test draws for draft token i
+    (the only randomness: the function is deterministic). Returns (n, next_probs): n in 0..k, how many leading draft tokens are kept, and
+    next_probs (V,), a distribution (non-negative, summing to 1) for the token after them. Invariant: with
+    each draft token drawn from its q and u uniform, every token output (kept drafts, then a draw from
+    next_probs) follows the target's p (section 3). Tests: the rule by hand, the distribution after a
+    rejection, the one after k kept tokens, and random cases against a float64 formula.
     """
     K = draft_tokens.shape[0]
     for i in range(K):
@@ -65,69 +65,51 @@ def speculative_accept(p, q, draft_tokens, u):
     return K, p[K]
 
 
-def speculative_step(target, draft, tokens, target_cache, draft_cache, num_draft_tokens, *, do_sample=False,
-                     temperature=1.0, generator=None, accept=speculative_accept):
-    """One round of draft-then-verify for a batch of one: tokens (1, n) -> (tokens (1, n + a + 1), a).
-
-    Each cache holds the keys and values of (at most) the first n - 1 committed tokens; what it lacks
-    is fed first. The draft proposes K = num_draft_tokens tokens (K cached forward passes), the target
-    scores them in ONE cached forward pass, ``accept`` keeps a of them and gives the distribution of one
-    more token. Rollback: afterwards the target cache holds exactly n + a slots, every committed token
-    but the newest (which the next round feeds), and the draft cache min(its length, n + a): it never
-    fed its last proposal, so it is one slot short when all K are accepted, and crop can only forget.
-    Neither cache keeps a rejected proposal. K = 0 is plain decoding with the target: no draft pass,
-    a = 0, one token drawn from the target's distribution. Sampling (do_sample=True): both models'
-    probabilities are softmax(logits / temperature) (probs_from_logits), and every random draw (the
-    drafts, u, the next token) uses `generator`, so a seeded generator repeats the round exactly.
-    Returns the extended tokens and a.
-    """
-    n, K = tokens.shape[1], num_draft_tokens
-    # 1. draft K tokens, one at a time (its first pass also feeds the committed tokens its cache lacks)
-    new, drafted, q = tokens[:, draft_cache.length:], [], []
-    for _ in range(K):
-        probs = probs_from_logits(cached_forward(draft, new, draft_cache)[0, -1], do_sample, temperature)  # (V,)
-        new = draw_token(probs, generator)  # (1, 1)
-        drafted.append(new)
-        q.append(probs)
-    drafts = torch.cat([tokens[:, :0], *drafted], dim=1)  # (1, K)
-    # 2. verify: one target pass over the tokens its cache lacks and the K drafts; keep the last K + 1 positions
-    logits = cached_forward(target, torch.cat([tokens[:, target_cache.length:], drafts], dim=1), target_cache)
-    p = probs_from_logits(logits[0, -(K + 1):], do_sample, temperature)  # (K + 1, V)
-    # 3. accept a prefix of the drafts, then draw the correction (or bonus) token
-    u = torch.rand(K, generator=generator, dtype=torch.float64)
-    a, next_probs = accept(p, torch.stack(q) if K else p[:0], drafts[0], u)
-    tokens = torch.cat([tokens, drafts[:, :a], draw_token(next_probs, generator)], dim=1)
-    # 4. roll back both caches: forget the rejected drafts (the newest token is fed next round)
-    target_cache.crop(n + a)
-    draft_cache.crop(min(draft_cache.length, n + a))
-    return tokens, a
-
-
 @dataclass
 class SpeculativeOutput:
-    """What ``speculative_generate`` returns: the tokens and how the drafts fared.
+    """What ``speculative_generate`` returns: the tokens, and what each round proposed and kept.
 
-    ``reached[i]``: rounds in which draft token i was judged (the tokens before it were all accepted);
-    ``accepted_at[i]``: rounds in which it was accepted. Their ratio is the acceptance rate at position i.
+    One entry per round (= per target forward pass) in each list; every statistic the chapter measures
+    follows from them. ``reached[i]``: rounds in which draft token i was judged (the tokens before it were
+    all accepted); ``accepted_at[i]``: rounds in which it was accepted. Their ratio is the acceptance rate
+    at position i.
     """
 
     tokens: torch.Tensor  # (1, T + max_new_tokens)
-    num_draft_tokens: int
-    rounds: int = 0  # draft-then-verify rounds = target forward passes
-    proposed: int = 0  # draft tokens proposed (K per round, fewer near the end)
-    accepted: int = 0  # draft tokens accepted
-    draft_forwards: int = 0
-    reached: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
-    accepted_per_round: list[int] = field(default_factory=list)
+    num_draft_tokens: int  # K
+    proposed_per_round: list[int] = field(default_factory=list)  # k of each round: K, fewer near the end
+    accepted_per_round: list[int] = field(default_factory=list)  # a of each round, 0 <= a <= k
+
+    @property
+    def rounds(self) -> int:
+        """Draft-then-verify rounds = target forward passes."""
+        return len(self.proposed_per_round)
 
     @property
     def target_forwards(self) -> int:
         return self.rounds
 
     @property
+    def proposed(self) -> int:
+        return sum(self.proposed_per_round)
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_per_round)
+
+    @property
     def new_tokens(self) -> int:
-        return sum(self.accepted_per_round) + self.rounds
+        """Each round adds its accepted proposals and one token drawn from the target's side."""
+        return self.accepted + self.rounds
+
+    @property
+    def reached(self) -> list[int]:
+        return [sum(k > i and a >= i for k, a in zip(self.proposed_per_round, self.accepted_per_round))
+                for i in range(self.num_draft_tokens)]
+
+    @property
+    def accepted_at(self) -> list[int]:
+        return [sum(a > i for a in self.accepted_per_round) for i in range(self.num_draft_tokens)]
 
     @property
     def acceptance_rate(self) -> float:
@@ -144,7 +126,9 @@ class SpeculativeOutput:
         return [a / r if r else float("nan") for a, r in zip(self.accepted_at, self.reached)]
 
 
-def _check_arguments(target, draft, input_ids, max_new_tokens, num_draft_tokens, do_sample, temperature) -> None:
+def check_speculative_arguments(target, draft, input_ids, max_new_tokens, num_draft_tokens, do_sample,
+                                temperature) -> None:
+    """ValueError, naming the argument and what it allows, for arguments ``speculative_generate`` cannot serve."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must have shape (1, T) with T >= 1 (speculative decoding here runs one sequence "
                          f"at a time), got {tuple(input_ids.shape)}")
@@ -165,45 +149,61 @@ def _check_arguments(target, draft, input_ids, max_new_tokens, num_draft_tokens,
 
 @torch.no_grad()
 def speculative_generate(target, draft, input_ids, max_new_tokens: int, *, num_draft_tokens: int = 4,
-                         do_sample: bool = False, temperature: float = 1.0,
-                         generator: torch.Generator | None = None, step: Callable | None = None,
-                         accept: Callable | None = None) -> SpeculativeOutput:
-    """Extend input_ids (1, T) by max_new_tokens tokens with speculative decoding.
+                         do_sample: bool = False, temperature: float = 1.0, generator: torch.Generator | None = None,
+                         accept=speculative_accept) -> SpeculativeOutput:
+    """Extend input_ids (1, T) by exactly max_new_tokens tokens with speculative decoding.
 
-    The tokens follow the target's distribution (softmax(logits / temperature)); with do_sample=False
-    they are exactly the target's greedy tokens. Near the end a round drafts fewer tokens, so that no
-    round goes past max_new_tokens (the last round may draft none: K = 0). Both models must be in eval
-    mode and share the vocabulary; T + max_new_tokens must fit in both contexts. step and accept: the
-    functions that run one round and verify its drafts (default: this module's speculative_step and
-    speculative_accept; chapter 07 passes the learner's), called as
-    ``step(target, draft, tokens, target_cache, draft_cache, K, do_sample=..., temperature=...,
-    generator=..., accept=accept)``. Returns a SpeculativeOutput (tokens (1, T + max_new_tokens) and
-    acceptance statistics).
+    target, draft: chapter 04's GPT models, in eval mode, one vocabulary of V tokens. Rounds: the draft
+    proposes up to K = num_draft_tokens tokens, the target judges them in one forward pass, and
+    ``accept(p, q, draft_tokens, u)`` (exercise 1's contract: p (k + 1, V), q (k, V), draft_tokens (k,),
+    u (k,) float64 uniform in [0, 1), k proposals) gives a, how many are kept, and next_probs (V,), the
+    distribution of the round's last token. The probabilities are those of probs_from_logits(logits,
+    do_sample, temperature) for both models.
+
+    What the tests check:
+    * tokens (1, T + max_new_tokens), the prompt first: with do_sample=False exactly the target's greedy
+      tokens; with do_sample=True they follow the target's distribution softmax(logits / temperature), and
+      every random draw uses `generator` (the same seed gives the same tokens).
+    * a round that starts with r tokens still to generate proposes k = min(K, r - 1) tokens (the last
+      round may propose none), calls ``accept`` once, and adds its a kept proposals and one token drawn
+      from next_probs.
+    * each round makes ONE target forward pass (the first also reads the prompt), with chapter 05's KV
+      caches: over the whole generation the target reads T + (proposals) + (rounds - 1) positions.
+    * the result is SpeculativeOutput(tokens, K, proposed_per_round, accepted_per_round): k and a of
+      each round, in order.
+    Bad arguments raise ValueError (check_speculative_arguments).
     """
-    _check_arguments(target, draft, input_ids, max_new_tokens, num_draft_tokens, do_sample, temperature)
-    step, accept = step or speculative_step, accept or speculative_accept
+    check_speculative_arguments(target, draft, input_ids, max_new_tokens, num_draft_tokens, do_sample, temperature)
     if not do_sample:
-        generator = torch.Generator()  # greedy draws nothing that matters; keep the global random state untouched
+        generator = torch.Generator()  # greedy draws nothing that matters: leave the global random state alone
     total = input_ids.shape[1] + max_new_tokens
     target_cache, draft_cache = KVCache.for_model(target, 1, total), KVCache.for_model(draft, 1, total)
-    out = SpeculativeOutput(tokens=input_ids, num_draft_tokens=num_draft_tokens,
-                            reached=[0] * num_draft_tokens, accepted_at=[0] * num_draft_tokens)
-    tokens = input_ids
+    tokens, proposed, accepted = input_ids, [], []
     while tokens.shape[1] < total:
-        k = min(num_draft_tokens, total - tokens.shape[1] - 1)
-        tokens, a = step(target, draft, tokens, target_cache, draft_cache, k, do_sample=do_sample,
-                         temperature=temperature, generator=generator, accept=accept)
+        n = tokens.shape[1]
+        K = min(num_draft_tokens, total - n - 1)  # a round adds at most K + 1 tokens: none past the end
+        # 1. draft K tokens, one cached pass each (the first also feeds what the draft's cache lacks)
+        new, drafted, q = tokens[:, draft_cache.length:], [], []
+        for _ in range(K):
+            probs = probs_from_logits(cached_forward(draft, new, draft_cache)[0, -1], do_sample, temperature)  # (V,)
+            new = draw_token(probs, generator)  # (1, 1)
+            drafted.append(new)
+            q.append(probs)
+        drafts = torch.cat([tokens[:, :0], *drafted], dim=1)  # (1, K)
+        # 2. verify: ONE target pass over what its cache lacks and the K drafts; keep the last K + 1 positions
+        logits = cached_forward(target, torch.cat([tokens[:, target_cache.length:], drafts], dim=1), target_cache)
+        p = probs_from_logits(logits[0, -(K + 1):], do_sample, temperature)  # (K + 1, V)
+        # 3. accept a prefix of the drafts, then draw the correction (or bonus) token
+        u = torch.rand(K, generator=generator, dtype=torch.float64)
+        a, next_probs = accept(p, torch.stack(q) if K else p[:0], drafts[0], u)
         a = int(a)
-        out.rounds += 1
-        out.proposed += k
-        out.accepted += a
-        out.draft_forwards += k
-        out.accepted_per_round.append(a)
-        for i in range(min(a + 1, k)):
-            out.reached[i] += 1
-            out.accepted_at[i] += i < a
-    out.tokens = tokens
-    return out
+        tokens = torch.cat([tokens, drafts[:, :a], draw_token(next_probs, generator)], dim=1)
+        # 4. roll back both caches to the committed tokens but the newest (the next round feeds it)
+        target_cache.crop(n + a)
+        draft_cache.crop(min(draft_cache.length, n + a))  # it never fed its last draft: crop can only forget
+        proposed.append(K)
+        accepted.append(a)
+    return SpeculativeOutput(tokens, num_draft_tokens, proposed, accepted)
 
 
 @torch.no_grad()

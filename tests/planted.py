@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 
-from course_lib.speculative import speculative_step
 from tests.helpers import nbgrader_cells
 from tests.roundtrip import Chapter
 
@@ -38,18 +37,6 @@ def generate_cached(model, idx, max_new_tokens, attention_mask=None):
         position = position + 1
     return out
 '''
-
-
-# chapter 07
-def bonus_missing_step(target, draft, tokens, target_cache, draft_cache, K, **kwargs):
-    """Planted: when all K drafts are accepted, no bonus token is added (caches cropped to match)."""
-    n = tokens.shape[1]
-    tokens, a = speculative_step(target, draft, tokens, target_cache, draft_cache, K, **kwargs)
-    if a == K and K > 0:
-        tokens = tokens[:, :-1]
-        target_cache.crop(n + a - 1)
-        draft_cache.crop(min(draft_cache.length, n + a - 1))
-    return tokens, a
 
 
 # chapter 01: the accidents a learner makes, which must cost nothing

@@ -1,8 +1,11 @@
 """Visible checks of chapter 07 (speculative decoding), and the independent oracles they compare against.
 
 Oracles: the acceptance rule written as one float64 vectorised formula (``speculative_accept_oracle``),
-plain greedy decoding by full forward passes of the model (no cache), and fresh caches filled from the
-committed tokens; never course_lib.speculative's reference solutions.
+plain greedy decoding by full forward passes of the model (no cache), the rounds of greedy speculative
+decoding run by full forward passes (``greedy_rounds_oracle``), and each model's distributions from one
+full forward pass; never course_lib.speculative's reference solutions. The learner's loop is observed
+through its documented interface only: the ``accept`` it is given (``AcceptSpy``, which records and checks
+every round) and the target's forward passes (``TargetPasses``, a hook on its LM head).
 """
 from __future__ import annotations
 
@@ -10,10 +13,10 @@ import traceback
 
 import torch
 
-from .core import assert_close, fail, greedy_oracle, passed
+from .core import CheckFailed, assert_close, fail, greedy_oracle, passed
 
-__all__ = ["check_speculative_accept", "check_speculative_step", "speculative_accept_oracle", "tiny_gpt_pair",
-           "cache_matches_tokens"]
+__all__ = ["check_speculative_accept", "check_speculative_generate", "speculative_accept_oracle", "tiny_gpt_pair",
+           "greedy_rounds_oracle", "TargetPasses", "AcceptSpy"]
 
 
 def speculative_accept_oracle(p, q, draft_tokens, u):
@@ -117,169 +120,321 @@ def tiny_gpt_pair(seed: int, vocab_size: int = 6, block_size: int = 48):
 
 
 
-@torch.no_grad()
-def cache_matches_tokens(model, cache, tokens) -> float:
-    """How far the cache is from holding exactly tokens[:, :cache.length]: feed the rest of tokens and compare the
-    last logits with a full forward pass of tokens (no cache); the cache is cropped back afterwards."""
-    from ..kv_cache import cached_forward  # chapter 05's cached forward: not a chapter 07 solution
-
-    length = cache.length
-    logits = cached_forward(model, tokens[:, length:], cache)[:, -1]
-    cache.crop(length)
-    return (logits - model(tokens)[0][:, -1]).abs().max().item()
+_ORACLE_PASSES = [0]  # > 0 while an oracle runs a model
 
 
-def _run_step(speculative_step, round_, target, draft, tokens, tc, dc, K, **sampling):
-    """speculative_step's result, or a failure that says what the exception most likely means."""
-    n, before = tokens.shape[1], dc.length
-    sampling = sampling or {"do_sample": False}
+def _oracle_probs(model, context, do_sample: bool, temperature: float) -> torch.Tensor:
+    """(m, V) float64: the distribution of the token after each prefix of context (1, m), by one full forward pass
+    (no cache): softmax(logits / temperature), or the one-hot argmax when greedy."""
+    _ORACLE_PASSES[0] += 1  # not the learner's: TargetPasses does not count it
     try:
-        return speculative_step(target, draft, tokens, tc, dc, K, accept=speculative_accept_oracle, **sampling)
-    except NotImplementedError:
-        raise  # not written yet: nothing to explain
+        with torch.no_grad():
+            logits = model(context)[0][0].double()
+    finally:
+        _ORACLE_PASSES[0] -= 1
+    if not do_sample:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def greedy_rounds_oracle(target, draft, prompt, max_new_tokens: int, K: int):
+    """(proposed_per_round, accepted_per_round) of greedy speculative decoding, by full forward passes (no cache):
+    each round the draft's greedy continuation of k = min(K, r - 1) tokens (r still to generate), kept while it
+    agrees with the target's greedy choice, then the target's own choice."""
+    tokens, total, proposed, accepted = prompt, prompt.shape[1] + max_new_tokens, [], []
+    while tokens.shape[1] < total:
+        n = tokens.shape[1]
+        k = min(K, total - n - 1)
+        guess = greedy_oracle(draft, tokens, k)  # (1, n + k): the draft's greedy proposals
+        with torch.no_grad():
+            choices = target(guess)[0][0, n - 1:].argmax(-1)  # (k + 1,): the target's choice at each position
+        a = 0
+        while a < k and int(guess[0, n + a]) == int(choices[a]):
+            a += 1
+        tokens = torch.cat([tokens, guess[:, n:n + a], choices[a].view(1, 1)], dim=1)
+        proposed.append(k)
+        accepted.append(a)
+    return proposed, accepted
+
+
+class TargetPasses:
+    """Counts a GPT's forward passes and the positions they read (a hook on its lm_head, which every pass,
+    cached or not, runs once over its new positions). Use as a context manager."""
+
+    def __init__(self, model):
+        self.model, self.calls, self.positions = model, 0, 0
+
+    def _hook(self, module, inputs, output):
+        if _ORACLE_PASSES[0]:
+            return
+        self.calls += 1
+        self.positions += inputs[0].shape[-2]
+
+    def __enter__(self):
+        self._handle = self.model.lm_head.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.remove()
+
+
+class AcceptSpy:
+    """An ``accept`` for the learner's loop: the course's rule (speculative_accept_oracle), recording every call.
+
+    With ``models=(target, draft)``, ``prompt``, ``max_new_tokens``, ``K`` and the sampling settings, it also
+    checks each call as it comes, against full forward passes of both models (no cache): the number of
+    proposals, p and q. It follows the committed tokens itself, so the next_probs it returns must be one-hot
+    (greedy, or ``override(p, n)`` returning one): the round's last token is then known.
+    """
+
+    def __init__(self, models=None, prompt=None, max_new_tokens=0, K=0, do_sample=False, temperature=1.0,
+                 override=None, what=""):
+        self.calls, self.models, self.override, self.what = [], models, override, what
+        self.K, self.do_sample, self.temperature = K, do_sample, temperature
+        self.tokens = prompt
+        self.total = None if prompt is None else prompt.shape[1] + max_new_tokens
+
+    def __call__(self, p, q, draft_tokens, u):
+        p, u = torch.as_tensor(p).double(), torch.as_tensor(u).double()
+        q, x = torch.as_tensor(q).double(), torch.as_tensor(draft_tokens)
+        k = x.shape[0] if x.dim() == 1 else -1
+        V = p.shape[-1]
+        if x.dim() != 1 or tuple(u.shape) != (k,) or (k and tuple(q.shape) != (k, V)) or p.dim() != 2:
+            fail(f"{self.what}: accept must be called as accept(p (k + 1, V), q (k, V), draft_tokens (k,), u (k,)) for "
+                 f"k proposals; yours passed p {tuple(p.shape)}, q {tuple(q.shape)}, draft_tokens {tuple(x.shape)}, "
+                 f"u {tuple(u.shape)}")
+        if k and not ((u >= 0) & (u < 1)).all():
+            fail(f"{self.what}: u must hold uniform numbers in [0, 1), one per proposal; yours passed {u.tolist()}")
+        if self.models is not None:
+            self._verify(p, q, x)
+        n, probs = speculative_accept_oracle(p, q, x, u) if k else (0, p[0])
+        if self.override is not None:
+            probs = self.override(p, n)
+        self.calls.append((p, q, x, u, n, probs))
+        if self.models is not None:
+            self.tokens = torch.cat([self.tokens, x[:n].view(1, -1).long(), probs.argmax().view(1, 1)], dim=1)
+        return n, probs
+
+    def _probs(self, model, context, temperature=None):
+        return _oracle_probs(model, context, self.do_sample, self.temperature if temperature is None else temperature)
+
+    def _verify(self, p, q, x):
+        target, draft = self.models
+        tokens, r, k = self.tokens, len(self.calls), x.shape[0]
+        n, total = tokens.shape[1], self.total
+        at = f"{self.what}, round {r + 1} (n = {n} committed tokens, {total - n} still to generate"
+        if n >= total:  # the learner's loop is behind the committed tokens
+            self._explain_p(p, None, x, f"{self.what}, round {r + 1} (your loop went on after all new tokens were there")
+        context = torch.cat([tokens, x.view(1, -1).long()], dim=1)
+        want_p = self._probs(target, context)[n - 1:]  # (k + 1, V)
+        if tuple(p.shape) != tuple(want_p.shape) or not torch.allclose(p, want_p, atol=1e-4, rtol=0):
+            self._explain_p(p, want_p, x, at)
+        if k != min(self.K, total - n - 1):
+            fail(f"{at}): it proposed k = {k} tokens, expected min(K, r - 1) = {min(self.K, total - n - 1)}: K = {self.K} "
+                 "unless fewer fit (a round adds its kept proposals plus one token, so with r tokens to go it proposes "
+                 "at most r - 1; none are wasted, none go past the end)")
+        if k:
+            want_q = self._probs(draft, context)[n - 1:n - 1 + k]  # (k, V)
+            if not torch.allclose(q, want_q, atol=1e-4, rtol=0):
+                if self.do_sample and torch.allclose(q, self._probs(draft, context, 1.0)[n - 1:n - 1 + k], atol=1e-4, rtol=0):
+                    fail(f"{at}): the q you passed to accept ignores the temperature ({self.temperature:g}): q must be the "
+                         "distribution each proposal was drawn from, probs_from_logits(logits, do_sample, temperature)")
+                fail(f"{at}): the q you passed to accept is not the draft's distribution after the committed tokens and "
+                     f"the proposals before each one (full forward passes of the draft disagree by "
+                     f"{(q - want_q).abs().max():.3g})" + (": does the draft's cache still hold rejected proposals of an "
+                     "earlier round? Roll it back too" if r else ""))
+
+    def _matches(self, p, context, start):
+        rows = self._probs(self.models[0], context)[start:]
+        return tuple(rows.shape) == tuple(p.shape) and torch.allclose(p, rows, atol=1e-4, rtol=0)
+
+    def _explain_p(self, p, want_p, x, at):
+        tokens, k, r = self.tokens, x.shape[0], len(self.calls)
+        n, xs = tokens.shape[1], x.view(1, -1).long()
+        context = torch.cat([tokens, xs], dim=1)
+        if want_p is not None and self.do_sample and self._matches_at_temperature_one(p, context, n - 1):
+            fail(f"{at}): the p you passed to accept ignores the temperature ({self.temperature:g}): the target's "
+                 "probabilities are probs_from_logits(logits, do_sample, temperature), as the draft's")
+        for shift in (-1, 1) if want_p is not None else ():  # p one position early or late
+            lo = n - 1 + shift
+            rows = self._probs(self.models[0], context)
+            if (lo >= 0 and lo + k + 1 <= rows.shape[0] and p.shape == rows[lo:lo + k + 1].shape
+                    and torch.allclose(p, rows[lo:lo + k + 1], atol=1e-4, rtol=0)):
+                fail(f"{at}): the p you passed to accept is the target's distribution one position too "
+                     f"{'early' if shift < 0 else 'late'}: p[i] is the distribution of proposal i's position, from the "
+                     "logits of the token before it (the last committed token for p[0]), and p[k] the one after the "
+                     "last proposal: the last k + 1 positions of the verification pass")
+        if r:
+            (_, _, _, _, pa, probs), pk = self.calls[-1], len(self.calls[-1][2])
+            if p.shape[0] < k + 1 and any(c[4] == len(c[2]) for c in self.calls):
+                fail(f"{at}): p has shape {tuple(p.shape)}, expected (k + 1, V) = ({k + 1}, {p.shape[-1]}): the target "
+                     "pass read fewer tokens than it should, as if its cache held a token the text does not. Did a "
+                     "round that kept all its proposals add only those? It must add one more token drawn from "
+                     "next_probs (then the target's p[k]: the bonus token)")
+            if p.shape[0] < k + 1:
+                fail(f"{at}): p has shape {tuple(p.shape)}, expected (k + 1, V) = ({k + 1}, {p.shape[-1]}): the target "
+                     "pass read fewer tokens than it should: does the target's cache still hold rejected proposals "
+                     "of an earlier round? After each round roll both caches back to the committed tokens but the "
+                     "newest (KVCache.crop)")
+            for y in range(p.shape[-1]):  # the previous round's last token was another one
+                if y != int(tokens[0, -1]) and self._matches(p, torch.cat([tokens[:, :-1], torch.tensor([[y]]), xs], 1), n - 1):
+                    fail(f"{self.what}, round {r}: after the {pa} kept proposals you added token {y}, to which next_probs, "
+                         f"the distribution accept returned, gives probability {probs[y].item():.3g}: draw the round's "
+                         "last token from next_probs (after a rejection the residual, after k kept proposals the "
+                         "target's p[k]), not from the target's p[a] and not by an argmax")
+            if self._matches(p, torch.cat([tokens[:, :-1], xs], 1), n - 2):
+                fail(f"{self.what}, round {r} (a = {pa} of k = {pk} kept) added only its kept proposals: the round ends "
+                     "with one more token drawn from next_probs (when all k are kept, from the target's p[k]: the "
+                     "bonus token)")
+            for y in range(p.shape[-1]):
+                if self._matches(p, torch.cat([tokens, torch.tensor([[y]]), xs], 1), n):
+                    fail(f"{self.what}, round {r} (a = {pa} of k = {pk} kept) added one token too many: after a rejection "
+                         "the round ends with the one token drawn from next_probs, no bonus token")
+            fail(f"{at}): the first round's p was right, this one's is not the target's distribution after the "
+                 f"committed tokens and the proposals ({self._gap(p, want_p)}): does the target's cache still hold "
+                 "rejected proposals of an earlier round? After each round roll both caches back to the committed "
+                 "tokens but the newest (KVCache.crop)")
+        fail(f"{at}): the p you passed to accept is not the target's distribution at each proposal's position and one "
+             f"beyond ({self._gap(p, want_p)}): p must be the last k + 1 positions of ONE target pass over what its "
+             "cache lacks and the k proposals")
+
+    def _matches_at_temperature_one(self, p, context, start):
+        rows = self._probs(self.models[0], context, 1.0)[start:]
+        return tuple(rows.shape) == tuple(p.shape) and torch.allclose(p, rows, atol=1e-4, rtol=0)
+
+    @staticmethod
+    def _gap(p, want_p):
+        if want_p is None:
+            return "there was nothing left to generate"
+        if tuple(p.shape) != tuple(want_p.shape):
+            return f"p has shape {tuple(p.shape)}, expected (k + 1, V) = {tuple(want_p.shape)}"
+        return f"full forward passes disagree by {(p - want_p).abs().max():.3g}"
+
+
+def _run_generate(speculative_generate, what, target, draft, prompt, max_new_tokens, K, spy, **kwargs):
+    """The learner's result, or a failure that says what the exception most likely means."""
+    try:
+        out = speculative_generate(target, draft, prompt, max_new_tokens, num_draft_tokens=K, accept=spy, **kwargs)
+    except (NotImplementedError, CheckFailed):
+        raise  # not written yet, or a failure the spy already explained
     except Exception as error:  # noqa: BLE001 - the learner's code may raise anything; say what it means
-        where = f"round {round_} (n = {n} tokens, K = {K} drafts) raised {type(error).__name__}: {error}"
-        if any(frame.name == "crop" for frame in traceback.extract_tb(error.__traceback__)):
-            fail(f"{where}. crop can only forget slots: the draft cache never fed its last proposal, so it holds "
-                 f"one slot less than n + a when all K drafts are accepted; crop it to min(draft_cache.length, n + a)")
-        if K == 0:
-            fail(f"{where}. K = 0 must work (the last round of a generation may have no room for drafts): no draft "
-                 f"pass, one target pass over what its cache lacks, a = 0 and one token drawn from p[0] "
-                 f"(the draft cache held {before} slots)")
+        calls = spy.calls
+        n = prompt.shape[1] + sum(c[4] + 1 for c in calls)
+        k = min(K, prompt.shape[1] + max_new_tokens - n - 1)
+        where = (f"{what}: your speculative_generate raised {type(error).__name__} in round {len(calls) + 1} "
+                 f"(n = {n} committed tokens, k = {k} proposals): {error}")
+        if "crop" in [frame.name for frame in traceback.extract_tb(error.__traceback__)]:
+            fail(f"{where}. crop can only forget slots: the draft's cache never fed its last proposal, so after a "
+                 "round that kept every proposal it holds one slot less than the committed tokens but the newest; "
+                 "crop it to whichever is smaller")
+        if k == 0:
+            fail(f"{where}. The last round of a generation may have room for no proposal at all, k = 0: it must work "
+                 "too, with no draft pass, one target pass and accept called with empty q, draft_tokens and u")
+        if any(c[4] < len(c[2]) for c in calls):
+            fail(f"{where}. An earlier round rejected a proposal: do your caches still hold rejected proposals? A cache "
+                 "ahead of the committed tokens leaves nothing (or the wrong tokens) to feed; after each round roll "
+                 "both caches back to the committed tokens but the newest (KVCache.crop)")
         fail(where)
+    if not all(hasattr(out, name) for name in ("tokens", "proposed_per_round", "accepted_per_round")):
+        fail(f"{what}: speculative_generate must return SpeculativeOutput(tokens, num_draft_tokens, proposed_per_round, "
+             f"accepted_per_round), got {type(out).__name__}")
+    return out
 
 
-def check_speculative_step(speculative_step) -> None:
-    """Visible checks for chapter 07, exercise 2, with the course's acceptance rule (so only the step is tested)."""
-    from ..kv_cache import KVCache
+def _check_result(out, spy, what):
+    """The tokens the spy followed round by round, and the rounds' k and a, are what the learner returns."""
+    tokens, want = out.tokens, spy.tokens
+    if tuple(tokens.shape) != tuple(want.shape) or not torch.equal(tokens, want):
+        if tokens.dim() == 2 and tokens.shape[1] > want.shape[1]:
+            fail(f"{what}: your tokens have shape {tuple(tokens.shape)}, expected (1, T + max_new_tokens) = "
+                 f"{tuple(want.shape)}: each round adds its kept proposals and exactly one more token (no extra "
+                 "token after a rejection), and no round goes past max_new_tokens")
+        fail(f"{what}: your tokens {tokens.tolist()} are not the committed tokens of your rounds {want.tolist()}: each "
+             "round adds its a kept proposals and then one token drawn from next_probs, the distribution accept returned")
+    k_a = ([len(c[2]) for c in spy.calls], [c[4] for c in spy.calls])
+    if (list(out.proposed_per_round), list(out.accepted_per_round)) != k_a:
+        fail(f"{what}: proposed_per_round {list(out.proposed_per_round)} and accepted_per_round "
+             f"{list(out.accepted_per_round)} must be the k and a of each round, in order: expected {k_a[0]} and {k_a[1]}")
+
+
+def _check_drawn(speculative_generate, target, draft, prompt) -> None:
+    """next_probs that splits its mass 0.55 / 0.45 between two tokens: the round's last token is drawn, not the argmax.
+    A correct loop ends all of its R >= 20 rounds with the likelier token with probability 0.55^R < 7e-6."""
+    def split(p, n):
+        low = p[n].argsort()[:2]  # the target's two least likely tokens: nothing else could give them so often
+        probs = torch.zeros_like(p[n])
+        probs[low[0]], probs[low[1]] = 0.55, 0.45
+        return probs
+
+    spy, what = AcceptSpy(override=split), "sampling, K = 1, 40 new tokens"
+    out = _run_generate(speculative_generate, what, target, draft, prompt, 40, 1, spy, do_sample=True,
+                        generator=torch.Generator().manual_seed(11))
+    ends, n = [], prompt.shape[1]
+    for *_, a, probs in spy.calls:
+        ends.append((int(out.tokens[0, n + a]), probs))
+        n += a + 1
+    if any(probs[token] == 0 for token, probs in ends):
+        fail(f"{what}: a round ended with a token to which next_probs, the distribution accept returned, gives "
+             "probability 0: draw the round's last token from next_probs")
+    likelier = {int(probs.argmax()) for _, probs in ends}
+    if all(token == int(probs.argmax()) for token, probs in ends):
+        fail(f"{what}: next_probs split its mass 0.55 / 0.45 between two tokens, and all {len(ends)} rounds ended "
+             f"with the likelier one ({sorted(likelier)}): draw the round's last token from next_probs "
+             "(draw_token(next_probs, generator)), do not take its argmax")
+
+
+def check_speculative_generate(speculative_generate) -> None:
+    """Visible checks for chapter 07, exercise 2, with the course's acceptance rule (so only the loop is tested)."""
+    import copy
 
     target, draft = tiny_gpt_pair(702)
-    tokens = torch.tensor([[0, 3, 1, 2]])
-    expected = greedy_oracle(target, tokens, 30)
-    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(draft, 1)
-    for round_ in range(10):
-        n, K, before = tokens.shape[1], (1 + round_) % 5, dc.length  # K = 1, 2, 3, 4, 0, 1, ...
-        result = _run_step(speculative_step, round_, target, draft, tokens, tc, dc, K)
-        if not isinstance(result, tuple) or len(result) != 2:
-            fail(f"speculative_step should return (tokens, a), got {type(result).__name__}")
-        new, a = result
-        a = int(a)
-        if a == K and tuple(new.shape) == (1, n + K):
-            fail(f"round {round_}: all K = {K} drafts were accepted, so the step must add K + 1 = {K + 1} tokens (the last "
-                 f"one is the bonus token, drawn from the target's distribution after the drafts); yours added {K}")
-        if not 0 <= a <= K or tuple(new.shape) != (1, n + a + 1):
-            fail(f"round {round_}: with n = {n} tokens, K = {K} drafts and a = {a} accepted, the tokens must have shape "
-                 f"(1, n + a + 1) = (1, {n + a + 1}), got {tuple(new.shape)}")
-        if not torch.equal(new[:, :n], tokens):
-            fail(f"round {round_}: the first n = {n} tokens must stay as they were")
-        if tc.length != n + a:
-            fail(f"round {round_}: after the step the target cache holds {tc.length} slots, expected n + a = {n + a} "
-                 "(every committed token but the newest): roll back with target_cache.crop(n + a)")
-        if dc.length > n + a:
-            fail(f"round {round_}: after the step the draft cache holds {dc.length} slots, more than n + a = {n + a}: "
-                 "it still holds rejected draft tokens (roll it back with draft_cache.crop)")
-        # K draft passes leave n + K - 1 slots (the last draft is not fed); K = 0 needs no draft pass (one that only
-        # feeds what the draft cache lacks does no harm)
-        kept = min(n + K - 1, n + a) if K else before
-        if dc.length < kept or (K and dc.length != kept):
-            fail(f"round {round_} (K = {K}, a = {a}): after the step the draft cache holds {dc.length} slots, expected "
-                 f"min(its length, n + a) = {kept}. Either it was cropped too far (forget only the rejected drafts, "
-                 "draft_cache.crop(min(draft_cache.length, n + a)); cropping more re-feeds the whole prefix to the "
-                 "draft every round), or its first pass did not feed every committed token it lacked "
-                 "(tokens[:, draft_cache.length:])")
-        for model, cache, name in ((target, tc, "target"), (draft, dc, "draft")):
-            gap = cache_matches_tokens(model, cache, new)
-            if gap > 1e-4:
-                fail(f"round {round_}: the {name} cache does not hold the committed tokens: continuing from it gives "
-                     f"logits off by {gap:.3g} from a fresh forward pass (rejected drafts left in the cache?)")
-        tokens = new
-        if not torch.equal(tokens, expected[:, :tokens.shape[1]]):
-            fail(f"round {round_}: greedy verification must reproduce the target's greedy tokens exactly; "
-                 f"expected {expected[0, n:tokens.shape[1]].tolist()} after position {n}, got {tokens[0, n:].tolist()}")
-    _check_target_lacking_more(speculative_step, target, draft, expected)
-    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(target, 1)
-    tokens = torch.tensor([[1, 2]])
-    for K in (1, 3):
-        n = tokens.shape[1]
-        tokens, a = _run_step(speculative_step, f"identical draft, K = {K}", target, target, tokens, tc, dc, K)
-        if tokens.shape[1] - n != K + 1:
-            fail(f"with a draft identical to the target all K = {K} drafts are accepted, and the step must add K + 1 = "
-                 f"{K + 1} tokens (the last one is the bonus token, drawn from the target's distribution after the "
-                 f"drafts); yours added {tokens.shape[1] - n}")
-    _check_sampling(speculative_step, target, draft, expected)
-    passed("speculative_step")
+    prompt, T = torch.tensor([[0, 3, 1, 2]]), 4
+    # 1. greedy, with a draft that sometimes agrees: every round against full forward passes, and the cost
+    K, new, what = 3, 13, "greedy, K = 3"
+    spy = AcceptSpy((target, draft), prompt, new, K, what=what)
+    with TargetPasses(target) as passes:
+        out = _run_generate(speculative_generate, what, target, draft, prompt, new, K, spy, do_sample=False)
+    _check_result(out, spy, what)
+    rounds = len(spy.calls)
+    if passes.calls != rounds:
+        fail(f"{what}: {rounds} rounds made {passes.calls} target forward passes, expected one per round: the target "
+             "judges all of a round's proposals (and reads what its cache lacks) in ONE pass")
+    expected_positions = T + sum(len(c[2]) for c in spy.calls) + rounds - 1
+    if passes.positions != expected_positions:
+        fail(f"{what}: your target passes read {passes.positions} positions in all, expected T + proposals + rounds - 1 "
+             f"= {expected_positions}: with its KV cache the target reads each committed token once and each proposal "
+             "once (feed it only what its cache lacks; a cache cropped too far, or the whole text fed every round, "
+             "reads more)")
+    if not torch.equal(out.tokens, greedy_oracle(target, prompt, new)):
+        fail(f"{what}: your tokens differ from the target's greedy decoding")
+    # 2. a draft identical to the target: every proposal is kept, and every round earns the bonus token
+    twin, what = copy.deepcopy(target), "a draft identical to the target, K = 3"
+    spy = AcceptSpy((target, twin), prompt, 12, 3, what=what)
+    out = _run_generate(speculative_generate, what, target, twin, prompt, 12, 3, spy, do_sample=False)
+    _check_result(out, spy, what)
+    if list(out.accepted_per_round) != [3, 3, 3]:
+        fail(f"{what}, 12 new tokens: every proposal is kept and each round adds K + 1 = 4 tokens (the last the bonus "
+             f"token), so 3 rounds that keep 3 each; you reported accepted_per_round = {list(out.accepted_per_round)}")
+    # 3. sampling at temperature 2: the round's last token comes from next_probs, whatever it is
+    def least_likely(p, n):  # a next_probs no correct loop could confuse with the target's own p[n]
+        return torch.nn.functional.one_hot(p[n].argmin(), p.shape[-1]).double()
 
-
-def _check_target_lacking_more(speculative_step, target, draft, expected) -> None:
-    """A target cache that lacks 4 committed tokens, not just the newest: all of them are fed first."""
-    from ..kv_cache import KVCache, cached_forward
-
-    tokens, K = expected[:, :6], 2
-    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(draft, 1)
-    with torch.no_grad():
-        cached_forward(target, tokens[:, :2], tc)  # the target cache holds 2 of the 6 tokens
-        cached_forward(draft, tokens[:, :5], dc)  # the draft cache holds all but the newest
-    what = ("the target cache held 2 of the n = 6 committed tokens (4 lacking): feed it everything it lacks, "
-            "tokens[:, target_cache.length:], then the K drafts, in one pass (not just the newest token)")
-    try:
-        new, a = speculative_step(target, draft, tokens, tc, dc, K, do_sample=False, accept=speculative_accept_oracle)
-    except Exception as error:  # noqa: BLE001 - the learner's code may raise anything; say what it means
-        fail(f"{what}; your step raised {type(error).__name__}: {error}")
-    a = int(a)
-    if (tuple(new.shape) != (1, 6 + a + 1) or not torch.equal(new, expected[:, :new.shape[1]]) or tc.length != 6 + a
-            or cache_matches_tokens(target, tc, new) > 1e-4):
-        fail(f"{what}. Expected the target's greedy tokens {expected[0, 6:6 + a + 1].tolist()} after position 6 and "
-             f"{6 + a} slots in the target cache, got {new[0, 6:].tolist()} and {tc.length}")
-
-
-def _check_sampling(speculative_step, target, draft, expected) -> None:
-    """Sampling: the seeded generator makes every draw; the target's probabilities honour the temperature."""
-    from ..kv_cache import KVCache
-
+    what = "sampling at temperature 2, K = 2"
+    spy = AcceptSpy((target, draft), prompt, 10, 2, do_sample=True, temperature=2.0, override=least_likely, what=what)
+    out = _run_generate(speculative_generate, what, target, draft, prompt, 10, 2, spy, do_sample=True, temperature=2.0,
+                        generator=torch.Generator().manual_seed(7))
+    _check_result(out, spy, what)
+    _check_drawn(speculative_generate, target, draft, prompt)
+    # 4. the seeded generator makes every draw
     runs = []
     for global_seed in (1, 2):  # the global random state differs, the generator's does not
         with torch.random.fork_rng():
             torch.manual_seed(global_seed)
-            tokens, generator = expected[:, :4], torch.Generator().manual_seed(7)
-            tc, dc = KVCache.for_model(target, 1), KVCache.for_model(draft, 1)
-            for round_ in range(3):
-                tokens, _ = _run_step(speculative_step, f"sampled {round_}", target, draft, tokens, tc, dc, 3,
-                                      do_sample=True, generator=generator)
-            runs.append(tokens[0, 4:].tolist())
+            out = _run_generate(speculative_generate, "sampling", target, draft, prompt, 10, 2, AcceptSpy(),
+                                do_sample=True, generator=torch.Generator().manual_seed(7))
+            runs.append(out.tokens[0, T:].tolist())
     if runs[0] != runs[1]:
         fail(f"two sampled runs with the same seeded generator gave different tokens ({runs[0]}, then {runs[1]}): every "
-             "random draw must use `generator`: the drafts, u = torch.rand(K, generator=generator, ...) and the next "
-             "token (draw_token(probs, generator))")
-    # K = 0 with temperature 5 at a point where the target is sure of token 5 (0.944 at temperature 1): token 5 has
-    # probability 0.331 at temperature 5, so about 20 of 60 draws
-    tokens, generator, T = expected[:, :12], torch.Generator().manual_seed(8), 5.0
-    with torch.no_grad():
-        target_p = torch.softmax(target(tokens)[0][0, -1].double() / T, dim=-1)
-        top = int(target_p.argmax())
-    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(draft, 1)
-    drawn = []
-    for round_ in range(60):
-        tc.crop(min(tc.length, 11))
-        new, _ = _run_step(speculative_step, f"K = 0, temperature {T}", target, draft, tokens, tc, dc, 0,
-                           do_sample=True, temperature=T, generator=generator)
-        drawn.append(int(new[0, -1]))
-    if len(set(drawn)) == 1:
-        fail(f"K = 0, temperature {T}: 60 sampled steps all gave token {drawn[0]}, whose probability is "
-             f"{target_p[drawn[0]]:.3f}: draw the next token from next_probs (draw_token(next_probs, generator)), "
-             "do not take its argmax")
-    if drawn.count(top) > 40:
-        fail(f"K = 0, temperature {T}: token {top} has probability {target_p[top]:.3f} (softmax(logits / {T:g})), "
-             f"about {60 * target_p[top]:.0f} of 60 draws, but you drew it {drawn.count(top)} times: the target's "
-             "probabilities ignore the temperature; use probs_from_logits(logits, do_sample, temperature) for the target as for the draft")
-    # a draft identical to the target, sampled at temperature 5: p = q at every draft, so p/q = 1 > u and every
-    # draft is accepted, whatever the draws
-    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(target, 1)
-    for round_ in range(15):
-        tc.crop(min(tc.length, 11))
-        dc.crop(min(dc.length, 11))
-        new, a = _run_step(speculative_step, f"identical draft, temperature {T}", target, target, tokens, tc, dc, 2,
-                           do_sample=True, temperature=T, generator=generator)
-        if int(a) != 2:
-            fail(f"a draft identical to the target, sampled at temperature {T}: p = q at every draft, so p/q = 1 > u "
-                 f"and all K = 2 drafts must be accepted, but sampled round {round_} accepted {int(a)}. q must be the "
-                 "distribution each draft was drawn from, softmax(draft logits / temperature), the same as p")
+             "random draw must use `generator`: the proposals, u (torch.rand(k, generator=generator, ...)) and each "
+             "round's last token")
+    passed("speculative_generate")

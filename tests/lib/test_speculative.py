@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from course_lib.gpt import GPT, GPTConfig, gpt_sample
-from course_lib.kv_cache import KVCache, cached_forward
+from course_lib.kv_cache import KVCache
+from course_lib.checks import AcceptSpy
 from course_lib.speculative import (SpeculativeOutput, draw_token, expected_tokens_per_round, plain_cached_generate,
-                                    probs_from_logits, speculative_accept, speculative_generate, speculative_step)
-from tests.planted import bonus_missing_step
+                                    probs_from_logits, speculative_accept, speculative_generate)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks
 
@@ -205,7 +205,7 @@ def test_statistics_add_up():
     out = speculative_generate(target, draft, torch.tensor([[0, 1]]), 25, num_draft_tokens=3, do_sample=True,
                                generator=torch.Generator().manual_seed(0))
     assert out.tokens.shape == (1, 27) and out.new_tokens == 25 == out.accepted + out.rounds
-    assert out.accepted == sum(out.accepted_at) and out.reached[0] == out.rounds - (out.proposed < 3 * out.rounds)
+    assert out.accepted == sum(out.accepted_at) and out.reached[0] == sum(k > 0 for k in out.proposed_per_round)
     assert all(a <= r for a, r in zip(out.accepted_at, out.reached)) and out.target_forwards == out.rounds
     assert out.acceptance_rate == out.accepted / out.proposed
 
@@ -221,15 +221,12 @@ def test_sampling_is_reproducible_with_a_generator_and_greedy_leaves_the_global_
     assert torch.equal(state, torch.get_rng_state())
 
 
-# --- one full speculative step: distribution, rollback, bonus -------------------------------------------------
+# --- whole generations: the target's distribution, rollback, bonus ----------------------------------------------
 
-def two_steps(target, draft, prompt, K, generator, step=speculative_step):
-    """The first two tokens after prompt, from fresh caches, as many rounds as needed."""
-    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(draft, 1)
-    tokens = prompt
-    while tokens.shape[1] < prompt.shape[1] + 2:
-        tokens, _ = step(target, draft, tokens, tc, dc, K, do_sample=True, generator=generator)
-    return tokens[0, prompt.shape[1]:prompt.shape[1] + 2]
+def first_two(target, draft, prompt, K, generator, generate=speculative_generate, accept=speculative_accept):
+    """The first two tokens after prompt, from a generation of three."""
+    out = generate(target, draft, prompt, 3, num_draft_tokens=K, do_sample=True, generator=generator, accept=accept)
+    return out.tokens[0, prompt.shape[1]:prompt.shape[1] + 2]
 
 
 def joint_target_probs(target, prompt) -> torch.Tensor:
@@ -242,39 +239,36 @@ def joint_target_probs(target, prompt) -> torch.Tensor:
     return p1[:, None] * p2
 
 
-N_STEP = 2000
+N_GENERATIONS = 1000
 
 
-def step_counts(step, monkeypatch=None, K=1):
+def generation_counts(accept=speculative_accept, K=2):
     target, draft = tiny_gpt(11, n_layer=2, vocab_size=4, scale=0.6), tiny_gpt(12, vocab_size=4, scale=0.6)
     prompt = torch.tensor([[0, 3, 1, 2, 2, 0]])
     gen = torch.Generator().manual_seed(3)
     counts = torch.zeros(4, 4)
-    for _ in range(N_STEP):
-        x1, x2 = two_steps(target, draft, prompt, K, gen, step)
+    for _ in range(N_GENERATIONS):
+        x1, x2 = first_two(target, draft, prompt, K, gen, accept=accept)
         counts[x1, x2] += 1
     return counts, joint_target_probs(target, prompt)
 
 
-def test_full_steps_follow_the_target_distribution():
-    counts, probs = step_counts(speculative_step, K=2)
+def test_whole_generations_follow_the_target_distribution():
+    counts, probs = generation_counts(K=2)
     assert chi_square_pvalue(counts, probs) > ALPHA
 
 
-def test_the_step_simulation_sees_a_missing_rollback(monkeypatch):
+def test_the_generation_simulation_sees_a_missing_rollback(monkeypatch):
     monkeypatch.setattr(KVCache, "crop", lambda self, length: None)  # planted: the caches keep the rejected drafts
     try:
-        counts, probs = step_counts(speculative_step, K=2)
-    except (IndexError, ValueError):  # here the stale cache runs ahead of the tokens: nothing left to feed
+        counts, probs = generation_counts(K=2)
+    except (IndexError, ValueError, RuntimeError):  # here the stale cache runs ahead of the tokens: nothing left to feed
         return
     assert chi_square_pvalue(counts, probs) < 1e-6
 
 
-@pytest.mark.parametrize("bug", [accept_swapped])
-def test_the_step_simulation_sees_swapped_p_and_q(bug):
-    def step(*args, **kwargs):
-        return speculative_step(*args, accept=bug, **kwargs)
-    counts, probs = step_counts(step, K=2)
+def test_the_generation_simulation_sees_swapped_p_and_q():
+    counts, probs = generation_counts(accept=accept_swapped, K=2)
     assert chi_square_pvalue(counts, probs) < 1e-6
 
 
@@ -283,65 +277,52 @@ def test_greedy_equality_fails_without_rollback(monkeypatch):
     prompt = torch.tensor([[0, 1, 2]])
     expected = gpt_sample(target, prompt, 20, greedy=True)
     monkeypatch.setattr(KVCache, "crop", lambda self, length: None)
-    with pytest.raises((AssertionError, ValueError, IndexError)):  # wrong tokens, or the stale cache runs ahead
+    with pytest.raises((AssertionError, ValueError, IndexError, RuntimeError)):  # wrong tokens, or the stale cache runs ahead
         assert torch.equal(speculative_generate(target, draft, prompt, 20, num_draft_tokens=4).tokens, expected)
 
 
-def test_the_caches_are_rolled_back_to_the_committed_tokens():
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_every_round_sees_what_full_forward_passes_see(do_sample):
+    """Each round's p and q (what accept is given) equal the target's and the draft's distributions from full forward
+    passes over the committed tokens and the proposals: both caches were rolled back to the committed tokens."""
     target, draft = tiny_gpt(1, n_layer=2), tiny_gpt(2)
-    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(draft, 1)
-    tokens = torch.tensor([[0, 1, 2]])
-    for _ in range(6):
-        n = tokens.shape[1]
-        tokens, a = speculative_step(target, draft, tokens, tc, dc, 4)
-        assert tokens.shape[1] == n + a + 1 and tc.length == n + a and dc.length == min(n + a, n + 3)  # drafted up to n + 3
-        # what the target cache holds is exactly a fresh prefill of the committed tokens but the newest
-        fresh = KVCache.for_model(target, 1)
-        cached_forward(target, tokens[:, :-1], fresh)
-        torch.testing.assert_close(tc.storage[..., :tc.length, :], fresh.storage[..., :fresh.length, :], rtol=1e-5, atol=1e-5)
+    prompt = torch.tensor([[0, 1, 2]])
 
+    def one_hot_next(p, n):  # one-hot next_probs, so that the spy knows every committed token
+        return torch.nn.functional.one_hot(p[n].argmax(), p.shape[-1]).double()
 
-@pytest.mark.parametrize("step,ok", [(speculative_step, True), (bonus_missing_step, False)])
-def test_every_round_of_an_identical_draft_yields_k_plus_one_tokens(step, ok):
-    target = tiny_gpt(3)
-    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(target, 1)
-    tokens, lengths = torch.tensor([[1, 2, 3]]), []
-    for _ in range(4):
-        n = tokens.shape[1]
-        tokens, a = step(target, target, tokens, tc, dc, 3, do_sample=True, generator=torch.Generator().manual_seed(n))
-        lengths.append(tokens.shape[1] - n)
-    assert (lengths == [4] * 4) == ok
+    spy = AcceptSpy((target, draft), prompt, 24, 4, do_sample=do_sample, temperature=1.3,
+                    override=one_hot_next if do_sample else None, what="test")
+    out = speculative_generate(target, draft, prompt, 24, num_draft_tokens=4, do_sample=do_sample, temperature=1.3,
+                               generator=torch.Generator().manual_seed(0), accept=spy)
+    assert torch.equal(out.tokens, spy.tokens) and len(spy.calls) == out.rounds
+    assert any(a < k for k, a in zip(out.proposed_per_round, out.accepted_per_round))  # some rounds rolled back
 
 
 # --- small helpers and argument checks ------------------------------------------------------------------------
 
-def test_speculative_generate_runs_the_step_and_accept_it_is_given():
+def test_speculative_generate_runs_the_accept_it_is_given():
     target, draft = tiny_gpt(0, 2), tiny_gpt(1, 1)
     prompt = torch.tensor([[1, 2, 3]])
-    calls = {"step": 0, "accept": 0}
+    calls = {"accept": 0}
 
     def counting_accept(*args):
         calls["accept"] += 1
         return speculative_accept(*args)
 
-    def counting_step(*args, **kwargs):
-        calls["step"] += 1
-        return speculative_step(*args, **kwargs)
-
-    out = speculative_generate(target, draft, prompt, 12, num_draft_tokens=3, step=counting_step, accept=counting_accept)
+    out = speculative_generate(target, draft, prompt, 12, num_draft_tokens=3, accept=counting_accept)
     assert torch.equal(out.tokens, speculative_generate(target, draft, prompt, 12, num_draft_tokens=3).tokens)
-    assert calls["step"] == calls["accept"] == out.rounds >= 4
+    assert calls["accept"] == out.rounds >= 4
 
 
-def test_k_zero_is_one_plain_step_of_the_target():
+def test_the_last_round_may_propose_nothing_and_is_one_plain_step_of_the_target():
     target, draft = tiny_gpt(0, 2), tiny_gpt(1, 1)
     tokens = torch.tensor([[1, 2, 3]])
-    tc, dc = KVCache.for_model(target, 1), KVCache.for_model(draft, 1)
-    new, a = speculative_step(target, draft, tokens, tc, dc, 0)
+    out = speculative_generate(target, draft, tokens, 1, num_draft_tokens=3)
     with torch.no_grad():
         expected = target(tokens)[0][0, -1].argmax()
-    assert a == 0 and new.shape == (1, 4) and new[0, -1] == expected
-    assert tc.length == 3 and dc.length == 0  # the target cache holds every committed token but the newest; no draft pass
+    assert out.proposed_per_round == [0] and out.accepted_per_round == [0]
+    assert out.tokens.shape == (1, 4) and out.tokens[0, -1] == expected
 
 
 def test_expected_tokens_per_round_formula():

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from course_lib import checks
-from course_lib.speculative import speculative_accept, speculative_step
-from tests.planted import bonus_missing_step
+from course_lib.speculative import speculative_accept, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks
 
@@ -77,39 +76,30 @@ def planted(function, old: str, new: str, *more: str):
     return namespace[function.__name__]
 
 
-draft_cropped_without_min = planted(speculative_step, "draft_cache.crop(min(draft_cache.length, n + a))",
-                                    "draft_cache.crop(n + a)")
+G = speculative_generate
+CROP_T, CROP_D = "target_cache.crop(n + a)", "draft_cache.crop(min(draft_cache.length, n + a))"
+APPEND = "tokens = torch.cat([tokens, drafts[:, :a], draw_token(next_probs, generator)], dim=1)"
+P_ROWS = "p = probs_from_logits(logits[0, -(K + 1):], do_sample, temperature)"
 
-
-draft_cropped_to_zero = planted(speculative_step, "draft_cache.crop(min(draft_cache.length, n + a))",
-                                "draft_cache.crop(0)")
-target_fed_newest_only = planted(speculative_step, "torch.cat([tokens[:, target_cache.length:], drafts]",
-                                 "torch.cat([tokens[:, -1:] if target_cache.length else tokens, drafts]")
-u_without_generator = planted(speculative_step, "u = torch.rand(K, generator=generator, dtype=torch.float64)",
-                              "u = torch.rand(K, dtype=torch.float64)")
-next_token_by_argmax = planted(speculative_step, "draw_token(next_probs, generator)", "next_probs.argmax().view(1, 1)")
-target_ignores_temperature = planted(speculative_step, "p = probs_from_logits(logits[0, -(K + 1):], do_sample, temperature)",
-                                     "p = probs_from_logits(logits[0, -(K + 1):], do_sample, 1.0)")
-
+no_rollback = planted(G, CROP_T, "pass", CROP_D, "pass")
+target_not_rolled_back = planted(G, CROP_T, "pass")
+draft_not_rolled_back = planted(G, CROP_D, "pass")
+bonus_dropped = planted(G, APPEND, "tokens = torch.cat([tokens, drafts[:, :a]] + ([draw_token(next_probs, generator)] if a < K else []), dim=1)")
+bonus_always = planted(G, APPEND, APPEND + "\n        if a < K:\n            tokens = torch.cat([tokens, draw_token(p[K], generator)], dim=1)")
+p_one_early = planted(G, P_ROWS, "p = probs_from_logits(logits[0, -(K + 2):-1], do_sample, temperature)")
+overshoots = planted(G, "K = min(num_draft_tokens, total - n - 1)", "K = min(num_draft_tokens, total - n)")
+drawn_from_p = planted(G, "draw_token(next_probs, generator)", "draw_token(p[a], generator)")
+next_by_argmax = planted(G, "draw_token(next_probs, generator)", "next_probs.argmax().view(1, 1)")
+u_without_generator = planted(G, "u = torch.rand(K, generator=generator, dtype=torch.float64)", "u = torch.rand(K, dtype=torch.float64)")
+target_ignores_temperature = planted(G, P_ROWS, "p = probs_from_logits(logits[0, -(K + 1):], do_sample, 1.0)")
 q_without_temperature = planted(  # drafts drawn at the temperature, but q reported at temperature 1
-    speculative_step, "probs = probs_from_logits(cached_forward(draft, new, draft_cache)[0, -1], do_sample, temperature)",
+    G, "probs = probs_from_logits(cached_forward(draft, new, draft_cache)[0, -1], do_sample, temperature)",
     "logits_d = cached_forward(draft, new, draft_cache)[0, -1]; probs = probs_from_logits(logits_d, do_sample, temperature)",
     "q.append(probs)", "q.append(probs_from_logits(logits_d, do_sample, 1.0))")
-
-
-def fails_at_k_zero(target, draft, tokens, target_cache, draft_cache, K, **kwargs):
-    if K == 0:
-        torch.stack([])  # what torch.stack(q) does with no drafts
-    return speculative_step(target, draft, tokens, target_cache, draft_cache, K, **kwargs)
-
-
-def step_without_rollback(target, draft, tokens, target_cache, draft_cache, K, **kwargs):
-    crop = type(target_cache).crop
-    type(target_cache).crop = lambda self, n: None
-    try:
-        return speculative_step(target, draft, tokens, target_cache, draft_cache, K, **kwargs)
-    finally:
-        type(target_cache).crop = crop
+fails_at_k_zero = planted(G, "torch.stack(q) if K else p[:0]", "torch.stack(q)")
+cropped_too_far = planted(G, CROP_T, "target_cache.crop(n + a - 1)", CROP_D, "draft_cache.crop(min(draft_cache.length, n + a - 1))")
+draft_cropped_without_min = planted(G, CROP_D, "draft_cache.crop(n + a)")
+separate_prefill = planted(G, "        # 2. verify", "        if target_cache.length == 0:\n            cached_forward(target, tokens[:, :-1], target_cache)\n        # 2. verify")
 
 
 @pytest.mark.parametrize("check,buggy,message", [
@@ -119,17 +109,33 @@ def step_without_rollback(target, draft, tokens, target_cache, draft_cache, K, *
     (checks.check_speculative_accept, residual_not_clamped, r"with negative entries: the residual is max\(0, p - q\), clamped at 0"),
     (checks.check_speculative_accept, residual_swapped, r"your next_probs is max\(0, q - p\), normalised"),
     (checks.check_speculative_accept, counts_every_acceptance, r"before the FIRST rejection"),
-    (checks.check_speculative_step, draft_cropped_without_min, r"crop it to min\(draft_cache.length, n \+ a\)"),
-    (checks.check_speculative_step, draft_cropped_to_zero, r"draft cache holds 0 slots, expected min\(its length, n \+ a\) = \d+\. .*re-feeds the whole prefix"),
-    (checks.check_speculative_step, target_fed_newest_only, r"the target cache held 2 of the n = 6 committed tokens .*feed it everything it lacks"),
-    (checks.check_speculative_step, u_without_generator, r"same seeded generator gave different tokens .*u = torch.rand\(K, generator=generator"),
-    (checks.check_speculative_step, next_token_by_argmax, r"60 sampled steps all gave token 5.*do not take its argmax"),
-    (checks.check_speculative_step, target_ignores_temperature, r"the target's probabilities ignore the temperature"),
-    (checks.check_speculative_step, q_without_temperature, r"a draft identical to the target, sampled .*q must be the distribution each draft was drawn from"),
-    (checks.check_speculative_step, fails_at_k_zero, r"K = 0 must work .* no draft pass"),
-    (checks.check_speculative_step, step_without_rollback, r"target cache holds \d+ slots, expected n \+ a = \d+ .*crop"),
-    (checks.check_speculative_step, bonus_missing_step, r"all K = \d drafts were accepted, so the step must add K \+ 1 = \d tokens \(the last one is the bonus token"),
+    (checks.check_speculative_generate, no_rollback, r"do your caches still hold rejected proposals\? .*roll both caches back"),
+    (checks.check_speculative_generate, target_not_rolled_back, r"target's cache still hold rejected proposals"),
+    (checks.check_speculative_generate, draft_not_rolled_back, r"do your caches still hold rejected proposals\?"),
+    (checks.check_speculative_generate, bonus_dropped, r"Did a round that kept all its proposals add only those\? .*the bonus token"),
+    (checks.check_speculative_generate, bonus_always, r"added one token too many: after a rejection"),
+    (checks.check_speculative_generate, p_one_early, r"one position too early"),
+    (checks.check_speculative_generate, overshoots, r"proposed k = \d tokens, expected min\(K, r - 1\)"),
+    (checks.check_speculative_generate, drawn_from_p, r"draw the round's last token from next_probs .*not from the target's p\[a\]"),
+    (checks.check_speculative_generate, next_by_argmax, r"all \d+ rounds ended with the likelier one .*do not take its argmax"),
+    (checks.check_speculative_generate, u_without_generator, r"same seeded generator gave different tokens .*u \(torch.rand\(k, generator=generator"),
+    (checks.check_speculative_generate, target_ignores_temperature, r"the p you passed to accept ignores the temperature"),
+    (checks.check_speculative_generate, q_without_temperature, r"the q you passed to accept ignores the temperature"),
+    (checks.check_speculative_generate, fails_at_k_zero, r"room for no proposal at all, k = 0"),
+    (checks.check_speculative_generate, cropped_too_far, r"target passes read \d+ positions in all, expected T \+ proposals \+ rounds - 1"),
+    (checks.check_speculative_generate, draft_cropped_without_min, r"crop can only forget slots: the draft's cache never fed its last proposal"),
+    (checks.check_speculative_generate, separate_prefill, r"made \d+ target forward passes, expected one per round"),
 ])
 def test_classic_bugs_get_specific_messages(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):
         check(buggy)
+
+
+def test_a_different_correct_design_passes(capsys):
+    """A loop written otherwise: a separate catch-up pass for the draft, drafts fed one at a time, the round's
+    tokens built in a list, and the target's chunk assembled from the token list."""
+    catch_up = planted(G, "new, drafted, q = tokens[:, draft_cache.length:], [], []",
+                       "new, drafted, q = tokens[:, draft_cache.length:], [], []\n        if K and new.shape[1] > 1:\n"
+                       "            cached_forward(draft, new[:, :-1], draft_cache)\n            new = new[:, -1:]")
+    checks.check_speculative_generate(catch_up)
+    assert "all visible checks passed" in capsys.readouterr().out
