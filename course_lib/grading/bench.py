@@ -42,7 +42,7 @@ def bench_grade(students: int = 4, jobs: tuple[int, ...] = (1, 2), chapter_names
         templates = {chapter: books.prepare_template(root, workdir, chapter) for chapter in names}
         result["templates_s"] = time.perf_counter() - started
         options = dict(submissions=submissions, workdir=workdir, root=root, templates=templates, limits=limits,
-                       sandboxed=sandboxed, hidden=(workdir / "runs", workdir / "templates", submissions))
+                       sandboxed=sandboxed, feedback=True, hidden=(workdir / "runs", workdir / "templates", submissions))
 
         def timed(learners: list[str], chapter_names: list[str], at_once: int = 1) -> float:
             begun = time.perf_counter()
