@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import KVCache, cached_forward
+from .validation import check_positive
 
 #: the order in which ``process_logits`` (and therefore ``generate``) applies the processors
 PROCESSOR_ORDER = ("repetition_penalty", "frequency_presence_penalty", "temperature", "top_k", "top_p", "min_p")
@@ -326,8 +327,7 @@ def beam_search(model, input_ids: torch.Tensor, max_new_tokens: int, num_beams: 
     functions: {name: function} to run instead of this module's ``beam_search_step`` or
     ``apply_repetition_penalty`` (see REPLACEABLE), e.g. the learner's.
     """
-    if not isinstance(num_beams, int) or num_beams < 1:
-        raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
+    check_positive("num_beams", num_beams)
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
     if length_penalty_style not in ("hf", "gnmt"):
@@ -459,8 +459,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: 
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must have shape (B, T), got {tuple(input_ids.shape)}")
     _check_length(model, input_ids.shape[1], max_new_tokens)
-    if not isinstance(num_beams, int) or num_beams < 1:
-        raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
+    check_positive("num_beams", num_beams)
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 0):

@@ -14,10 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _check_size(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+from .validation import check_positive
 
 
 def _check_dropout(dropout: float) -> None:
@@ -34,8 +31,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, activation: str = "relu"):
         super().__init__()
-        _check_size("d_model", d_model)
-        _check_size("d_ff", d_ff)
+        check_positive("d_model", d_model)
+        check_positive("d_ff", d_ff)
         _check_dropout(dropout)
         if activation not in ("relu", "gelu"):
             raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
@@ -68,7 +65,7 @@ class LayerNorm(nn.Module):
 
     def __init__(self, d_model: int, eps: float = 1e-5):
         super().__init__()
-        _check_size("d_model", d_model)
+        check_positive("d_model", d_model)
         if not eps >= 0:
             raise ValueError(f"eps must be >= 0, got {eps}")
         self.eps = eps
@@ -99,7 +96,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, d_model: int, eps: float = 1e-5):
         super().__init__()
-        _check_size("d_model", d_model)
+        check_positive("d_model", d_model)
         if not eps >= 0:
             raise ValueError(f"eps must be >= 0, got {eps}")
         self.eps = eps
@@ -127,8 +124,8 @@ def swiglu_width(n_embd: int, multiple_of: int = 32) -> int:
 
     As in Meta's Llama code: int(8 C / 3) rounded up to a multiple of multiple_of (Llama: 256).
     """
-    _check_size("n_embd", n_embd)
-    _check_size("multiple_of", multiple_of)
+    check_positive("n_embd", n_embd)
+    check_positive("multiple_of", multiple_of)
     hidden = int(8 * n_embd / 3)
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
@@ -138,8 +135,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, n_embd: int, hidden: int):
         super().__init__()
-        _check_size("n_embd", n_embd)
-        _check_size("hidden", hidden)
+        check_positive("n_embd", n_embd)
+        check_positive("hidden", hidden)
         self.gate_proj = nn.Linear(n_embd, hidden, bias=False)
         self.up_proj = nn.Linear(n_embd, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, n_embd, bias=False)

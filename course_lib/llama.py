@@ -43,6 +43,7 @@ from torch import nn
 from .kv_cache import KVCache, attention_allowed
 from .layers import RMSNorm, SwiGLU, swiglu_width
 from .positional import rope_cos_sin, rotate_half_layout, rotate_interleaved_layout
+from .validation import check_positive
 
 ROPE_LAYOUTS = ("half", "interleaved")
 
@@ -67,9 +68,7 @@ class LlamaConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_positive(name, getattr(self, name))
         if self.n_embd % self.n_head != 0 or (self.n_embd // self.n_head) % 2 != 0:
             raise ValueError(f"n_embd must split into n_head heads of even size, got n_embd={self.n_embd} and n_head={self.n_head}")
         if self.n_kv_head is None:
@@ -78,10 +77,8 @@ class LlamaConfig:
             raise ValueError(f"n_kv_head must divide n_head = {self.n_head}, got {self.n_kv_head!r}")
         if self.intermediate_size is None:
             self.intermediate_size = swiglu_width(self.n_embd)
-        if not isinstance(self.intermediate_size, int) or self.intermediate_size < 1:
-            raise ValueError(f"intermediate_size must be an integer >= 1, got {self.intermediate_size!r}")
-        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
-            raise ValueError(f"window must be None or an integer >= 1, got {self.window!r}")
+        check_positive("intermediate_size", self.intermediate_size)
+        check_positive("window", self.window, optional=True)
         if self.rope_layout not in ROPE_LAYOUTS:
             raise ValueError(f"rope_layout must be one of {ROPE_LAYOUTS}, got {self.rope_layout!r}")
         if not self.rope_base > 1 or not self.eps >= 0:

@@ -27,8 +27,9 @@ from torch import nn
 
 from .attention import MultiHeadAttention
 from .data import BOS, EOS, PAD, Seq2SeqBatch
-from .layers import FeedForward, LayerNorm, _check_size
+from .layers import FeedForward, LayerNorm
 from .positional import sinusoidal_encoding
+from .validation import check_positive
 
 
 def make_padding_mask(tokens, pad_id):
@@ -147,7 +148,7 @@ class Transformer(nn.Module):
         super().__init__()
         for name, value in (("src_vocab_size", src_vocab_size), ("tgt_vocab_size", tgt_vocab_size),
                             ("n_encoder_layers", n_encoder_layers), ("n_decoder_layers", n_decoder_layers), ("max_len", max_len)):
-            _check_size(name, value)
+            check_positive(name, value)
         if not 0 <= pad_id < min(src_vocab_size, tgt_vocab_size):
             raise ValueError(f"pad_id must be in [0, {min(src_vocab_size, tgt_vocab_size)}), got {pad_id}")
         self.d_model, self.pad_id, self.max_len = d_model, pad_id, max_len
@@ -194,7 +195,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def greedy_decode(self, src: torch.Tensor, max_len: int, bos_id: int = BOS, eos_id: int = EOS) -> torch.Tensor:
         """Greedy decoding: src (B, S) -> tokens (B, max_len); after its EOS a sequence gets pad_id."""
-        _check_size("max_len", max_len)
+        check_positive("max_len", max_len)
         memory, src_mask = self.encode(src)
         tokens = torch.full((src.shape[0], 1), bos_id, device=src.device)
         done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
@@ -250,8 +251,8 @@ def train_transformer(model: Transformer, make_batch: Callable[[torch.Generator]
     """
     from tqdm.auto import trange
 
-    _check_size("steps", steps)
-    _check_size("warmup", warmup)
+    check_positive("steps", steps)
+    check_positive("warmup", warmup)
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr}")
     generator = torch.Generator().manual_seed(seed)
