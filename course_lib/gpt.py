@@ -57,11 +57,13 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with one fused projection for queries, keys and values.
 
-    c_attn: Linear(C, 3C) computes [q | k | v] side by side; c_proj: Linear(C, C) mixes the heads.
-    Position t attends to positions 0..t (itself included) and never to the future. The scores are
-    q k^T / sqrt(Dh), Dh = C / n_head the size of one head (any n_head that divides C); dropout acts on
-    the weights (attn_dropout) and after c_proj (resid_dropout). The parameters are c_attn's and c_proj's
-    only (with biases if config.bias): no other persistent buffer, so that GPT-2-named checkpoints load.
+    x (B, T, C) -> (B, T, C). Parameters, GPT-2's names: c_attn, a Linear(C, 3C) whose output is [q | k | v]
+    side by side, and c_proj, a Linear(C, C), with biases if config.bias; no other persistent buffer, so that
+    GPT-2-named checkpoints load. The output at position t depends on the inputs at positions 0..t only
+    (itself included). Each of the n_head heads (any n_head that divides C) attends with its own Dh = C / n_head
+    channels, its scores scaled by 1/sqrt(Dh). Dropout (config.dropout) acts on the attention weights
+    (attn_dropout) and on the output (resid_dropout), in training mode only. The tests compare with
+    F.scaled_dot_product_attention(is_causal=True) in float64.
     """
 
     def __init__(self, config: GPTConfig):
@@ -204,12 +206,12 @@ def gpt_layers(model: GPT, x, attend: Callable | None = None):
 
 
 def gpt_param_count(config: GPTConfig, tied: bool = True) -> int:
-    """The number of parameters of GPT(config), by formula: an int.
+    """The number of parameters of GPT(config), by formula, without building a model: an int.
 
-    Embeddings V*C + block_size*C; each layer 12 C^2 (attention 4 C^2, MLP 8 C^2) plus 13 C of
-    biases and LayerNorm parameters with bias (2 C without); the final LayerNorm 2 C (C without
-    bias); the LM head adds V*C only if it is not tied to the token embedding (it has no bias).
-    config.bias = False means no bias in any Linear or LayerNorm.
+    Equal to count_parameters(GPT(config)) when tied (a tied head is counted once, with the embedding), and to
+    what that model would have with a separate head when not. config.bias = False means no bias in any Linear
+    or LayerNorm; the head never has one. The tests compare with the same architecture counted from PyTorch's
+    own modules.
     """
     V, block_size, L, C = config.vocab_size, config.block_size, config.n_layer, config.n_embd
     b = 1 if config.bias else 0
