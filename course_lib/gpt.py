@@ -137,8 +137,8 @@ class GPT(nn.Module):
     * model.config is the GPTConfig; the state_dict holds exactly GPT-2's names, nothing else persistent:
       transformer.wte (V, C), transformer.wpe (block_size, C), transformer.h.i.{ln_1, attn.c_attn,
       attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj} for i < n_layer (attn a CausalSelfAttention, mlp a GPTMLP),
-      transformer.ln_f, lm_head (no bias). These are the names course_lib.hf's converter and the shipped
-      checkpoints use.
+      transformer.ln_f, lm_head (no bias). These are the names the converter to Hugging Face (section 9) and
+      the shipped checkpoints use.
     * with the same weights (converted), the logits equal Hugging Face's GPT2LMHeadModel's.
     * weight tying: lm_head.weight *is* transformer.wte.weight, one Parameter, whose gradient holds both uses.
     * the GPT-2 paper's initialisation as nanoGPT and Hugging Face implement it: every Linear and Embedding
