@@ -11,6 +11,8 @@ from torch import nn
 from course_lib import checks, gpt
 from course_lib.gpt import GPT, CausalSelfAttention, GPTConfig, gpt_param_count
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread, as in the notebook
+
 
 def attention_with(mask_fn):
     class Buggy(CausalSelfAttention):

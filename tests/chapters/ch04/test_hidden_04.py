@@ -20,6 +20,8 @@ from course_lib.gpt import GPTConfig
 from tests.cell_harness import TestCells
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread, as in the notebook
+
 SOURCE = ROOT / "solutions" / "04-gpt" / "gpt.ipynb"
 HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "F": F, "nn": nn, "checks": checks, "masked_softmax": masked_softmax,
                              "GPTConfig": GPTConfig})
