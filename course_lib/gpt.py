@@ -12,14 +12,13 @@ state dict converts to and from Hugging Face's ``GPT2LMHeadModel`` by transposin
 
 Shapes: B batch, T time (tokens), C = n_embd, H = n_head, Dh = C / H, V = vocab_size.
 
-``CausalSelfAttention``, ``GPT`` and ``gpt_param_count`` are the reference solutions of chapter 04's
-exercises; the notebook's solution cells are the same code (``tests/grading/test_solution_drift.py`` checks).
+``CausalSelfAttention``, ``GPTMLP``, ``GPTBlock``, ``GPT`` and ``gpt_param_count`` are the reference solutions of
+chapter 04's exercises; the notebook's solution cells are the same code (``tests/grading/test_solution_drift.py`` checks).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
 import torch
@@ -58,11 +57,13 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with one fused projection for queries, keys and values.
 
-    c_attn: Linear(C, 3C) computes [q | k | v] side by side; c_proj: Linear(C, C) mixes the heads.
-    Position t attends to positions 0..t (itself included) and never to the future. The scores are
-    q k^T / sqrt(Dh), Dh = C / n_head the size of one head (any n_head that divides C); dropout acts on
-    the weights (attn_dropout) and after c_proj (resid_dropout). The parameters are c_attn's and c_proj's
-    only (with biases if config.bias): no other persistent buffer, so that GPT-2-named checkpoints load.
+    x (B, T, C) -> (B, T, C). Parameters, GPT-2's names: c_attn, a Linear(C, 3C) whose output is [q | k | v]
+    side by side, and c_proj, a Linear(C, C), with biases if config.bias; no other persistent buffer, so that
+    GPT-2-named checkpoints load. The output at position t depends on the inputs at positions 0..t only
+    (itself included). Each of the n_head heads (any n_head that divides C) attends with its own Dh = C / n_head
+    channels, its scores scaled by 1/sqrt(Dh). Dropout (config.dropout) acts on the attention weights
+    (attn_dropout) and on the output (resid_dropout), in training mode only. The tests compare with
+    F.scaled_dot_product_attention(is_causal=True) in float64.
     """
 
     def __init__(self, config: GPTConfig):
@@ -87,9 +88,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class GPTMLP(nn.Module):
-    """The position-wise MLP of a GPT block: Linear(C, 4C) -> GELU (tanh approximation) -> Linear(4C, C).
+    """The position-wise MLP of a GPT block: x (..., C) -> (..., C), hidden width 4C, GPT-2's GELU (the tanh approximation).
 
-    GPT-2 uses the tanh approximation of GELU (Hugging Face calls it "gelu_new").
+    Parameters, GPT-2's names: c_fc, a Linear(C, 4C), and c_proj, a Linear(4C, C), with biases if config.bias.
+    Dropout (config.dropout) acts on the output, in training mode only.
     """
 
     def __init__(self, config: GPTConfig):
@@ -99,43 +101,49 @@ class GPTMLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        """x (B, T, C) -> (B, T, C)."""
+        """x (..., C) -> (..., C)."""
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
 class GPTBlock(nn.Module):
-    """A pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). (B, T, C) -> (B, T, C).
+    """A pre-LN GPT block: x (B, T, C) -> (B, T, C).
 
-    ``attention`` builds the attention module from the config (default ``CausalSelfAttention``); chapter 04
-    passes the learner's class once it passes its check. It must keep GPT-2's names (``c_attn``, ``c_proj``).
+    Parameters, GPT-2's names: ln_1 and ln_2, each a LayerNorm(C) (with a bias if config.bias); attn, a
+    CausalSelfAttention(config); mlp, a GPTMLP(config). Nothing else persistent.
     """
 
-    def __init__(self, config: GPTConfig, attention: Callable[[GPTConfig], nn.Module] | None = None):
+    def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = (attention or CausalSelfAttention)(config)
+        self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = GPTMLP(config)
 
-    def forward(self, x, attend: Callable | None = None):
-        """x (..., C) -> (..., C). attend(attn, h) -> (..., C), if given, computes the attention of this block's
-        module ``attn`` over its normed input h another way (against a cache, say); by default the module is called."""
-        h = self.ln_1(x)
-        x = x + (self.attn(h) if attend is None else attend(self.attn, h))
+    def forward(self, x):
+        """x (B, T, C) -> (B, T, C)."""
+        x = x + self.attn(self.ln_1(x))  # each branch reads the normed stream and adds to the stream itself
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
-    """A GPT-2-style language model. forward(idx (B, T), targets (B, T) or None) -> (logits (B, T, V), loss or None).
+    """A GPT-2-style language model: forward(idx, targets=None) -> (logits, loss).
 
-    targets[b, t] is the token that *follows* idx[b, t] (the batch is shifted once, by the data
-    pipeline, never again in here); targets equal to -100 (IGNORE_INDEX) are padding and are left
-    out of the mean. The LM head shares its weight with the token embedding (weight tying): the same
-    Parameter, not a copy. The weights follow the GPT-2 paper's initialisation as nanoGPT and Hugging Face
-    implement it: N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2 n_layer)). Any length
-    1 <= T <= block_size works (positions 0..T-1); T > block_size raises ValueError. The state_dict holds
-    exactly GPT-2's names (transformer.wte, wpe, h.i..., ln_f, lm_head) and nothing else persistent, so the
-    shipped checkpoints load into it.
+    idx (B, T) int64 token ids, 1 <= T <= config.block_size; targets (B, T) int64 or None, where targets[b, t]
+    is the token that follows idx[b, t] (the data pipeline shifts once; nothing shifts in here) and -100
+    (IGNORE_INDEX) marks padding. Returns logits (B, T, V) and, with targets, the mean cross-entropy over the
+    targets that are not -100 (a scalar), else None. T > block_size raises ValueError naming block_size.
+
+    Contract (what the tests check):
+    * model.config is the GPTConfig; the state_dict holds exactly GPT-2's names, nothing else persistent:
+      transformer.wte (V, C), transformer.wpe (block_size, C), transformer.h.i.{ln_1, attn.c_attn,
+      attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj} for i < n_layer (attn a CausalSelfAttention, mlp a GPTMLP),
+      transformer.ln_f, lm_head (no bias). These are the names the converter to Hugging Face (section 9) and
+      the shipped checkpoints use.
+    * with the same weights (converted), the logits equal Hugging Face's GPT2LMHeadModel's.
+    * weight tying: lm_head.weight *is* transformer.wte.weight, one Parameter, whose gradient holds both uses.
+    * the GPT-2 paper's initialisation as nanoGPT and Hugging Face implement it: every Linear and Embedding
+      weight N(0, 0.02^2), except attn.c_proj and mlp.c_proj weights N(0, (0.02 / sqrt(2 n_layer))^2);
+      Linear biases 0; LayerNorms weight 1, bias 0.
     """
 
     def __init__(self, config: GPTConfig):
@@ -150,18 +158,15 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying: one Parameter, used twice
-        self.apply(self._init_weights)
+        # the GPT-2 paper's initialisation, in place: assigning a new nn.Parameter would silently untie the head
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
         for name, parameter in self.named_parameters():
             if name.endswith("c_proj.weight"):  # the two projections that write into the residual stream
                 nn.init.normal_(parameter, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    @staticmethod
-    def _init_weights(module):
-        # in place: assigning a new nn.Parameter here would silently untie lm_head from wte
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None):
         """idx (B, T) int64, targets (B, T) int64 or None -> (logits (B, T, V), mean cross-entropy or None)."""
@@ -186,21 +191,27 @@ def gpt_layers(model: GPT, x, attend: Callable | None = None):
 
     attend(layer, attn, h) -> (..., C), if given, is the attention step of block ``layer`` (its module ``attn``,
     its normed input h): the cached forward (chapter 05) and the paged one (chapter 12) read and write their
-    caches there. By default each block calls its attention module (training, decoding without a cache).
+    caches there, and the block's two residual steps run here around it (``GPTBlock.forward``'s, which the learner
+    writes in chapter 04 without this hook; tests/lib/test_gpt.py checks that the two agree). By default each
+    block runs as it is (training, decoding without a cache).
     """
     tr = model.transformer
     for layer, block in enumerate(tr.h):
-        x = block(x, None if attend is None else partial(attend, layer))
+        if attend is None:
+            x = block(x)
+        else:
+            x = x + attend(layer, block.attn, block.ln_1(x))
+            x = x + block.mlp(block.ln_2(x))
     return tr.ln_f(x)
 
 
 def gpt_param_count(config: GPTConfig, tied: bool = True) -> int:
-    """The number of parameters of GPT(config), by formula: an int.
+    """The number of parameters of GPT(config), by formula, without building a model: an int.
 
-    Embeddings V*C + block_size*C; each layer 12 C^2 (attention 4 C^2, MLP 8 C^2) plus 13 C of
-    biases and LayerNorm parameters with bias (2 C without); the final LayerNorm 2 C (C without
-    bias); the LM head adds V*C only if it is not tied to the token embedding (it has no bias).
-    config.bias = False means no bias in any Linear or LayerNorm.
+    Equal to count_parameters(GPT(config)) when tied (a tied head is counted once, with the embedding), and to
+    what that model would have with a separate head when not. config.bias = False means no bias in any Linear
+    or LayerNorm; the head never has one. The tests compare with the same architecture counted from PyTorch's
+    own modules.
     """
     V, block_size, L, C = config.vocab_size, config.block_size, config.n_layer, config.n_embd
     b = 1 if config.bias else 0

@@ -36,6 +36,6 @@ def strip_solution_markers(source: str) -> str:
 
 
 def failing(exercise: str, *names: str) -> set[str]:
-    """The grade ids of an exercise's tests that a planted bug must fail: failing("gpt_forward", "visible", "tying")."""
+    """The grade ids of an exercise's tests that a planted bug must fail: failing("gpt", "visible", "tying")."""
     return {f"{exercise}-{name}" for name in names}
 

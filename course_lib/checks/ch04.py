@@ -1,9 +1,12 @@
 """Visible checks of chapter 04 (GPT), and the independent oracles they compare against.
 
-Oracles: a float64 GPT forward written with ``torch.nn.functional`` only (``gpt_forward_oracle``,
-``causal_attention_oracle``: ``F.scaled_dot_product_attention(is_causal=True)``), and a parameter
-count of the same architecture from PyTorch's own modules (``gpt_param_count_oracle``:
-``nn.TransformerEncoderLayer``, ``nn.LayerNorm``); never course_lib's reference solutions.
+Oracles: Hugging Face's ``GPT2LMHeadModel`` holding the learner's weights (``hf_logits``, converted by
+``course_lib.hf.to_hf``, which reads only the state_dict and the config), a float64 GPT forward written with
+``torch.nn.functional`` only (``gpt_forward_oracle``, ``causal_attention_oracle``:
+``F.scaled_dot_product_attention(is_causal=True)``), the stated initialisation tested statistically
+(``assert_gpt2_init``), and a parameter count of the same architecture from PyTorch's own modules
+(``gpt_param_count_oracle``: ``nn.TransformerEncoderLayer``, ``nn.LayerNorm``); never course_lib's reference
+solutions.
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ from torch import nn
 
 from .core import assert_close, assert_shape, assert_tensor, fail, passed, unpack_pair
 
-__all__ = ["check_causal_self_attention", "check_gpt_forward", "check_gpt_param_count", "causal_attention_oracle",
-           "gpt2_state_dict_names", "gpt_forward_oracle", "gpt_param_count_oracle", "randomize_gpt"]
+__all__ = ["assert_gpt2_init", "check_causal_self_attention", "check_gpt", "check_gpt_param_count", "causal_attention_oracle",
+           "gpt2_state_dict_names", "gpt_forward_oracle", "gpt_param_count_oracle", "hf_gpt2", "hf_logits", "randomize_as_gpt2",
+           "randomize_gpt"]
 
 
 def randomize_gpt(module: nn.Module, seed: int, scale: float = 0.2) -> nn.Module:
@@ -31,6 +35,41 @@ def randomize_gpt(module: nn.Module, seed: int, scale: float = 0.2) -> nn.Module
             noise = torch.randn(parameter.shape, generator=gen) * scale
             parameter.copy_(1.0 + noise if "ln" in name and name.endswith("weight") else noise)
     return module.eval()
+
+
+def randomize_as_gpt2(model: nn.Module, seed: int) -> nn.Module:
+    """randomize_gpt, then lm_head.weight made equal to transformer.wte.weight where it is a separate matrix.
+
+    GPT-2's weights whatever the tie: a head that is a copy of the embedding is the tying test's business,
+    so it fails no test of the logits or the loss as well.
+    """
+    randomize_gpt(model, seed)
+    head, embedding = model.lm_head.weight, model.transformer.wte.weight
+    if head is not embedding and head.shape == embedding.shape:
+        with torch.no_grad():
+            head.copy_(embedding)
+    return model
+
+
+def hf_gpt2(model: nn.Module):
+    """Hugging Face's GPT2LMHeadModel (eval mode) holding model's weights.
+
+    course_lib.hf.to_hf converts by name (GPT-2's names, transposing the Conv1D matrices) from model.state_dict()
+    and model.config alone; a state_dict without GPT-2's names fails there, with a message saying which.
+    """
+    from ..hf import to_hf  # transformers is imported on first use only
+
+    try:
+        return to_hf(model)
+    except RuntimeError as error:
+        fail(f"your GPT does not convert to Hugging Face's GPT2LMHeadModel: {error}")
+
+
+def hf_logits(model: nn.Module, idx) -> torch.Tensor:
+    """The logits (B, T, V), float32, of Hugging Face's GPT2LMHeadModel holding model's weights (``hf_gpt2``)."""
+    hf_model = hf_gpt2(model)
+    with torch.no_grad():
+        return hf_model(idx).logits
 
 
 def causal_attention_oracle(c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, x, n_head: int,
@@ -62,11 +101,13 @@ def _bias(linear):
     return None if linear.bias is None else linear.bias.detach()
 
 
-def gpt_forward_oracle(model: nn.Module, idx, positions: bool = True, final_norm: bool = True):
+def gpt_forward_oracle(model: nn.Module, idx, positions: bool = True, final_norm: bool = True, gelu: str = "tanh",
+                       post_ln: bool = False):
     """Float64 logits (B, T, V) of a GPT with GPT-2's parameter names, written with torch.nn.functional only.
 
-    positions=False leaves out the position embedding, final_norm=False the final LayerNorm ln_f: the
-    checks compare with these to name a forgotten part.
+    positions=False leaves out the position embedding, final_norm=False the final LayerNorm ln_f, gelu="none"
+    uses the exact GELU, post_ln=True normalises after each residual addition (the post-LN block): the checks
+    compare with these to name a mistake.
     """
     s = {name: p.detach().double() for name, p in model.named_parameters(remove_duplicate=False)}
     get = s.get
@@ -75,12 +116,18 @@ def gpt_forward_oracle(model: nn.Module, idx, positions: bool = True, final_norm
     x = F.embedding(idx, s["transformer.wte.weight"]) + (s["transformer.wpe.weight"][:T] if positions else 0)
     for i in range(cfg.n_layer):
         p = f"transformer.h.{i}."
-        h = F.layer_norm(x, (cfg.n_embd,), s[p + "ln_1.weight"], get(p + "ln_1.bias"), 1e-5)
-        x = x + causal_attention_oracle(s[p + "attn.c_attn.weight"], get(p + "attn.c_attn.bias"),
-                                        s[p + "attn.c_proj.weight"], get(p + "attn.c_proj.bias"), h, cfg.n_head)
-        h = F.layer_norm(x, (cfg.n_embd,), s[p + "ln_2.weight"], get(p + "ln_2.bias"), 1e-5)
-        h = F.gelu(F.linear(h, s[p + "mlp.c_fc.weight"], get(p + "mlp.c_fc.bias")), approximate="tanh")
-        x = x + F.linear(h, s[p + "mlp.c_proj.weight"], get(p + "mlp.c_proj.bias"))
+        ln_1 = lambda h: F.layer_norm(h, (cfg.n_embd,), s[p + "ln_1.weight"], get(p + "ln_1.bias"), 1e-5)  # noqa: E731
+        ln_2 = lambda h: F.layer_norm(h, (cfg.n_embd,), s[p + "ln_2.weight"], get(p + "ln_2.bias"), 1e-5)  # noqa: E731
+        attn = lambda h: causal_attention_oracle(s[p + "attn.c_attn.weight"], get(p + "attn.c_attn.bias"),  # noqa: E731
+                                                 s[p + "attn.c_proj.weight"], get(p + "attn.c_proj.bias"), h, cfg.n_head)
+        mlp = lambda h: F.linear(F.gelu(F.linear(h, s[p + "mlp.c_fc.weight"], get(p + "mlp.c_fc.bias")),  # noqa: E731
+                                        approximate=gelu), s[p + "mlp.c_proj.weight"], get(p + "mlp.c_proj.bias"))
+        if post_ln:
+            x = ln_1(x + attn(x))
+            x = ln_2(x + mlp(x))
+        else:
+            x = x + attn(ln_1(x))
+            x = x + mlp(ln_2(x))
     if final_norm:
         x = F.layer_norm(x, (cfg.n_embd,), s["transformer.ln_f.weight"], get("transformer.ln_f.bias"), 1e-5)
     return x @ s["lm_head.weight"].T
@@ -200,38 +247,85 @@ def check_causal_self_attention(CausalSelfAttention) -> None:
     passed("CausalSelfAttention")
 
 
-def check_gpt_forward(GPT) -> None:
-    """Visible checks for chapter 04, exercise 2: the tie, GPT-2's names (the shipped checkpoint loads), (logits, loss)
-    shapes, logits and loss against float64 oracles."""
+def _assert_normal(values: torch.Tensor, std: float, what: str) -> None:
+    """values look like independent draws from N(0, std^2): their mean, their standard deviation and the share of
+    them within one std of 0 (68.3% for a normal distribution) each within 5 standard errors of n draws."""
+    x = values.detach().double().flatten()
+    n = x.numel()
+    mean, sd, within = x.mean().item(), x.std().item(), (x.abs() < std).double().mean().item()
+    normal_within = math.erf(1 / math.sqrt(2))
+    if abs(mean) > 5 * std / math.sqrt(n):
+        fail(f"{what}: mean {mean:.3g}, expected 0 (to within {5 * std / math.sqrt(n):.2g}, 5 standard errors of {n:,} draws)")
+    if abs(sd - std) > 5 * std / math.sqrt(2 * (n - 1)):
+        fail(f"{what}: standard deviation {sd:.5f}, expected {std:.5f} (to within {5 * std / math.sqrt(2 * (n - 1)):.5f}, "
+             f"5 standard errors of {n:,} draws)")
+    if abs(within - normal_within) > 5 * math.sqrt(normal_within * (1 - normal_within) / n):
+        fail(f"{what}: {within:.1%} of the values lie within one standard deviation of 0; for a normal distribution "
+             f"{normal_within:.1%} do")
+
+
+def assert_gpt2_init(model: nn.Module) -> None:
+    """The weights of a freshly built GPT follow the GPT-2 paper's initialisation as nanoGPT and Hugging Face implement
+    it, judged by GPT-2's parameter names: every Linear and Embedding weight N(0, 0.02^2), except attn.c_proj and
+    mlp.c_proj weights N(0, (0.02 / sqrt(2 n_layer))^2), each kind pooled over the layers; Linear biases exactly 0;
+    LayerNorm weights exactly 1 and biases exactly 0."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    residual_std = 0.02 / math.sqrt(2 * model.config.n_layer)
+    kinds = {"transformer.wte.weight": 0.02, "transformer.wpe.weight": 0.02, "lm_head.weight": 0.02,
+             "attn.c_attn.weight": 0.02, "mlp.c_fc.weight": 0.02, "attn.c_proj.weight": residual_std,
+             "mlp.c_proj.weight": residual_std}
+    for kind, std in kinds.items():
+        pooled = [p.flatten() for name, p in named.items() if name.endswith(kind)]
+        if not pooled:
+            fail(f"your GPT has no parameter named ...{kind}")
+        _assert_normal(torch.cat(pooled), std, f"your initial {kind} weights (N(0, {std:.5f}^2) stated)")
+    for name, p in named.items():
+        if name.endswith(".bias") and not torch.equal(p, torch.zeros_like(p)):
+            fail(f"your initial {name} is not all zeros (every bias starts at 0)")
+        if ".ln_" in f".{name}" and name.endswith(".weight") and not torch.equal(p, torch.ones_like(p)):
+            fail(f"your initial {name} is not all ones (a LayerNorm starts as weight 1, bias 0)")
+
+
+def check_gpt(GPT) -> None:
+    """Visible checks for chapter 04, exercise 2: GPT-2's names (the converter and the shipped checkpoint need them),
+    the tie, (logits, loss), the logits against Hugging Face's GPT2LMHeadModel with the same weights, and the loss
+    against F.cross_entropy of those logits."""
     config = _config(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=8)
     torch.manual_seed(403)
     model = GPT(config)
     if not (hasattr(model, "lm_head") and hasattr(model, "transformer")):
         fail("your GPT should have the attributes transformer (with wte, wpe, h, ln_f) and lm_head; "
              f"it has {sorted(name for name, _ in model.named_children())}")
+    if getattr(model, "config", None) != config:
+        fail("your GPT should keep its GPTConfig as model.config (the converter reads the sizes there)")
     if model.lm_head.weight is not model.transformer.wte.weight:
         fail("model.lm_head.weight is not model.transformer.wte.weight: the LM head must share the token embedding's "
-             "Parameter (assign the Parameter itself, after both modules exist)")
+             "Parameter (assign the Parameter itself, after both modules exist, and never replace it afterwards)")
     _check_names(model, gpt2_state_dict_names(config), "your GPT")
     randomize_gpt(model, seed=404)
     gen = torch.Generator().manual_seed(405)
     idx, targets = torch.randint(0, 13, (3, 6), generator=gen), torch.randint(0, 13, (3, 6), generator=gen)
+    expected = hf_logits(model, idx)
     with torch.no_grad():
         logits, loss = unpack_pair(model(idx), "GPT.forward(idx)", ("logits", "loss"))
         if loss is not None:
             fail(f"GPT.forward(idx) without targets should return (logits, None), got a loss of {loss!r}")
         assert_shape(logits, (3, 6, 13), "the logits for idx of shape (B, T) = (3, 6) and a vocabulary of 13")
-        expected = gpt_forward_oracle(model, idx)
         if not _close(logits, expected):
             for mistake, kwargs in (("without the position embedding (add transformer.wpe of positions 0..T-1)", dict(positions=False)),
-                                    ("without the final LayerNorm (apply transformer.ln_f before lm_head)", dict(final_norm=False))):
+                                    ("without the final LayerNorm (apply transformer.ln_f before lm_head)", dict(final_norm=False)),
+                                    ("with the exact GELU; GPT-2's is the tanh approximation (F.gelu(x, approximate='tanh'))",
+                                     dict(gelu="none")),
+                                    ("of post-LN blocks (LayerNorm after each residual addition); GPT-2's blocks are pre-LN: "
+                                     "x + attn(ln_1(x)), then x + mlp(ln_2(x))", dict(post_ln=True))):
                 if _close(logits, gpt_forward_oracle(model, idx, **kwargs)):
                     fail(f"your logits are those of a GPT {mistake}")
-        assert_close(logits, expected.float(), "your logits compared with a float64 oracle")
+        assert_close(logits, expected, "your logits compared with Hugging Face's GPT2LMHeadModel holding your weights")
         logits, loss = unpack_pair(model(idx, targets), "GPT.forward(idx, targets)", ("logits", "loss"))
     assert_tensor(loss, "the loss")
     assert_shape(loss, (), "the loss (a scalar: the mean over every position)")
-    expected_loss = F.cross_entropy(expected.reshape(-1, 13), targets.reshape(-1))
+    expected = expected.double()
+    expected_loss = F.cross_entropy(expected.reshape(-1, 13), targets.reshape(-1), ignore_index=-100)
     wrong_losses = {
         "against the inputs idx, not the targets": F.cross_entropy(expected.reshape(-1, 13), idx.reshape(-1)),
         "with the targets shifted a second time (logits[:, :-1] against targets[:, 1:]); targets[b, t] is already "
@@ -242,8 +336,8 @@ def check_gpt_forward(GPT) -> None:
         for mistake, wrong in wrong_losses.items():
             if _close(loss, wrong):
                 fail(f"your loss is the cross-entropy {mistake}")
-    assert_close(loss, expected_loss.float(), "your loss compared with the mean cross-entropy of the oracle's logits")
-    passed("GPT forward")
+    assert_close(loss, expected_loss.float(), "your loss compared with F.cross_entropy of Hugging Face's logits")
+    passed("GPT")
 
 
 def _named_difference(difference: int, config, tied: bool) -> str:

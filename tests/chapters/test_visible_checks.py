@@ -25,8 +25,8 @@ from tests.helpers import ROOT, load_notebook, nbgrader_cells
 @dataclass(frozen=True)
 class VisibleCheck:
     chapter: str  # "04-gpt"
-    exercise: str  # "gpt_forward"
-    check: str  # "check_gpt_forward"
+    exercise: str  # "gpt"
+    check: str  # "check_gpt"
     names: tuple  # the learner's names it is called with: ("GPT",)
 
     def __str__(self):

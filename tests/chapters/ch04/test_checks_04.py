@@ -11,6 +11,8 @@ from torch import nn
 from course_lib import checks, gpt
 from course_lib.gpt import GPT, CausalSelfAttention, GPTConfig, gpt_param_count
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread, as in the notebook
+
 
 def attention_with(mask_fn):
     class Buggy(CausalSelfAttention):
@@ -108,6 +110,27 @@ class NoFinalNorm(GPT):
         return self.lm_head(x), None
 
 
+class ExactGelu(GPT):
+    def __init__(self, config):
+        super().__init__(config)
+        for block in self.transformer.h:
+            mlp = block.mlp
+            mlp.forward = lambda x, mlp=mlp: mlp.c_proj(F.gelu(mlp.c_fc(x)))  # the exact GELU, not GPT-2's tanh one
+
+
+class PostLN(GPT):
+    def __init__(self, config):
+        super().__init__(config)
+        for block in self.transformer.h:
+            block.forward = lambda x, b=block: b.ln_2(b.ln_1(x + b.attn(x)) + b.mlp(b.ln_1(x + b.attn(x))))
+
+
+class WithoutConfig(GPT):
+    def __init__(self, config):
+        super().__init__(config)
+        del self.config
+
+
 def count_with(**wrong):
     """gpt_param_count with one term wrong: e.g. count_with(wpe=0) forgets the position embedding."""
     def count(config, tied=True):
@@ -135,12 +158,15 @@ def count_with(**wrong):
     (checks.check_causal_self_attention, attention_scaled_by(lambda C, Dh: 1.0), r"your scores are scaled by nothing"),
     (checks.check_causal_self_attention, WithMaskBuffer,
      r"your CausalSelfAttention's state_dict has the extra entries \['bias'\].*persistent=False"),
-    (checks.check_gpt_forward, Untied, r"model.lm_head.weight is not model.transformer.wte.weight"),
-    (checks.check_gpt_forward, WithPositionBuffer, r"your GPT's state_dict has the extra entries \['pos'\].*shipped"),
-    (checks.check_gpt_forward, LossAgainstInputs, r"your loss is the cross-entropy against the inputs idx, not the targets"),
-    (checks.check_gpt_forward, TargetsShiftedTwice, r"your loss is the cross-entropy with the targets shifted a second time"),
-    (checks.check_gpt_forward, NoPositions, r"your logits are those of a GPT without the position embedding"),
-    (checks.check_gpt_forward, NoFinalNorm, r"your logits are those of a GPT without the final LayerNorm"),
+    (checks.check_gpt, Untied, r"model.lm_head.weight is not model.transformer.wte.weight"),
+    (checks.check_gpt, WithPositionBuffer, r"your GPT's state_dict has the extra entries \['pos'\].*shipped"),
+    (checks.check_gpt, LossAgainstInputs, r"your loss is the cross-entropy against the inputs idx, not the targets"),
+    (checks.check_gpt, TargetsShiftedTwice, r"your loss is the cross-entropy with the targets shifted a second time"),
+    (checks.check_gpt, NoPositions, r"your logits are those of a GPT without the position embedding"),
+    (checks.check_gpt, NoFinalNorm, r"your logits are those of a GPT without the final LayerNorm"),
+    (checks.check_gpt, ExactGelu, r"your logits are those of a GPT with the exact GELU"),
+    (checks.check_gpt, PostLN, r"your logits are those of a GPT of post-LN blocks"),
+    (checks.check_gpt, WithoutConfig, r"keep its GPTConfig as model.config"),
     (checks.check_gpt_param_count, count_with(wpe=0),
      r"= 806,528, but the model has 822,912 parameters \(a difference of -16,384: the position embedding wpe"),
     (checks.check_gpt_param_count, count_with(head=103 * 128), r"difference of \+13,184: the LM head counted although it is tied"),
@@ -175,3 +201,35 @@ def test_the_param_count_oracle_counts_pytorch_modules_not_our_model():
     config = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
     assert checks.gpt_param_count_oracle(config) == 124_439_808
     assert checks.gpt_param_count_oracle(config, tied=False) == 124_439_808 + 50257 * 768
+
+
+def test_the_hugging_face_oracle_and_the_float64_oracle_agree():
+    config = GPTConfig(vocab_size=29, block_size=16, n_layer=3, n_head=4, n_embd=32)
+    model = checks.randomize_as_gpt2(GPT(config), seed=0)
+    idx = torch.randint(0, 29, (2, 16), generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(checks.hf_logits(model, idx).double(), checks.gpt_forward_oracle(model, idx), rtol=1e-4, atol=1e-5)
+
+
+def _redrawn(model, suffix, draw):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(suffix):
+                draw(p)
+    return model
+
+
+@pytest.mark.parametrize("redraw,message", [
+    (("mlp.c_proj.weight", lambda p: p.normal_(0, 0.02)), r"mlp.c_proj.weight weights .*standard deviation 0.0"),
+    (("attn.c_proj.weight", lambda p: p.normal_(0, 0.02 / 2)), r"attn.c_proj.weight weights .*standard deviation 0.0"),
+    (("transformer.wpe.weight", lambda p: p.normal_(0, 1)), r"wpe.weight weights .*: (mean|standard deviation)"),
+    (("c_attn.weight", lambda p: p.uniform_(-0.02 * 3 ** 0.5, 0.02 * 3 ** 0.5)), r"within one standard deviation of 0; for a normal"),
+    (("c_fc.weight", lambda p: p.normal_(0.001, 0.02)), r"c_fc.weight weights .*: mean 0.00099"),
+    (("c_fc.bias", lambda p: p.fill_(0.01)), r"c_fc.bias is not all zeros"),
+    (("ln_f.weight", lambda p: p.fill_(0.5)), r"ln_f.weight is not all ones"),
+])
+def test_the_init_check_tells_each_distribution_apart(redraw, message):
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=300, block_size=64, n_layer=4, n_head=4, n_embd=64)
+    checks.assert_gpt2_init(GPT(config))  # the reference passes
+    with pytest.raises(checks.CheckFailed, match=message):
+        checks.assert_gpt2_init(_redrawn(GPT(config), *redraw))

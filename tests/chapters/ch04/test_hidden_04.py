@@ -16,22 +16,25 @@ from torch import nn
 
 from course_lib import checks
 from course_lib.attention import masked_softmax
-from course_lib.gpt import GPTBlock, GPTConfig
+from course_lib.gpt import GPTConfig
 from tests.cell_harness import TestCells
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread, as in the notebook
+
 SOURCE = ROOT / "solutions" / "04-gpt" / "gpt.ipynb"
 HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "F": F, "nn": nn, "checks": checks, "masked_softmax": masked_softmax,
-                             "GPTConfig": GPTConfig, "GPTBlock": GPTBlock})
+                             "GPTConfig": GPTConfig})
 CELLS, REFERENCE = HARNESS.cells, HARNESS.reference
 cells_of, mutate, failing_tests = HARNESS.cells_of, HARNESS.mutate, HARNESS.failing_tests
 
-ATT, FWD, CNT = "causal_self_attention", "gpt_forward", "gpt_param_count"
+ATT, GPT, CNT = "causal_self_attention", "gpt", "gpt_param_count"
 MASKED = "masked_softmax(q @ k.transpose(-2, -1) / math.sqrt(C // self.n_head), causal)"
 SPLIT = "t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)"
 MERGE = "y.transpose(1, 2).contiguous().view(B, T, C)"
 TIE = "self.lm_head.weight = self.transformer.wte.weight"
 LOSS = "F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-100)"
+HEAD = "self.lm_head(self.transformer.ln_f(x))"
 
 CASES = [
     # causal self-attention: the mask
@@ -56,31 +59,58 @@ CASES = [
                                                                  '.masked_fill(~causal, float("-inf")), dim=-1)')), set()),
     (ATT, "correct: F.scaled_dot_product_attention", mutate(ATT, (
         "y = self.attn_dropout(weights) @ v", "y = F.scaled_dot_product_attention(q, k, v, is_causal=True)")), set()),
-    # GPT forward and loss
-    (FWD, "loss over padding: mean includes the -100 positions", mutate(FWD, (LOSS, LOSS[:-1] + ', reduction="none").mean()')),
-     {f"{FWD}-padding"}),
-    (FWD, "targets not used: loss against the inputs", mutate(FWD, ("targets.reshape(B * T)", "idx.reshape(B * T)")),
-     {f"{FWD}-visible", f"{FWD}-targets", f"{FWD}-padding"}),
-    (FWD, "targets shifted a second time", mutate(FWD, (LOSS, "F.cross_entropy(logits[:, :-1].reshape(B * (T - 1), -1), "
-                                                              "targets[:, 1:].reshape(B * (T - 1)), ignore_index=-100)")),
-     {f"{FWD}-visible", f"{FWD}-targets", f"{FWD}-padding"}),
-    (FWD, "tie by copy", mutate(FWD, (TIE, "self.lm_head.weight = nn.Parameter(self.transformer.wte.weight.detach().clone())")),
-     {f"{FWD}-visible", f"{FWD}-tying"}),
-    (FWD, "re-assignment order: head re-created after the tie", mutate(FWD, (
+    # the GPT: its names and the tie
+    (GPT, "tie by copy", mutate(GPT, (TIE, "self.lm_head.weight = nn.Parameter(self.transformer.wte.weight.detach().clone())")),
+     {f"{GPT}-visible", f"{GPT}-tying"}),  # the parity tests give the copy the embedding's values (randomize_as_gpt2)
+    (GPT, "re-assignment order: head re-created after the tie", mutate(GPT, (
         TIE, TIE + "\n        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)")),
-     {f"{FWD}-visible", f"{FWD}-tying"}),
-    (FWD, "no tie at all", mutate(FWD, (TIE, "pass")), {f"{FWD}-visible", f"{FWD}-tying"}),
-    (FWD, "positions 0..block_size-1 whatever T", mutate(FWD, ("torch.arange(T, device=idx.device)",
+     {f"{GPT}-visible", f"{GPT}-tying"}),
+    (GPT, "no tie at all", mutate(GPT, (TIE, "pass")), {f"{GPT}-visible", f"{GPT}-tying"}),
+    (GPT, "the head reads a detached copy of the tied matrix", mutate(GPT, (
+        HEAD, "F.linear(self.transformer.ln_f(x), self.lm_head.weight.detach())")), {f"{GPT}-tying"}),  # only the gradient tells
+    # the GPT: its forward pass
+    (GPT, "positions 0..block_size-1 whatever T", mutate(GPT, ("torch.arange(T, device=idx.device)",
                                                               "torch.arange(self.config.block_size, device=idx.device)")),
-     {f"{FWD}-visible", f"{FWD}-length"}),  # the other hidden tests use T = block_size
-    (FWD, "no position embedding", mutate(FWD, (" + self.transformer.wpe(positions)", "")), {f"{FWD}-visible", f"{FWD}-length"}),
-    (FWD, "no final LayerNorm", mutate(FWD, ("self.lm_head(self.transformer.ln_f(x))", "self.lm_head(x)")),
-     {f"{FWD}-visible", f"{FWD}-length"}),
-    (FWD, "no length check", mutate(FWD, ("if T > self.config.block_size:", "if False:")), {f"{FWD}-length"}),
-    (FWD, "correct: nanoGPT's tie direction", mutate(FWD, (TIE, "self.transformer.wte.weight = self.lm_head.weight")), set()),
-    (FWD, "correct: loss from log_softmax over the real targets", mutate(FWD, (LOSS, (
+     {f"{GPT}-visible", f"{GPT}-hf"}),  # the other hidden tests use T = block_size
+    (GPT, "no position embedding", mutate(GPT, (" + self.transformer.wpe(positions)", "")), {f"{GPT}-visible", f"{GPT}-hf"}),
+    (GPT, "no final LayerNorm", mutate(GPT, (HEAD, "self.lm_head(x)")), {f"{GPT}-visible", f"{GPT}-hf"}),
+    (GPT, "exact GELU", mutate(GPT, ('F.gelu(self.c_fc(x), approximate="tanh")', "F.gelu(self.c_fc(x))")),
+     {f"{GPT}-visible", f"{GPT}-hf"}),
+    (GPT, "post-LN block", mutate(GPT, ("x = x + self.attn(self.ln_1(x))", "x = self.ln_1(x + self.attn(x))"),
+                                  ("return x + self.mlp(self.ln_2(x))", "return self.ln_2(x + self.mlp(x))")),
+     {f"{GPT}-visible", f"{GPT}-hf"}),
+    (GPT, "no residual around the MLP", mutate(GPT, ("return x + self.mlp(self.ln_2(x))", "return self.mlp(self.ln_2(x))")),
+     {f"{GPT}-visible", f"{GPT}-hf"}),
+    # the GPT: its initialisation
+    (GPT, "residual projections not scaled", mutate(GPT, ("std=0.02 / math.sqrt(2 * config.n_layer)", "std=0.02")),
+     {f"{GPT}-init"}),
+    (GPT, "residual projections scaled by 1/sqrt(n_layer)", mutate(GPT, ("math.sqrt(2 * config.n_layer)", "math.sqrt(config.n_layer)")),
+     {f"{GPT}-init"}),
+    (GPT, "biases left at PyTorch's default", mutate(GPT, ("nn.init.zeros_(module.bias)", "pass")), {f"{GPT}-init"}),
+    (GPT, "embeddings left at PyTorch's N(0, 1)", mutate(GPT, ("isinstance(module, (nn.Linear, nn.Embedding))", "isinstance(module, nn.Linear)")),
+     {f"{GPT}-init"}),  # the tied head is a Linear: wte (= lm_head) is drawn anyway; wpe is not
+    (GPT, "uniform weights of the right standard deviation", mutate(GPT, (
+        "nn.init.normal_(module.weight, mean=0.0, std=0.02)", "nn.init.uniform_(module.weight, -0.02 * 3 ** 0.5, 0.02 * 3 ** 0.5)")),
+     {f"{GPT}-init"}),
+    # the GPT: its loss and its length check
+    (GPT, "loss over padding: mean includes the -100 positions", mutate(GPT, (LOSS, LOSS[:-1] + ', reduction="none").mean()')),
+     {f"{GPT}-loss"}),
+    (GPT, "targets not used: loss against the inputs", mutate(GPT, ("targets.reshape(B * T)", "idx.reshape(B * T)")),
+     {f"{GPT}-visible", f"{GPT}-loss"}),
+    (GPT, "targets shifted a second time", mutate(GPT, (LOSS, "F.cross_entropy(logits[:, :-1].reshape(B * (T - 1), -1), "
+                                                              "targets[:, 1:].reshape(B * (T - 1)), ignore_index=-100)")),
+     {f"{GPT}-visible", f"{GPT}-loss"}),
+    (GPT, "no length check", mutate(GPT, ("if T > self.config.block_size:", "if False:")), {f"{GPT}-length"}),
+    (GPT, "length error without the limit", mutate(GPT, ('f"sequence length must be <= block_size = {self.config.block_size}, got {T}"',
+                                                         '"sequence too long"')), {f"{GPT}-length"}),
+    # the GPT: other correct designs
+    (GPT, "correct: nanoGPT's tie direction", mutate(GPT, (TIE, "self.transformer.wte.weight = self.lm_head.weight")), set()),
+    (GPT, "correct: loss from log_softmax over the real targets", mutate(GPT, (LOSS, (
         "(lambda lp, t: -lp[t != -100].gather(1, t[t != -100, None]).mean())"
         "(torch.log_softmax(logits.view(B * T, -1), dim=-1), targets.reshape(B * T))"))), set()),
+    (GPT, "correct: an nn.Sequential MLP with GPT-2's names", mutate(GPT, ("self.mlp = GPTMLP(config)", (
+        "self.mlp = nn.Sequential(__import__('collections').OrderedDict(c_fc=nn.Linear(config.n_embd, 4 * config.n_embd), "
+        "gelu=nn.GELU(approximate='tanh'), c_proj=nn.Linear(4 * config.n_embd, config.n_embd)))"))), set()),
     # parameter count
     (CNT, "bias flag ignored", mutate(CNT, ("b = 1 if config.bias else 0", "b = 1")),
      {f"{CNT}-visible", f"{CNT}-bias"}),  # the visible check now counts a bias=False model too
@@ -102,12 +132,12 @@ def gpt_param_count(config, tied=True):
 
 
 def test_every_exercise_has_a_visible_test_and_hidden_tests():
-    assert set(REFERENCE) == {ATT, FWD, CNT}
+    assert set(REFERENCE) == {ATT, GPT, CNT}
     for exercise in REFERENCE:
         assert f"{exercise}-visible" in CELLS and len(cells_of(exercise)) >= 4
 
 
-@pytest.mark.parametrize("exercise", [ATT, FWD, CNT])
+@pytest.mark.parametrize("exercise", [ATT, GPT, CNT])
 def test_the_reference_passes_every_test(exercise):
     assert failing_tests(exercise, REFERENCE[exercise]) == set()
 
