@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import masked_softmax
+from .validation import check_positive
 
 #: Targets equal to this value are padding and are left out of the loss (PyTorch's and Hugging Face's default).
 IGNORE_INDEX = -100
@@ -45,9 +46,7 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_positive(name, getattr(self, name))
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd must be divisible by n_head, got n_embd={self.n_embd} and n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
