@@ -599,7 +599,8 @@ def format_serve_load(result: dict) -> str:
                      f"{row['step_tokens_p50']:15.1f} {row['step_tokens_p95']:5.1f}")
     lines.append("step tokens: the tokens computed in the steps between a request's tokens (its own and everyone else's); "
                  "the budget rows: the uncapped engine at the highest rate with that token budget")
-    lines.append("Hugging Face is not swept: it has no arrival times (see the 'all at 0' rows above)")
+    lines.append("Hugging Face is not swept here: it has no step clock (see the 'all at 0' rows above, and the wall-clock "
+                 "sweep below)")
     return "\n".join(lines)
 
 
@@ -720,7 +721,8 @@ def bench_serve_wall(rates=WALL_RATES, n_requests: int = 32, block_size: int = 8
     ``Engine`` with a pool that holds every request at once, blocks of block_size tokens, token_budget tokens per
     step, driven by ``_replay_engine``; Hugging Face: ``_replay_hf`` with the same pool, page size and budget. Greedy,
     the same weights (``to_hf``), `threads` torch threads. warmup untimed replays of the first 4 requests per system,
-    then repeats rounds, each replaying every (rate, system) once in turn (so that background load hits all alike).
+    then repeats rounds, each replaying every (rate, system) once in turn, round k starting with system k mod 3 (so that
+    background load hits all alike).
     A row per (rate, system): tokens/s (generated tokens / seconds from the first arrival to the last token; median of
     the rounds), TTFT (first token - arrival, seconds) and TPOT ((last token - first token) / (tokens - 1)), p50 and
     p95 (nearest rank) over every request of every round; `differ`: how many (round, request) pairs' tokens differ
@@ -755,10 +757,11 @@ def bench_serve_wall(rates=WALL_RATES, n_requests: int = 32, block_size: int = 8
             for _ in range(warmup):
                 run(requests[:4], [0.0] * 4)
         runs = {(rate, system): [] for rate in rates for system in systems}
-        for _ in range(repeats):
+        order = list(systems)
+        for k in range(repeats):
             for rate, arrivals in schedules.items():
-                for system, run in systems.items():
-                    runs[rate, system].append(run(requests, arrivals))
+                for system in order[k % 3:] + order[:k % 3]:  # each round starts with the next system
+                    runs[rate, system].append(systems[system](requests, arrivals))
     finally:
         torch.set_num_threads(previous_threads)
     arrival_of = {rate: {r.name: at for r, at in zip(requests, arrivals)} for rate, arrivals in schedules.items()}
