@@ -606,7 +606,7 @@ def format_serve_load(result: dict) -> str:
 
 #: ``course bench serve``'s wall-clock sweep: request rates in requests per second (Poisson arrivals), on the course model
 WALL_RATES = (20.0, 40.0, 80.0, 160.0)
-#: its systems, in the order they run in every round
+#: its systems, in the order of its rows (each round of the sweep starts with the next one)
 WALL_SYSTEMS = ("static batching", "ours continuous + paged", "HF continuous + paged")
 
 
@@ -760,7 +760,7 @@ def bench_serve_wall(rates=WALL_RATES, n_requests: int = 32, block_size: int = 8
         order = list(systems)
         for k in range(repeats):
             for rate, arrivals in schedules.items():
-                for system in order[k % 3:] + order[:k % 3]:  # each round starts with the next system
+                for system in order[k % len(order):] + order[:k % len(order)]:  # each round starts with the next system
                     runs[rate, system].append(systems[system](requests, arrivals))
     finally:
         torch.set_num_threads(previous_threads)
