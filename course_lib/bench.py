@@ -599,7 +599,208 @@ def format_serve_load(result: dict) -> str:
                      f"{row['step_tokens_p50']:15.1f} {row['step_tokens_p95']:5.1f}")
     lines.append("step tokens: the tokens computed in the steps between a request's tokens (its own and everyone else's); "
                  "the budget rows: the uncapped engine at the highest rate with that token budget")
-    lines.append("Hugging Face is not swept: it has no arrival times (see the 'all at 0' rows above)")
+    lines.append("Hugging Face is not swept here: it has no step clock (see the 'all at 0' rows above, and the wall-clock "
+                 "sweep below)")
+    return "\n".join(lines)
+
+
+#: ``course bench serve``'s wall-clock sweep: request rates in requests per second (Poisson arrivals), on the course model
+WALL_RATES = (20.0, 40.0, 80.0, 160.0)
+#: its systems, in the order of its rows (each round of the sweep starts with the next one)
+WALL_SYSTEMS = ("static batching", "ours continuous + paged", "HF continuous + paged")
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list:
+    """n arrival times in seconds from 0, a Poisson process of `rate` requests per second: the first at 0, the gaps
+    exponential with mean 1 / rate, drawn from ``random.Random(seed)`` (the same schedule for every system)."""
+    import random
+
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests per second, got {rate!r}")
+    rng, times, clock = random.Random(seed), [], 0.0
+    for _ in range(n):
+        times.append(clock)
+        clock += rng.expovariate(rate)
+    return times
+
+
+def _sleep_until(start: float, at: float) -> None:
+    """Wait until `at` seconds after the perf_counter reading `start`."""
+    delay = start + at - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _replay_engine(engine, requests: list, arrivals: list) -> dict:
+    """Replay `requests` arriving at `arrivals` (seconds) in real time against ``Engine``'s online API: each request
+    is added once its arrival has passed (between steps), ``step`` runs while work remains. Returns {name: (tokens,
+    token times in seconds since the replay began)}."""
+    engine.reset()
+    start, pending = engine.start_time, list(zip(arrivals, requests))
+    while pending or engine.waiting or engine.running:
+        while pending and pending[0][0] <= time.perf_counter() - start:
+            engine.add_request(pending.pop(0)[1])
+        if engine.waiting or engine.running:
+            engine.step()
+        else:
+            _sleep_until(start, pending[0][0])
+    return {name: (r.tokens, r.token_times) for name, r in engine.results.items()}
+
+
+def _replay_static(model, requests: list, arrivals: list, max_batch_size: int) -> dict:
+    """The same replay against static batching: when no batch runs, the requests that have arrived (first come, at
+    most max_batch_size) form the next batch, served by ``static_batching`` to its end; a request arriving meanwhile
+    waits for the batch after. Returns what ``_replay_engine`` returns."""
+    import dataclasses
+
+    from .serving import static_batching
+
+    out, start, pending = {}, time.perf_counter(), list(zip(arrivals, requests))
+    while pending:
+        _sleep_until(start, pending[0][0])
+        now = time.perf_counter() - start
+        batch = [r for at, r in pending[:max_batch_size] if at <= now]
+        pending = pending[len(batch):]
+        began = time.perf_counter() - start  # static_batching's own clock starts just after: its times + began
+        results, _ = static_batching(model, [dataclasses.replace(r, arrival=0) for r in batch], max_batch_size)
+        out.update({name: (r.tokens, [began + t for t in r.token_times]) for name, r in results.items()})
+    return out
+
+
+def _replay_hf(hf_model, requests: list, arrivals: list, num_blocks: int, block_size: int, token_budget: int,
+               seen: dict) -> dict:
+    """The same replay against Hugging Face's continuous batching (the manager behind ``generate_batch``, configured
+    as ``hf_serve`` does): its generation thread runs the steps while this thread adds each request at its arrival
+    time (``add_request`` with its own max_new_tokens), then collects the results. Records in `seen` the attention
+    implementation it runs and (a set) the torch threads of its generation thread. Returns what ``_replay_engine`` returns (token times from its timestamps)."""
+    from .hf import _transformers
+
+    transformers = _transformers()
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    generation_config = transformers.GenerationConfig(do_sample=False, eos_token_id=-1,
+                                                      max_new_tokens=max(r.max_new_tokens for r in requests))
+    cb_config = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=token_budget,
+                                         allow_block_sharing=False, use_async_batching=False)
+    outputs = {}
+    with hf_model.continuous_batching_context_manager(generation_config=generation_config, warmup=True,
+                                                      continuous_batching_config=cb_config) as manager:
+        processor = manager.batch_processor
+        update_batch = processor.update_batch
+        seen["attention"] = hf_model.config._attn_implementation  # the one it switched to for continuous batching
+
+        def update_and_note():  # runs in the generation thread, after each forward pass
+            update_batch()
+            seen.setdefault("threads", set()).add(torch.get_num_threads())
+
+        processor.update_batch = update_and_note
+        start = time.perf_counter()
+        for at, r in zip(arrivals, requests):
+            _sleep_until(start, at)
+            manager.add_request(r.prompt, request_id=r.name, max_new_tokens=r.max_new_tokens, record_timestamps=True)
+        while len(outputs) < len(requests):
+            output = manager.get_result(timeout=60)
+            if output is None:
+                raise RuntimeError(f"Hugging Face's continuous batching returned {len(outputs)} of {len(requests)} requests")
+            if output.is_finished():
+                outputs[output.request_id] = output
+    failed = [o.request_id for o in outputs.values() if o.error is not None]
+    if failed:
+        raise RuntimeError(f"Hugging Face's continuous batching failed requests {failed}")
+    return {o.request_id: (list(o.generated_tokens), [t - start for t in o.timestamps]) for o in outputs.values()}
+
+
+def bench_serve_wall(rates=WALL_RATES, n_requests: int = 32, block_size: int = 8, token_budget: int = 64,
+                     max_batch_size: int = 8, threads: int = 1, warmup: int = 1, repeats: int = 3, seed: int = 3) -> dict:
+    """The load sweep on the wall clock, Hugging Face included: the same requests arriving as a Poisson process at each
+    rate (requests per second), replayed in real time against static batching, our engine and Hugging Face's.
+
+    Requests: ``make_trace(n_requests, seed, mean_gap=0)`` on the course model (its arrivals unused); arrival times:
+    ``poisson_arrivals(n_requests, rate, seed)`` per rate, the same for the three systems. Static batching:
+    ``_replay_static`` (batches of max_batch_size, rows sized by the true output lengths: the oracle); ours:
+    ``Engine`` with a pool that holds every request at once, blocks of block_size tokens, token_budget tokens per
+    step, driven by ``_replay_engine``; Hugging Face: ``_replay_hf`` with the same pool, page size and budget. Greedy,
+    the same weights (``to_hf``), `threads` torch threads. warmup untimed replays of the first 4 requests per system,
+    then repeats rounds, each replaying every (rate, system) once in turn, round k starting with system k mod 3 (so that
+    background load hits all alike).
+    A row per (rate, system): tokens/s (generated tokens / seconds from the first arrival to the last token; median of
+    the rounds), TTFT (first token - arrival, seconds) and TPOT ((last token - first token) / (tokens - 1)), p50 and
+    p95 (nearest rank) over every request of every round; `differ`: how many (round, request) pairs' tokens differ
+    from the request generated alone (``generate_cached``), of `checked`. Returns {"rows": [...], ...}.
+    """
+    from .hf import to_hf
+    from .serving import Engine, make_trace
+
+    if repeats < 1 or warmup < 0 or not rates:
+        raise ValueError(f"need repeats >= 1, warmup >= 0 and at least one rate; got {repeats}, {warmup}, {rates}")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    hf_seen: dict = {}
+    try:
+        model = serve_model("char-gpt")
+        hf_model = to_hf(model)
+        use_fastest_kernels(model, rows=[1 << i for i in range(7)])
+        V, context = model.config.vocab_size, model.config.block_size
+        requests = make_trace(n_requests, seed=seed, context=context, vocab=list(range(V)), mean_gap=0)
+        with torch.inference_mode():
+            alone = {r.name: generate_cached(model, torch.tensor([r.prompt]), r.max_new_tokens)[0, len(r.prompt):].tolist()
+                     for r in requests}
+        num_blocks = sum(math.ceil((len(r.prompt) + r.max_new_tokens) / block_size) for r in requests)
+        engine = Engine(model, num_blocks=num_blocks, block_size=block_size, token_budget=token_budget)
+        systems = {
+            WALL_SYSTEMS[0]: lambda reqs, at: _replay_static(model, reqs, at, max_batch_size),
+            WALL_SYSTEMS[1]: lambda reqs, at: _replay_engine(engine, reqs, at),
+            WALL_SYSTEMS[2]: lambda reqs, at: _replay_hf(hf_model, reqs, at, num_blocks, block_size, token_budget, hf_seen),
+        }
+        schedules = {rate: poisson_arrivals(n_requests, rate, seed) for rate in rates}
+        for run in systems.values():  # warm-up: allocator, first-call overheads
+            for _ in range(warmup):
+                run(requests[:4], [0.0] * 4)
+        runs = {(rate, system): [] for rate in rates for system in systems}
+        order = list(systems)
+        for k in range(repeats):
+            for rate, arrivals in schedules.items():
+                for system in order[k % len(order):] + order[:k % len(order)]:  # each round starts with the next system
+                    runs[rate, system].append(systems[system](requests, arrivals))
+    finally:
+        torch.set_num_threads(previous_threads)
+    arrival_of = {rate: {r.name: at for r, at in zip(requests, arrivals)} for rate, arrivals in schedules.items()}
+    rows = []
+    for (rate, system), these in runs.items():
+        ttft = [times[0] - arrival_of[rate][name] for run in these for name, (_, times) in run.items()]
+        tpot = [(times[-1] - times[0]) / (len(times) - 1) for run in these for _, times in run.values() if len(times) > 1]
+        per_s = [sum(len(tokens) for tokens, _ in run.values()) / max(times[-1] for _, times in run.values())
+                 for run in these]
+        rows.append({"rate": rate, "system": system, "requests": len(these[-1]),
+                     "tokens": sum(len(tokens) for tokens, _ in these[-1].values()),
+                     "tokens_per_s": statistics.median(per_s), "runs_tokens_per_s": per_s,
+                     "ttft_p50": _percentile(ttft, 0.5), "ttft_p95": _percentile(ttft, 0.95),
+                     "tpot_p50": _percentile(tpot, 0.5), "tpot_p95": _percentile(tpot, 0.95),
+                     "differ": sum(run.get(name, (None,))[0] != tokens for run in these for name, tokens in alone.items()),
+                     "checked": len(these) * len(alone)})
+    return {"rows": rows, "threads": threads, "repeats": repeats, "warmup": warmup, "n_requests": n_requests,
+            "block_size": block_size, "token_budget": token_budget, "max_batch_size": max_batch_size,
+            "hf_threads": sorted(hf_seen.get("threads", ())), "attn_implementation": hf_seen.get("attention")}
+
+
+def format_serve_wall(result: dict) -> str:
+    """The wall-clock sweep's table, as `course bench serve` prints it."""
+    r = result
+    lines = [f"wall-clock sweep: char-gpt, the same {r['n_requests']} requests arriving as a Poisson process at each rate "
+             f"(requests per second), replayed in real time; {r['threads']} thread(s); tokens/s: median of {r['repeats']} "
+             f"rounds after {r['warmup']} warm-up; TTFT (from arrival), TPOT: every request of every round",
+             f"static: batches of {r['max_batch_size']} formed when the previous one ends (rows sized by the true output "
+             f"lengths: an oracle); ours: Engine.add_request/step, blocks of {r['block_size']}, {r['token_budget']} tokens "
+             f"per step; HF: its continuous batching manager (generate_batch's), add_request at each arrival, the same pool "
+             f"and budget (attention {r['attn_implementation']}, torch threads in its generation thread {r['hf_threads']})",
+             f"{'req/s':>5s} {'system':24s} {'tokens':>6s} {'tokens/s':>8s} {'TTFT ms p50':>11s} {'p95':>6s} "
+             f"{'TPOT ms p50':>11s} {'p95':>6s} {'differ from alone':>17s}"]
+    for row in r["rows"]:
+        lines.append(f"{row['rate']:5.0f} {row['system']:24s} {row['tokens']:6d} {row['tokens_per_s']:8.0f} "
+                     f"{row['ttft_p50'] * 1e3:11.1f} {row['ttft_p95'] * 1e3:6.1f} {row['tpot_p50'] * 1e3:11.2f} "
+                     f"{row['tpot_p95'] * 1e3:6.2f} {row['differ']:>8d} of {row['checked']:<5d}")
+    lines.append("differ from alone: (round, request) pairs whose greedy tokens differ from the request generated alone "
+                 "(generate_cached); greedy, so none should, unless float rounding flips a near tie")
     return "\n".join(lines)
 
 
@@ -749,6 +950,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             load = bench_serve_load(threads=threads, repeats=args.repeats or 3)
         print(format_serve_load(load))
+        print()
+        if args.quick:
+            wall = bench_serve_wall(rates=WALL_RATES[-1:], n_requests=args.requests or 8, threads=threads, warmup=0,
+                                    repeats=args.repeats or 1)
+        else:
+            wall = bench_serve_wall(threads=threads, repeats=args.repeats or 3)
+        print(format_serve_wall(wall))
         return 0
     args.threads = args.threads or 2
     if args.what == "decode":

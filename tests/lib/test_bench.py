@@ -121,9 +121,12 @@ def test_bench_main_serve_quick_prints_the_table(capsys, monkeypatch):
 
     original = bench.bench_serve
     monkeypatch.setattr(bench, "bench_serve", lambda **kw: original(**{**kw, "n_requests": 3}))
+    wall = bench.bench_serve_wall
+    monkeypatch.setattr(bench, "bench_serve_wall", lambda **kw: wall(**{**kw, "n_requests": 3}))
     assert main(["serve", "--quick", "--shapes", "char-gpt"]) == 0
     out = capsys.readouterr().out
     assert "char-gpt" in out and "HF continuous + paged" in out and "ours static batching" in out and "gpt2-small" not in out
+    assert "wall-clock sweep" in out and "differ from alone" in out
 
 
 def test_bench_main_serve_refuses_a_decode_shape(capsys):
@@ -210,4 +213,37 @@ def test_bench_serve_load_tiny_run_has_every_row():
     assert budget_64["steps"] == engine_top["steps"] and budget_64["ttft_steps_p95"] == engine_top["ttft_steps_p95"]
     table = format_serve_load(result)
     for text in (*systems, "engine, budget 8", "TTFT steps", "TPOT ms", "not swept"):
+        assert text in table, text
+
+
+def test_bench_serve_wall_tiny_run_has_every_row_and_every_request_generates_its_tokens_alone():
+    """The wall-clock sweep of `course bench serve` on 4 requests, two rates, one round: its rows, and each system's
+    greedy tokens against each request generated alone (generate_cached, computed here), never speed."""
+    import pytest
+
+    from course_lib.bench import WALL_SYSTEMS, bench_serve_wall, format_serve_wall, poisson_arrivals, serve_model
+    from course_lib.kv_cache import generate_cached
+    from course_lib.serving import make_trace
+
+    threads = torch.get_num_threads()
+    result = bench_serve_wall(rates=(200.0, 1000.0), n_requests=4, warmup=0, repeats=1)
+    assert torch.get_num_threads() == threads
+    model = serve_model("char-gpt")
+    requests = make_trace(4, seed=3, context=model.config.block_size, vocab=list(range(model.config.vocab_size)),
+                          mean_gap=0)
+    with torch.inference_mode():
+        alone = [generate_cached(model, torch.tensor([r.prompt]), r.max_new_tokens)[0, len(r.prompt):] for r in requests]
+    rows = result["rows"]
+    assert [(r["rate"], r["system"]) for r in rows] == [(rate, s) for rate in (200.0, 1000.0) for s in WALL_SYSTEMS]
+    for row in rows:
+        assert row["requests"] == 4 and row["tokens"] == sum(len(t) for t in alone)
+        assert row["differ"] == 0 and row["checked"] == 4, row  # greedy, same weights: each request's tokens alone
+        assert row["tokens_per_s"] > 0 and 0 < row["ttft_p50"] <= row["ttft_p95"] and 0 < row["tpot_p50"] <= row["tpot_p95"]
+    assert result["hf_threads"] == [1]  # one torch thread in Hugging Face's generation thread too
+    arrivals = poisson_arrivals(4, 200.0, 3)
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals == poisson_arrivals(4, 200.0, 3)
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        poisson_arrivals(4, 0.0, 3)
+    table = format_serve_wall(result)
+    for text in (*WALL_SYSTEMS, "wall-clock sweep", "TTFT ms", "TPOT ms", "differ from alone"):
         assert text in table, text
