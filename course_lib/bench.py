@@ -328,7 +328,8 @@ def _ours_run(results: dict, trace) -> dict:
 
 def hf_serve(hf_model, requests: list, num_blocks: int, block_size: int, token_budget: int) -> dict:
     """Serve `requests` greedily with Hugging Face's continuous batching over its paged cache; every request is
-    added at once (Hugging Face has no arrival times: ``Request.arrival`` is ignored).
+    added at once (``Request.arrival``, a step of our engine's clock, means nothing to it: ``bench_serve_wall``
+    feeds it arrivals in seconds instead).
 
     It drives the manager that ``generate_batch`` wraps (``continuous_batching_context_manager``) and adds each
     request with its own max_new_tokens (``generate_batch`` takes one max_new_tokens for all). Its cache: pages of
@@ -400,7 +401,8 @@ def bench_serve(models=SERVE_MODELS, n_requests: dict | int | None = None, block
     For each model (``serve_model``): a trace of n_requests[model] requests (``make_trace``: prompts of 4..48
     tokens, log-normal output lengths of median 12, the notebook's settings), served greedily two ways:
 
-    * "all at 0": every request arrives at step 0, by all three systems (Hugging Face has no arrival times);
+    * "all at 0": every request arrives at step 0, by all three systems (Hugging Face has no step clock;
+      ``bench_serve_wall`` replays arrivals in seconds for all three);
     * "trace": the trace's arrivals (exponential gaps of mean mean_gap engine steps), by our two systems only.
 
     Ours continuous: ``Engine`` with a pool that holds every request at once (no preemption), blocks of block_size
