@@ -36,14 +36,13 @@ import json
 import math
 import queue
 import random
-import statistics
 import threading
 import time
 from collections import deque
 from contextlib import asynccontextmanager
 
 from . import assets
-from .serving import SEED_RANGE, Engine, Request, Trace, _integer, _number
+from .serving import SEED_RANGE, Engine, Request, Trace, _integer, _number, quantile
 
 HOST = "127.0.0.1"  # loopback only: the course's server is for this machine's clients
 FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
@@ -582,15 +581,11 @@ def bench_serve_http(model_name: str = "char-gpt", *, rates: tuple = (4.0, 16.0,
                 tpot = [g[1] / (g[2] - 1) for g in got if g[2] > 1]
                 rows.append({"rate": rate, "requests": len(got), "seconds": seconds,
                              "tokens_per_second": sum(g[2] for g in got) / seconds,
-                             "ttft_p50": _quantile(ttft, 0.5), "ttft_p95": _quantile(ttft, 0.95),
-                             "tpot_p50": _quantile(tpot, 0.5), "tpot_p95": _quantile(tpot, 0.95)})
+                             "ttft_p50": quantile(ttft, 0.5), "ttft_p95": quantile(ttft, 0.95),
+                             "tpot_p50": quantile(tpot, 0.5), "tpot_p95": quantile(tpot, 0.95)})
         return rows
     finally:
         torch.set_num_threads(previous)
-
-
-def _quantile(values: list, q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 else values[0]
 
 
 def format_serve_http(rows: list) -> str:

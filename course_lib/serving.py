@@ -984,7 +984,7 @@ def make_trace(n_requests: int, seed: int = 0, *, context: int = 128, mean_gap: 
 # load: a sweep of request rates (or of any setting) on the step clock
 
 
-def _quantile(values: list, q: float) -> float:
+def quantile(values: list, q: float) -> float:
     """The q-quantile (0 < q <= 1) by the nearest-rank rule: the smallest value with a fraction q at or below it."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
@@ -1014,8 +1014,8 @@ def serving_stats(results: dict, trace: Trace) -> dict:
     stats = {"requests": len(served), "tokens": tokens, "steps": trace.steps, "seconds": trace.seconds,
              "tokens_per_step": tokens / trace.steps, "tokens_per_s": tokens / trace.seconds}
     for name, values in measures.items():
-        stats[f"{name}_p50"] = _quantile(values, 0.5) if values else math.nan
-        stats[f"{name}_p95"] = _quantile(values, 0.95) if values else math.nan
+        stats[f"{name}_p50"] = quantile(values, 0.5) if values else math.nan
+        stats[f"{name}_p95"] = quantile(values, 0.95) if values else math.nan
     return stats
 
 
