@@ -119,8 +119,8 @@ class MultiHeadAttention(nn.Module):
     Contract (the hidden tests copy these weights into torch.nn.MultiheadAttention and compare):
     attributes W_q, W_k, W_v, W_o, each nn.Linear(d_model, d_model, bias=bias), and n_heads. Head h owns
     features h*Dh ... (h+1)*Dh - 1 (Dh = d_model / n_heads) of W_q(query), W_k(key) and W_v(value).
-    Raises ValueError, naming both, when d_model is not a positive multiple of n_heads, and when dropout is
-    not in [0, 1). Dropout acts on the attention weights in training mode only; the tests run in eval mode.
+    Raises ValueError naming d_model and n_heads when d_model is not a positive multiple of n_heads, and one
+    naming dropout when it is not in [0, 1). Dropout acts on the attention weights in training mode only; the tests run in eval mode.
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True):
