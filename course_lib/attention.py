@@ -125,8 +125,10 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True):
         super().__init__()
-        if d_model < 1 or n_heads < 1 or d_model % n_heads != 0:
-            raise ValueError(f"d_model must be a positive multiple of n_heads, got d_model={d_model} and n_heads={n_heads}")
+        if d_model < 1 or n_heads < 1:
+            raise ValueError(f"d_model and n_heads must be >= 1, got d_model={d_model} and n_heads={n_heads}")
+        if d_model % n_heads != 0:
+            raise ValueError(f"d_model must be a multiple of n_heads, got d_model={d_model} and n_heads={n_heads}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
