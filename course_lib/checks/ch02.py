@@ -107,11 +107,17 @@ def _mha_weights_hint(module, x, weights) -> None:
     if _close(weights, torch.softmax(scores.transpose(-2, -1), dim=-1), 1e-4):
         fail("your weights are transposed: weights[b, h, i, j] must be query i's weight on key j, from the scores "
              "q @ k.transpose(-2, -1) (queries in rows, keys in columns)")
+    with torch.no_grad():
+        k_from_w_v = _split(module.W_v(x).double(), n_heads)
+    if _close(weights, torch.softmax(_split(q, n_heads) @ k_from_w_v.transpose(-2, -1) / math.sqrt(d_model // n_heads), dim=-1), 1e-4):
+        fail("your keys are projected with W_v (and, likely, your values with W_k): the projections are swapped. Keys are "
+             "self.W_k(key), values self.W_v(value)")
 
 
 def check_multi_head_attention(MultiHeadAttention) -> None:
     """Visible checks for exercise 2 against torch.nn.MultiheadAttention: self-attention without a mask, then
-    cross-attention (3 queries, 6 keys) with a padding mask."""
+    cross-attention (3 queries, 6 keys) with a padding mask, a query with no key, and the ValueError of a d_model that
+    n_heads does not divide."""
     d_model, n_heads = 16, 4
     module = randomize_parameters(MultiHeadAttention(d_model, n_heads), seed=202).eval()
     oracle = torch_multihead_attention(module)
@@ -136,6 +142,13 @@ def check_multi_head_attention(MultiHeadAttention) -> None:
                  "each head h uses columns h*Dh ... (h+1)*Dh-1 of W_q(query) and W_k(key), scores scaled by 1/sqrt(Dh))")
     if _close(out, _merge(weights.double() @ _split(module.W_v(x).double(), n_heads)), 1e-4):
         fail("your output is the merged heads without the output projection: return self.W_o(merge_heads(...))")
+    with torch.no_grad():
+        heads = weights.double() @ _split(module.W_v(x).double(), n_heads)  # (B, H, T, Dh), from your weights
+        bias = None if module.W_o.bias is None else module.W_o.bias.double()
+        scrambled = nn.functional.linear(heads.reshape(x.shape[0], x.shape[1], d_model), module.W_o.weight.double(), bias)
+    if _close(out, scrambled, 1e-4):
+        fail("your heads are merged in the wrong order: a view or reshape straight from (B, H, T, Dh) to (B, T, D) mixes "
+             "positions and heads. Transpose back to (B, T, H, Dh) first: merge_heads(...)")
     assert_close(out, expected_out, "your output (vs torch.nn.MultiheadAttention with the same weights)")
 
     # cross-attention: queries from one sequence, keys and values from another, with a padding mask (True = attend)
@@ -163,6 +176,9 @@ def check_multi_head_attention(MultiHeadAttention) -> None:
     if _close(weights, unmasked):
         fail("with a padding mask (B, 1, 1, Tk) your weights are the same as without it: the mask never reaches the "
              "softmax. Pass it on: masked_softmax(scores, mask)")
+    if _close(weights, unmasked * keep[:, None, None, :]):
+        fail("with a padding mask your weights are the unmasked softmax with the masked keys zeroed afterwards: each query's "
+             "weights no longer sum to 1. The mask goes into the softmax: masked_softmax(scores, mask)")
     if _close(weights, roles_swapped) and not _close(weights, expected_weights):
         fail("in cross-attention your keys come from `value` and your values from `key`: the roles are swapped. "
              "Keys are what a query is matched on, self.W_k(key); values are what is handed over, self.W_v(value)")
@@ -193,6 +209,13 @@ def check_multi_head_attention(MultiHeadAttention) -> None:
     others = torch.ones(2, 3, dtype=torch.bool)
     others[1, 1] = False
     assert_close(out[others], expected_out[others], "your output for the queries that have keys (vs torch.nn.MultiheadAttention)")
+    try:
+        MultiHeadAttention(10, 4)
+    except ValueError:
+        pass
+    else:
+        fail("MultiHeadAttention(10, 4) built a module: 4 heads do not divide d_model = 10. Raise ValueError naming d_model "
+             "and n_heads")
     passed("MultiHeadAttention")
 
 

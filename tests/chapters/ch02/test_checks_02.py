@@ -49,9 +49,10 @@ def _mha_variant(**changes):
         def forward(self, query, key, value, mask=None):
             if changes.get("keys_from_query"):
                 key = value = query
+            W_k, W_v = (self.W_v, self.W_k) if changes.get("kv_projections_swapped") else (self.W_k, self.W_v)
             q = attention.split_heads(self.W_q(query), self.n_heads)
-            k = attention.split_heads(self.W_k(key), self.n_heads)
-            v = attention.split_heads(self.W_v(key if changes.get("values_from_key") else value), self.n_heads)
+            k = attention.split_heads(W_k(key), self.n_heads)
+            v = attention.split_heads(W_v(key if changes.get("values_from_key") else value), self.n_heads)
             scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)
             if changes.get("transposed"):
                 scores = scores.transpose(-2, -1)
@@ -60,7 +61,10 @@ def _mha_variant(**changes):
             elif changes.get("mask") == "inverted" and mask is not None:
                 mask = ~mask
             weights = torch.softmax(scores, dim=-2) if changes.get("softmax_over_queries") else attention.masked_softmax(scores, mask)
-            merged = attention.merge_heads(weights @ v)
+            if changes.get("mask_after_softmax"):
+                weights = torch.softmax(scores, dim=-1) * (True if mask is None else mask)
+            heads = weights @ v
+            merged = heads.view(query.shape) if changes.get("merge_by_view") else attention.merge_heads(heads)
             return (merged if changes.get("no_output_projection") else self.W_o(merged)), weights
     return Variant
 
@@ -104,6 +108,11 @@ def rope_clockwise(x, positions=None, base=10000.0):
 
 def rope_ignoring_positions(x, positions=None, base=10000.0):
     return positional.apply_rope(x, None, base)
+
+
+class NoValueError(attention.MultiHeadAttention):
+    def __init__(self, d_model, n_heads, dropout=0.0, bias=True):
+        super().__init__(d_model - d_model % n_heads, n_heads, dropout, bias)  # builds something instead of refusing
 
 
 class NegInfFill(attention.MultiHeadAttention):
@@ -181,6 +190,10 @@ def rope_positions_flattened(x, positions=None, base=10000.0):
     (lambda: checks.check_multi_head_attention(_mha_variant(mask="inverted")), r"your mask is inverted"),
     (lambda: checks.check_multi_head_attention(_mha_variant(mask="ignored")), r"the mask never reaches the softmax"),
     (lambda: checks.check_multi_head_attention(_mha_variant(values_from_key=True)), r"your output uses `key` as the values"),
+    (lambda: checks.check_multi_head_attention(_mha_variant(merge_by_view=True)), r"heads are merged in the wrong order: .*Transpose back"),
+    (lambda: checks.check_multi_head_attention(_mha_variant(mask_after_softmax=True)), r"masked keys zeroed afterwards: .*masked_softmax\(scores, mask\)"),
+    (lambda: checks.check_multi_head_attention(_mha_variant(kv_projections_swapped=True)), r"keys are projected with W_v .*swapped"),
+    (lambda: checks.check_multi_head_attention(NoValueError), r"MultiHeadAttention\(10, 4\) built a module: 4 heads do not divide d_model = 10"),
     (lambda: checks.check_multi_head_attention(_mha_variant(keys_from_query=True)), r"raised RuntimeError: .*keys come from `key`, values from `value`"),
     (lambda: checks.check_apply_rope(rope_rotate_half), r"paired feature i with feature i \+ Dh/2"),
     (lambda: checks.check_apply_rope(rope_not_a_rotation), r"changed the length of a vector by up to \d\.\d+"),

@@ -20,7 +20,7 @@ MHA, SIN, ROPE, HEADS = ("multi_head_attention-solution", "sinusoidal_encoding-s
 
 def planted_a() -> dict:
     return CH.solved({
-        # scores / sqrt(d_model): the weights are too flat -> visible (vs nn.MultiheadAttention) and scale
+        # scores / sqrt(d_model): the weights are too flat -> visible (vs nn.MultiheadAttention), scale and oracle
         MHA: CH.mutate(MHA, "math.sqrt(self.d_head)", "math.sqrt(self.d_model)"),
         # sin in the odd columns, cos in the even ones -> visible and layout (frequencies compares pairs, unordered)
         SIN: CH.mutate(SIN, "table[:, 0::2] = torch.sin(angle)\n    table[:, 1::2] = torch.cos(angle)",
@@ -36,7 +36,7 @@ def planted_b() -> dict:
         # heads-visible and heads-batch only: the module calls merge_heads, but is tested with the reference one
         HEADS: CH.mutate(HEADS, "return x.transpose(1, 2).contiguous().view(batch, time, n_heads * d_head)",
                          "return x.permute(2, 0, 1, 3).reshape(batch, time, n_heads * d_head)"),
-        # values projected from `key`: invisible in self-attention -> visible (its cross-attention case) and cross
+        # values projected from `key`: invisible in self-attention -> visible, cross and oracle (their cross-attention cases)
         MHA: CH.mutate(MHA, "self.W_v(value)", "self.W_v(key)"),
         # 10000^(-i/d) instead of 10000^(-2i/d): row 0 is still [0, 1, 0, 1, ...] -> visible and frequencies
         SIN: CH.mutate(SIN, "torch.arange(0, d_model, 2, dtype=torch.float64)", "torch.arange(0, d_model // 2, dtype=torch.float64)"),
@@ -49,16 +49,17 @@ def planted_b() -> dict:
 STUDENTS = {
     "reference": (CH.solved, set()),
     "untouched": (CH.untouched, set(CH.points)),
-    "planted_a": (planted_a, {"multi_head_attention-visible", "multi_head_attention-scale",
+    "planted_a": (planted_a, {"multi_head_attention-visible", "multi_head_attention-scale", "multi_head_attention-oracle",
                               "sinusoidal_encoding-visible", "sinusoidal_encoding-layout", "apply_rope-visible",
                               "apply_rope-positions"}),
-    "planted_b": (planted_b, {"heads-visible", "heads-batch", "multi_head_attention-visible", "multi_head_attention-cross", "sinusoidal_encoding-visible", "sinusoidal_encoding-frequencies",
+    "planted_b": (planted_b, {"heads-visible", "heads-batch", "multi_head_attention-visible", "multi_head_attention-cross",
+                              "multi_head_attention-oracle", "sinusoidal_encoding-visible", "sinusoidal_encoding-frequencies",
                               "apply_rope-visible", "apply_rope-pairing"}),
 }
 
 
 graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions = round_trip(
-    CH, STUDENTS, total=19)  # one nbgrader run grades every student
+    CH, STUDENTS, total=31)  # one nbgrader run grades every student
 
 
 @pytest.mark.slow

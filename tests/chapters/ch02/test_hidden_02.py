@@ -70,24 +70,44 @@ CASES = [
      {"heads-visible", "heads-batch"}),  # right for B = 1
     # multi-head attention
     ("multi_head_attention", "unscaled", mutate("multi_head_attention", (" / math.sqrt(self.d_head)", "")),
-     {"multi_head_attention-visible", "multi_head_attention-scale"}),
+     {"multi_head_attention-visible", "multi_head_attention-scale", "multi_head_attention-oracle"}),
     ("multi_head_attention", "scaled by sqrt(d_model)", mutate("multi_head_attention", ("math.sqrt(self.d_head)", "math.sqrt(self.d_model)")),
-     {"multi_head_attention-visible", "multi_head_attention-scale"}),
+     {"multi_head_attention-visible", "multi_head_attention-scale", "multi_head_attention-oracle"}),
     ("multi_head_attention", "mask inverted", mutate("multi_head_attention", ("masked_softmax(scores, mask)", "masked_softmax(scores, None if mask is None else ~mask)")),
-     {"multi_head_attention-visible", "multi_head_attention-mask", "multi_head_attention-fully_masked"}),  # visible: its padding-mask case; the fully masked query then sees every key
+     {"multi_head_attention-visible", "multi_head_attention-mask", "multi_head_attention-fully_masked", "multi_head_attention-oracle"}),  # visible: its padding-mask case; the fully masked query then sees every key
     ("multi_head_attention", "mask ignored", mutate("multi_head_attention", ("masked_softmax(scores, mask)", "masked_softmax(scores)")),
-     {"multi_head_attention-visible", "multi_head_attention-mask", "multi_head_attention-fully_masked"}),  # visible: its padding-mask case
+     {"multi_head_attention-visible", "multi_head_attention-mask", "multi_head_attention-fully_masked", "multi_head_attention-oracle"}),  # visible: its padding-mask case
     ("multi_head_attention", "-inf softmax", mutate("multi_head_attention", ("masked_softmax(scores, mask)",
                                                                           'torch.softmax(scores if mask is None else scores.masked_fill(~mask, float("-inf")), dim=-1)')),
      {"multi_head_attention-visible", "multi_head_attention-fully_masked"}),  # visible: its query with no key (issue 24)
     ("multi_head_attention", "values from key", mutate("multi_head_attention", ("self.W_v(value)", "self.W_v(key)")),
-     {"multi_head_attention-visible", "multi_head_attention-cross"}),  # visible: its cross-attention case (self-attention passes key is value)
+     {"multi_head_attention-visible", "multi_head_attention-cross", "multi_head_attention-oracle"}),  # visible and oracle: their cross-attention case (self-attention passes key is value)
     ("multi_head_attention", "keys and values from query", mutate("multi_head_attention", ("self.W_k(key)", "self.W_k(query)"), ("self.W_v(value)", "self.W_v(query)")),
-     {"multi_head_attention-visible", "multi_head_attention-cross"}),  # visible: its cross-attention case
+     {"multi_head_attention-visible", "multi_head_attention-cross", "multi_head_attention-oracle", "multi_head_attention-permutation"}),
+    # visible, oracle, permutation: their cross-attention cases (Tq != Tk: the scores cannot broadcast)
     ("multi_head_attention", "heads mixed across batch", mutate("multi_head_attention", (
         "heads = self.dropout(weights) @ v",
         "heads = (self.dropout(weights) @ v).flatten(0, 1).unflatten(0, (v.shape[1], v.shape[0])).transpose(0, 1)")),
-     {"multi_head_attention-visible", "multi_head_attention-batch"}),  # the other tests use B = 1
+     {"multi_head_attention-visible", "multi_head_attention-batch", "multi_head_attention-oracle"}),  # B = 2 there; the other tests use B = 1
+    # the bugs of the build exercise (issue 32); the oracle test compares everything with nn.MultiheadAttention, so fails them all
+    ("multi_head_attention", "heads merged by view, no transpose", mutate("multi_head_attention", (
+        "self.W_o(merge_heads(heads))", "self.W_o(heads.view(query.shape[0], query.shape[1], self.d_model))")),
+     {"multi_head_attention-visible", "multi_head_attention-cross", "multi_head_attention-fully_masked",
+      "multi_head_attention-oracle", "multi_head_attention-permutation"}),  # positions mixed: permutation, and query 1's zero row spread
+    ("multi_head_attention", "mask applied after softmax", mutate("multi_head_attention", (
+        "masked_softmax(scores, mask)", "torch.softmax(scores, dim=-1) if mask is None else torch.softmax(scores, dim=-1) * mask")),
+     {"multi_head_attention-visible", "multi_head_attention-mask", "multi_head_attention-oracle"}),  # a fully masked row is still 0
+    ("multi_head_attention", "output projection forgotten", mutate("multi_head_attention", (
+        "return self.W_o(merge_heads(heads)), weights", "return merge_heads(heads), weights")),
+     {"multi_head_attention-visible", "multi_head_attention-cross", "multi_head_attention-fully_masked",
+      "multi_head_attention-oracle"}),  # the weights are right: scale, mask, batch and permutation pass
+    ("multi_head_attention", "k and v projections swapped", mutate("multi_head_attention", ("self.W_k(key)", "self.W_v(key)"),
+                                                                   ("self.W_v(value)", "self.W_k(value)")),
+     {"multi_head_attention-visible", "multi_head_attention-scale", "multi_head_attention-cross", "multi_head_attention-oracle"}),
+    ("multi_head_attention", "no ValueError for d_model % n_heads", mutate("multi_head_attention", (
+        "if d_model % n_heads != 0:", "if False:"),
+        ("self.d_head = d_model, n_heads, d_model // n_heads", "self.d_head = d_model, n_heads, math.ceil(d_model / n_heads)")),
+     {"multi_head_attention-visible", "multi_head_attention-errors"}),
     # sinusoidal
     ("sinusoidal_encoding", "sin and cos swapped", mutate("sinusoidal_encoding", ("torch.sin(angle)", "SIN"), ("torch.cos(angle)", "torch.sin(angle)"), ("SIN", "torch.cos(angle)")),
      {"sinusoidal_encoding-visible", "sinusoidal_encoding-layout"}),
