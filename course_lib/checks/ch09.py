@@ -219,7 +219,9 @@ def compare_training(train_bpe, text: str, vocab_size: int) -> None:
              + (f"(id {unknown[0]} is neither a byte nor a merge learned before)" if unknown else f"({chr(yours[0]) + chr(yours[1])!r})"))
     if counts.get(yours, 0) == counts[right]:
         fail(f"{head}: both occur {counts[right]} times, the most, a tie; a tie goes to the smallest pair (a, b), "
-             f"compared as tuples ({min(yours, right)} < {max(yours, right)}), not to the pair counted first or last")
+             f"compared as tuples ({min(yours, right)} < {max(yours, right)}), not to the pair counted first or last"
+             + (", nor to the pair whose bytes sort first (a merged token's id is its rank, not its bytes)"
+                if max(*yours, *right) >= 256 else ""))
     if counts.get(yours, 0) == 0:
         token = vocab[yours[0]] + vocab[yours[1]] if not unknown else b""
         if not any(token in chunk for chunk in chunks):

@@ -192,11 +192,12 @@ def _random_gains(model):
     return model.eval()
 
 
-def _hf_llama(transformers, window=None, n_layer=2):
-    """Hugging Face's model of the check's sizes, built from its own configuration (the oracle for llama_from_hf)."""
+def _hf_llama(transformers, window=None, n_layer=2, **settings):
+    """Hugging Face's model of the check's sizes, built from its own configuration (the oracle for llama_from_hf);
+    settings override its configuration (hidden_act="gelu": a model ours cannot be)."""
     sizes = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=n_layer, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=16, rms_norm_eps=_EPS,
-                 rope_parameters={"rope_type": "default", "rope_theta": _THETA}, tie_word_embeddings=False)
+                 rope_parameters={"rope_type": "default", "rope_theta": _THETA}, tie_word_embeddings=False, **settings)
     if window is None:
         return _random_gains(transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)))
     return _random_gains(transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=window, **sizes)))
@@ -223,7 +224,8 @@ def _compare_logits(got_model, expected_model, name: str) -> None:
 
 def _diagnose_rows(q, k, v, original_q, original_k, original_v, who: str, permute: str) -> None:
     """Name the classic mistakes of the W_q, W_k, W_v rows, given the converted and the original matrices of layer 0.
-    Expected: q = original_q[half_rows(H, Dh)] and k = original_k[half_rows(H_kv, Dh)] (to the half layout), v unchanged."""
+    Expected: q = original_q[half_rows(H, Dh)] and k = original_k[half_rows(H_kv, Dh)] (to the half layout), v unchanged;
+    the inverse permutation gives original_q = q[half_rows(H, Dh)] instead."""
     H, H_kv, Dh = _SIZES["n_head"], _SIZES["n_kv_head"], _SIZES["n_embd"] // _SIZES["n_head"]
     if torch.equal(q, original_q) and torch.equal(k, original_k):
         fail(f"{who} copies W_q and W_k without the permutation: the interleaved layout rotates the feature pairs "
@@ -232,6 +234,11 @@ def _diagnose_rows(q, k, v, original_q, original_k, original_v, who: str, permut
     if torch.equal(v, original_v[half_rows(H_kv, Dh)]) or torch.equal(original_v, v[half_rows(H_kv, Dh)]):
         fail(f"{who} permutes the rows of W_v too: RoPE rotates queries and keys only, and the values (like W_o and "
              "the MLP) are copied as they are")
+    if torch.equal(original_q, q[half_rows(H, Dh)]) and torch.equal(original_k, k[half_rows(H_kv, Dh)]):
+        inverse = "rope_to_interleaved" if "rope_to_half" in permute else "rope_to_half"
+        fail(f"{who} permutes W_q and W_k the wrong way, with {inverse}: rope_to_half takes the interleaved layout to "
+             f"Hugging Face's half layout and rope_to_interleaved undoes it, and the two differ as soon as Dh >= 8 "
+             f"(here Dh = {Dh}). This direction needs {permute}")
     if torch.equal(q, original_q):
         fail(f"{who} permutes W_k but not W_q: both are rotated, so both need the permutation ({permute})")
     if torch.equal(k, original_k):
@@ -321,11 +328,23 @@ def _check_from_hf(llama_from_hf, transformers) -> None:
         fail(f"llama_from_hf(hf_model) for a MistralForCausalLM with sliding_window = 4: the model's config.window is "
              f"{ours.config.window!r}, expected 4 (Hugging Face's sliding_window)")
     _compare_logits(ours, mistral, "the logits of llama_from_hf(hf_model) for a MistralForCausalLM with sliding_window = 4, on 12 tokens")
+    gelu = _hf_llama(transformers, n_layer=1, hidden_act="gelu")
+    try:
+        llama_from_hf(gelu)
+    except ValueError as error:
+        if "hidden_act" not in str(error):
+            fail(f"llama_from_hf(hf_model) for a LlamaForCausalLM with hidden_act='gelu' raised ValueError({str(error)!r}): "
+                 "name the setting it refuses, hidden_act")
+    else:
+        fail("llama_from_hf(hf_model) converted a LlamaForCausalLM with hidden_act='gelu', which our Llama (SiLU gate) "
+             "cannot represent: it would be another function, with no error. Raise a ValueError naming hidden_act, "
+             "and likewise for the other settings of the docstring (scaled RoPE, biases, head_dim)")
 
 
 def check_llama_conversion(llama_to_hf, llama_from_hf) -> None:
     """Visible checks for chapter 11, exercise 5: our Llama to Hugging Face's and back, with grouped-query heads,
-    the interleaved RoPE layout, eps and rope_base away from every default, an untied head and a sliding window."""
+    the interleaved RoPE layout, eps and rope_base away from every default, an untied head and a sliding window;
+    a GELU model refused."""
     import transformers
 
     from ..llama import Llama, LlamaConfig

@@ -77,6 +77,24 @@ def naive_trainer(choose=lambda counts: min(counts, key=lambda p: (-counts[p], p
     return train_bpe
 
 
+def bytes_tie_trainer(text, vocab_size):
+    """A naive trainer that breaks ties by the pairs' bytes instead of their ids: the same as ids until a merged token ties."""
+    words = [[list(chunk.encode("utf-8")), n] for chunk, n in Counter(bpe.pretokenize(text)).items()]
+    merges, vocab = {}, {i: bytes([i]) for i in range(256)}
+    while len(merges) < vocab_size - 256:
+        counts = {}
+        for ids, n in words:
+            bpe.count_pairs(ids, counts, n)
+        if not counts:
+            break
+        pair = min(counts, key=lambda p: (-counts[p], vocab[p[0]], vocab[p[1]]))
+        merges[pair] = 256 + len(merges)
+        vocab[merges[pair]] = vocab[pair[0]] + vocab[pair[1]]
+        for word in words:
+            word[0] = bpe.bpe_merge(word[0], pair, merges[pair])
+    return merges
+
+
 def leftmost_encode(text, merges):
     ids = []
     for chunk in bpe.pretokenize(text):
@@ -145,6 +163,8 @@ def ignoring_decode(ids, vocab):
      r"\(101, 115\) \(b'e' \+ b's'\): both occur 2 times, the most, a tie; a tie goes to the smallest pair"),
     (checks.check_train_bpe, naive_trainer(choose=lambda counts: max(counts, key=lambda p: (counts[p], p))),
      r"is yours \(119, 101\) .* a tie goes to the smallest pair \(a, b\), compared as tuples \(\(101, 115\) < \(119, 101\)\)"),
+    (checks.check_train_bpe, bytes_tie_trainer,
+     r"merge 1 \(new id 257\) is yours \(256, 116\) .* a tie; .* nor to the pair whose bytes sort first"),
     (checks.check_train_bpe, naive_trainer(overlaps=False),
      r"train_bpe\('zzzz abab', 258\): .* yours occurs 2 times in the text, the expected 3\. Count a pair at every position"),
     (checks.check_train_bpe, naive_trainer(chunk_ids=lambda chunk: [ord(c) for c in chunk]),

@@ -187,6 +187,8 @@ def test_the_course_conversion_passes_and_each_half_is_judged_with_the_others():
      r"llama_to_hf copies W_q and W_k without the permutation"),
     (mutated(TO, (TO_K, "weight = weight")), FROM, r"llama_to_hf permutes W_q but not W_k"),
     (mutated(TO, V_TOO), FROM, r"llama_to_hf permutes the rows of W_v too"),
+    (mutated(TO, (TO_Q, "weight = rope_to_interleaved(weight, c.n_head)"), (TO_K, "weight = rope_to_interleaved(weight, c.n_kv_head)")),
+     FROM, r"llama_to_hf permutes W_q and W_k the wrong way, with rope_to_interleaved"),
     (mutated(TO, (TO_K, "weight = rope_to_half(weight, c.n_head)")), FROM, r"llama_to_hf permutes W_k as if it had n_head = 4 heads"),
     (mutated(TO, ("tie_word_embeddings=False", "tie_word_embeddings=True")), FROM, r"its lm_head is tied to the token embedding"),
     (mutated(TO, ("rms_norm_eps=c.eps,", "")), FROM, r"its rms_norm_eps is 1e-06, the model's eps is 0.001"),
@@ -196,11 +198,14 @@ def test_the_course_conversion_passes_and_each_half_is_judged_with_the_others():
     (TO, mutated(FROM, (FROM_Q, "weight = weight"), (FROM_K, "weight = weight")),
      r"llama_from_hf\(hf_model, 'interleaved'\) copies W_q and W_k without the permutation"),
     (TO, mutated(FROM, V_TOO), r"llama_from_hf\(hf_model, 'interleaved'\) permutes the rows of W_v too"),
+    (TO, mutated(FROM, (FROM_Q, "weight = rope_to_half(weight, config.n_head)"), (FROM_K, "weight = rope_to_half(weight, config.n_kv_head)")),
+     r"llama_from_hf\(hf_model, 'interleaved'\) permutes W_q and W_k the wrong way, with rope_to_half"),
     (TO, mutated(FROM, (FROM_K, "weight = rope_to_interleaved(weight, config.n_head)")),
      r"llama_from_hf\(hf_model, 'interleaved'\) permutes W_k as if it had n_head = 4 heads"),
     (TO, mutated(FROM, ("rope_layout=rope_layout)", "rope_layout=\"half\")")), r"config.rope_layout is 'half', expected 'interleaved'"),
     (TO, mutated(FROM, ("eps=c.rms_norm_eps, ", "")), r"config.eps is 1e-05, expected 0.001, from Hugging Face's rms_norm_eps"),
     (TO, mutated(FROM, ('window=getattr(c, "sliding_window", None)', "window=None")), r"config.window is None, expected 4"),
+    (TO, mutated(FROM, ("raise ValueError(", "print(")), r"converted a LlamaForCausalLM with hidden_act='gelu'"),
 ])
 def test_conversion_bugs_get_specific_messages(to_hf, from_hf, message):
     with pytest.raises(checks.CheckFailed, match=message):

@@ -148,7 +148,12 @@ def expand_kv_heads(kv, n_rep):
     (CONV, "the window ignored (always Llama, no window back)", mutate(CONV, ("if c.window is None:", "if True:"),
                                                                          ('window=getattr(c, "sliding_window", None)', "window=None")),
      targets(CONV, "visible", "logits", "roundtrip")),
-    (CONV, "nothing refused", mutate(CONV, ("raise ValueError(", "print(")), targets(CONV, "errors")),
+    (CONV, "nothing refused", mutate(CONV, ("raise ValueError(", "print(")), targets(CONV, "visible", "errors")),
+    (CONV, "the inverse permutation both ways", mutate(CONV, (TO_Q, "weight = rope_to_interleaved(weight, c.n_head)"),
+                                                        (TO_K, "weight = rope_to_interleaved(weight, c.n_kv_head)"),
+                                                        (FROM_Q, "weight = rope_to_half(weight, config.n_head)"),
+                                                        (FROM_K, "weight = rope_to_half(weight, config.n_kv_head)")),
+     targets(CONV, "visible", "logits")),
     (CONV, "correct: copied into Hugging Face's tensors, rows by index", CONVERSION_BY_COPY, set()),
     (ROPE, "correct: an index per head", '''
 def rope_to_half(weight, n_heads):
