@@ -402,8 +402,8 @@ def check_speculative_generate(speculative_generate) -> None:
     expected_positions = T + sum(len(c[2]) for c in spy.calls) + rounds - 1
     if passes.positions != expected_positions:
         fail(f"{what}: your target passes read {passes.positions} positions in all, expected T + proposals + rounds - 1 "
-             f"= {expected_positions}: with its KV cache the target reads each committed token once and each proposal "
-             "once (feed it only what its cache lacks; a cache cropped too far, or the whole text fed every round, "
+             f"= {expected_positions}: with its KV cache the target reads each token once, the prompt, every proposal and "
+             "each round's last token but the final one (feed it only what its cache lacks; a cache cropped too far, or the whole text fed every round, "
              "reads more)")
     if not torch.equal(out.tokens, greedy_oracle(target, prompt, new)):
         fail(f"{what}: your tokens differ from the target's greedy decoding")
