@@ -83,7 +83,7 @@ def request_timeline(states: list, names: list, ax=None, title: str | None = Non
     ax.set_xlabel("engine step")
     ax.set_ylabel("request")
     ax.set_yticks([])
-    ax.legend(handles=[Patch(color=STATE_COLOURS[s], label=s) for s in order], fontsize=7, loc="lower right", ncol=2)
+    ax.legend(handles=[Patch(color=STATE_COLOURS[s], label=s) for s in order], fontsize=7, loc="upper right", ncol=2)
     if title:
         ax.set_title(title)
     return ax

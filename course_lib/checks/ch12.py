@@ -1,8 +1,8 @@
 """Visible checks of chapter 12 (serving: a paged KV cache and a scheduler), and the oracles they compare against.
 
 Oracles: slots worked out one position at a time from the definition; attention over each sequence's keys laid
-out contiguously, in float64 (``contiguous_attention``); hand-made sequences whose scheduling the policy in the
-docstring decides (``fake_sequence``); never course_lib.serving's reference solutions.
+out contiguously, in float64 (``contiguous_attention``); hand-made sequences whose scheduling the policy of the
+chapter's section 3 decides (``fake_sequence``); never course_lib.serving's reference solutions.
 """
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def _call(schedule_step, running, waiting, free, budget, what):
 
 
 def check_schedule_step(schedule_step) -> None:
-    """Visible checks for chapter 12, exercise 3: one scheduler step under the policy of its docstring."""
+    """Visible checks for chapter 12, exercise 3: one scheduler step under the policy of section 3."""
     def state():
         return ([fake_sequence("a", 9, 8, 2), fake_sequence("b", 5, 4, 1)],
                 [fake_sequence("c", 10, 0, 0), fake_sequence("d", 3, 0, 0)])

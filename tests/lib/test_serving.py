@@ -492,6 +492,11 @@ def test_serving_stats_counts_steps_and_quantiles_by_hand():
     assert stats["requests"] == 3 and stats["tokens"] == 9 and stats["tokens_per_step"] == 1.0 and stats["tokens_per_s"] == 4.5
     assert (stats["ttft_steps_p50"], stats["ttft_steps_p95"]) == (1, 3)  # 1, 3, 0: median 1, nearest-rank p95 3
     assert (stats["tpot_steps_p50"], stats["tpot_steps_p95"]) == (1.0, 1.0)  # a: 2 steps / 2; c: 4 / 4
+    assert stats["tpot_steps_max"] == 1.0 and stats["most_running"] == 0  # this Trace records no batch
+    one = serving_stats({"a": results["a"]}, Trace(computed=[9, 2, 3], clock=[1, 2, 3], batch=[3, 1, 2], steps=4, seconds=1.0))
+    assert one["most_running"] == 3
+    slow = Result("s", tokens=[1, 2], arrival_step=0, first_token_step=1, finish_step=3, token_times=[0.1, 0.2])
+    assert serving_stats({"a": results["a"], "s": slow}, trace)["tpot_steps_max"] == 2.0  # s: 2 steps for 1 token
     # a's steps 2, 3 compute 3 and 7 (median 5); c's steps 5..8 compute 1, 1, 2, 2 (median 1.5)
     assert (stats["step_tokens_p50"], stats["step_tokens_p95"]) == (1.5, 5)
     assert stats["ttft_s_p50"] == pytest.approx(0.2) and stats["tpot_s_p95"] == pytest.approx(0.1)

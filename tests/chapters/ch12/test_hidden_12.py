@@ -3,7 +3,8 @@
 Each exercise's visible and hidden test cells run in a namespace holding the reference solutions with ONE
 planted bug. Every bug must fail exactly the tests documented to target it, and correct alternatives must
 pass everything. Oracles: slots from the definition, contiguous attention in float64
-(checks.contiguous_attention), hand-made sequences whose scheduling the docstring's policy decides.
+(checks.contiguous_attention), hand-made sequences whose scheduling the policy of the
+chapter's section 3 decides.
 """
 from __future__ import annotations
 
