@@ -152,9 +152,15 @@ def _check_grouped_heads(cached_attention_step, g) -> None:
 
 
 def check_static_kv_cache(cache_class) -> None:
-    """Visible checks for chapter 05, exercise 2 (the cache): 2 layers, 3 rows, 2 heads of size 4, room for 5 tokens,
-    filled by a chunk of 3 tokens then 2; update must return exactly what was stored so far (torch.cat of the inputs)
-    and a sixth token must raise ValueError; for_model sizes a cache after a small GPT."""
+    """Visible checks for chapter 05, exercise 2 (the cache alone; ``check_generate_cached`` runs them first)."""
+    _check_cache(cache_class)
+    passed("StaticKVCache")
+
+
+def _check_cache(cache_class) -> None:
+    """2 layers, 3 rows, 2 heads of size 4, room for 5 tokens, filled by a chunk of 3 tokens then 2: update must
+    return exactly what was stored so far (torch.cat of the inputs) and a sixth token must raise ValueError;
+    for_model sizes a cache after a small GPT."""
     g = torch.Generator().manual_seed(505)
     cache = cache_class(2, 3, 2, 4, 5)
     if cache.length != 0:
@@ -191,12 +197,14 @@ def check_static_kv_cache(cache_class) -> None:
         if (made.batch_size, made.max_len, made.length) != (2, expected, 0):
             fail(f"for_model(model, 2, {max_len}) for a GPT of block_size 32: batch_size, max_len, length are "
                  f"{(made.batch_size, made.max_len, made.length)}, expected {(2, expected, 0)}")
-    passed("StaticKVCache")
 
 
-def check_generate_cached(generate_cached) -> None:
-    """Visible checks for chapter 05, exercise 2: batch 1, 12 new tokens, against greedy decoding without a cache;
-    then two left-padded prompts with an attention mask, each against its prompt generated alone."""
+def check_generate_cached(generate_cached, cache_class=None) -> None:
+    """Visible checks for chapter 05, exercise 2: the cache class first, if given (``check_static_kv_cache``); then
+    batch 1, 12 new tokens, against greedy decoding without a cache; then two left-padded prompts with an
+    attention mask, each against its prompt generated alone."""
+    if cache_class is not None:
+        _check_cache(cache_class)
     model = kv_test_model(seed=502)
     idx = torch.randint(0, 17, (1, 6), generator=torch.Generator().manual_seed(503))
     fed = []  # token rows the model embeds, call by call: each token should be fed once
