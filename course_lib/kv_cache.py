@@ -45,7 +45,7 @@ class StaticKVCache:
       has room for max_len tokens of each of batch_size rows; each of the five sizes must be an integer
       >= 1, else ValueError naming it. Memory is allocated here, once: never per step.
     * ``StaticKVCache.for_model(model, batch_size, max_len=None, **options)``: an empty cache sized for a
-      course_lib.gpt.GPT (its layers, heads, head size n_embd // n_head, dtype and device); max_len defaults
+      chapter 04 GPT (its layers, heads, head size n_embd // n_head, dtype and device); max_len defaults
       to its block_size; options go to the constructor.
     * ``length`` (tokens cached so far, 0 when empty, the same for every row), ``batch_size``, ``max_len``: ints.
     * ``update(layer, k, v)``, k and v (B, H_kv, T, Dh) the keys and values of T new tokens in `layer`:
@@ -332,7 +332,7 @@ def cached_forward(model, idx, cache, attention_mask=None, positions=None):
 def generate_cached(model, idx, max_new_tokens: int, attention_mask=None):
     """Greedy generation with a KV cache: idx (B, T) int64 -> (B, T + max_new_tokens) int64, the prompt first.
 
-    model: a course_lib.gpt.GPT in eval mode; max_new_tokens >= 1. attention_mask (B, T), optional: 1 for
+    model: a chapter 04 GPT in eval mode; max_new_tokens >= 1. attention_mask (B, T), optional: 1 for
     real tokens, 0 for padding, for a batch of prompts of different lengths padded on the left.
     Contract: row b of the output is the prompt, then the tokens that greedy decoding without a cache (a
     full forward pass per token) appends to row b's real tokens alone, padding dropped; equal to Hugging
