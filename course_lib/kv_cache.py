@@ -8,13 +8,14 @@ against a cache (prefill: the whole prompt at once; decode: one token at a time)
 Shapes: B batch, T new tokens, P tokens already in the cache, L layers, H query heads, H_kv key/value
 heads (H_kv = H for GPT-2; fewer for grouped-query attention), Dh head size, V vocabulary.
 
-Contents: ``KVCache`` (preallocated, batched, optional sliding-window ring buffer) and ``ConcatKVCache``
+Contents: ``StaticKVCache`` (preallocated, batched), ``KVCache`` (the same with rollback, beam reordering and
+an optional sliding-window ring buffer) and ``ConcatKVCache``
 (the naive cache that grows by ``torch.cat``, chapter 05's first version); ``cached_forward`` (a GPT over
 new tokens against a cache) and ``generate_cached`` (greedy prefill + decode); ``cached_attention_step``
 (attention of new queries against cached keys and values, grouped-query aware); ``kv_cache_bytes``
 (the memory formula); ``GQASelfAttention`` (grouped-/multi-query causal self-attention whose cache holds
-H_kv heads). ``cached_attention_step``, ``generate_cached`` and ``kv_cache_bytes`` are the reference
-solutions of chapter 05's exercises (``tests/grading/test_solution_drift.py`` keeps them equal to the notebook's).
+H_kv heads). ``cached_attention_step``, ``StaticKVCache`` with ``generate_cached``, and ``kv_cache_bytes`` are the
+reference solutions of chapter 05's exercises (``tests/grading/test_solution_drift.py`` keeps them equal to the notebook's).
 
 Positions. ``cache.length`` counts the *slots* written so far (the same for every row). The
 position of a token in the model (its learned position embedding) equals its slot unless the batch
@@ -34,13 +35,73 @@ from .attention import masked_softmax
 from .gpt import gpt_layers
 
 
-class KVCache:
-    """Preallocated keys and values of every layer: storage (L, 2, B, H_kv, max_len, Dh), no re-allocation per step.
+class StaticKVCache:
+    """A preallocated KV cache of every layer of a model, for a batch of rows (no sliding window).
 
-    ``update(layer, k, v)`` stores the new keys and values of one layer at slots length..length+T-1 and
-    returns everything the new queries may attend to; ``advance(T)`` moves the write position once all
-    layers are done (``cached_forward`` does both). ``crop(n)`` forgets everything after slot n (rollback,
-    for speculative decoding).
+    The cache ``cached_forward`` runs against and ``generate_cached`` decodes with (chapter 05, exercise 2).
+    Contract, which the tests check by behaviour:
+
+    * ``StaticKVCache(n_layer, batch_size, n_kv_head, head_dim, max_len, *, dtype=torch.float32, device=None)``
+      has room for max_len tokens of each of batch_size rows; each of the five sizes must be an integer
+      >= 1, else ValueError naming it. Memory is allocated here, once: never per step.
+    * ``StaticKVCache.for_model(model, batch_size, max_len=None, **options)``: an empty cache sized for a
+      chapter 04 GPT (its layers, heads, head size n_embd // n_head, dtype and device); max_len defaults
+      to its block_size; options go to the constructor.
+    * ``length`` (tokens cached so far, 0 when empty, the same for every row), ``batch_size``, ``max_len``: ints.
+    * ``update(layer, k, v)``, k and v (B, H_kv, T, Dh) the keys and values of T new tokens in `layer`:
+      stores them and returns (keys, values), each (B, H_kv, length + T, Dh), the cached tokens first
+      (oldest first), then the new ones. It raises ValueError ("the cache is full") exactly when
+      length + T > max_len. ``length`` does not change until ``advance(T)``, called once every layer is updated.
+    """
+
+    window = None  # no sliding window: a new token may attend to every cached slot
+
+    def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, head_dim: int, max_len: int, *,
+                 dtype=torch.float32, device=None):
+        for name, value in (("n_layer", n_layer), ("batch_size", batch_size), ("n_kv_head", n_kv_head),
+                            ("head_dim", head_dim), ("max_len", max_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.max_len = max_len
+        self.storage = torch.zeros(n_layer, 2, batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device)
+        self.length = 0  # slots written so far
+
+    @classmethod
+    def for_model(cls, model, batch_size: int, max_len: int | None = None, **options):
+        c = model.config
+        weight = model.transformer.wte.weight
+        return cls(c.n_layer, batch_size, getattr(c, "n_kv_head", None) or c.n_head, c.n_embd // c.n_head,
+                   c.block_size if max_len is None else max_len, dtype=weight.dtype, device=weight.device, **options)
+
+    @property
+    def batch_size(self) -> int:
+        return self.storage.shape[2]
+
+    def check_room(self, T: int) -> None:
+        """ValueError unless T more tokens fit: length + T <= max_len."""
+        if self.length + T > self.max_len:
+            raise ValueError(f"the cache is full: it holds max_len = {self.max_len} tokens, "
+                             f"{self.length} are cached and {T} more were given")
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        T = k.shape[2]
+        self.check_room(T)
+        keys, values = self.storage[layer, 0], self.storage[layer, 1]  # views (B, H_kv, max_len, Dh)
+        keys[:, :, self.length:self.length + T] = k
+        values[:, :, self.length:self.length + T] = v
+        return keys[:, :, :self.length + T], values[:, :, :self.length + T]
+
+    def advance(self, T: int) -> None:
+        self.length += T
+
+
+class KVCache(StaticKVCache):
+    """``StaticKVCache`` with rollback (``crop``), beam reordering (``reorder``) and an optional sliding window.
+
+    Storage (L, 2, B, H_kv, capacity, Dh), no re-allocation per step. ``update(layer, k, v)`` stores the
+    new keys and values of one layer at slots length..length+T-1 and returns everything the new queries
+    may attend to; ``advance(T)`` moves the write position once all layers are done (``cached_forward``
+    does both). ``crop(n)`` forgets everything after slot n (rollback, for speculative decoding).
 
     With ``window=W`` the storage holds only the last W slots, as a ring buffer (slot s lives at index
     s % W): memory stays constant however long the generation, and a query at slot s attends to keys at
@@ -49,25 +110,12 @@ class KVCache:
 
     def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, head_dim: int, max_len: int, *,
                  window: int | None = None, dtype=torch.float32, device=None):
-        for name, value in (("n_layer", n_layer), ("batch_size", batch_size), ("n_kv_head", n_kv_head),
-                            ("head_dim", head_dim), ("max_len", max_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if window is not None and (not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be None or an integer >= 1, got {window!r}")
+        capacity = max_len if window is None or not isinstance(max_len, int) else min(window, max_len)
+        super().__init__(n_layer, batch_size, n_kv_head, head_dim, capacity, dtype=dtype, device=device)
         self.max_len = max_len
         self.window = window
-        capacity = max_len if window is None else min(window, max_len)
-        self.storage = torch.zeros(n_layer, 2, batch_size, n_kv_head, capacity, head_dim, dtype=dtype, device=device)
-        self.length = 0  # slots written so far
-
-    @classmethod
-    def for_model(cls, model, batch_size: int, max_len: int | None = None, *, window: int | None = None) -> "KVCache":
-        """An empty cache sized for a course_lib.gpt.GPT (max_len defaults to its block_size)."""
-        c = model.config
-        weight = model.transformer.wte.weight
-        return cls(c.n_layer, batch_size, getattr(c, "n_kv_head", None) or c.n_head, c.n_embd // c.n_head,
-                   c.block_size if max_len is None else max_len, window=window, dtype=weight.dtype, device=weight.device)
 
     @property
     def capacity(self) -> int:
@@ -95,15 +143,11 @@ class KVCache:
         Returns keys and values (B, H_kv, T_k, Dh) of every slot the new queries may need: the held
         ones, oldest first, then the new ones (their slots are ``key_slots(T)``).
         """
-        T = k.shape[2]
-        if self.length + T > self.max_len:
-            raise ValueError(f"the cache is full: it holds max_len = {self.max_len} tokens, "
-                             f"{self.length} are cached and {T} more were given")
-        keys, values = self.storage[layer, 0], self.storage[layer, 1]  # views (B, H_kv, capacity, Dh)
         if self.window is None:
-            keys[:, :, self.length:self.length + T] = k
-            values[:, :, self.length:self.length + T] = v
-            return keys[:, :, :self.length + T], values[:, :, :self.length + T]
+            return super().update(layer, k, v)
+        T = k.shape[2]
+        self.check_room(T)
+        keys, values = self.storage[layer, 0], self.storage[layer, 1]  # views (B, H_kv, capacity, Dh)
         # ring buffer: the new queries see the held window and every new token; then only the last W are kept
         held = self.slots() % self.capacity
         all_keys = torch.cat([keys[:, :, held], k], dim=2)
@@ -114,19 +158,11 @@ class KVCache:
         values[:, :, where] = v[:, :, T - kept:]
         return all_keys, all_values
 
-    def advance(self, T: int) -> None:
-        """Move the write position past the T slots every layer has just stored."""
-        self.length += T
-
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep the cache rows `rows` (B_new,) int64, in that order: beam search follows its surviving beams.
 
         B_new may differ from the current batch size (a row may be repeated or dropped)."""
         self.storage = self.storage.index_select(2, rows.to(self.storage.device))
-
-    @property
-    def batch_size(self) -> int:
-        return self.storage.shape[2]
 
     def crop(self, length: int) -> None:
         """Forget every slot from `length` on (rollback): the next update writes at slot `length`."""
@@ -252,6 +288,8 @@ def cached_forward(model, idx, cache, attention_mask=None, positions=None):
     positions (B, T) int64, if given, are the new tokens' positions (default: their slots, or with a
     mask the count of real tokens before each one, see ``position_ids``).
     Inference only: no gradients, and the model must be in eval mode (no dropout). The cache advances by T.
+    The cache needs ``batch_size``, ``max_len``, ``length``, ``update`` and ``advance`` (see ``StaticKVCache``);
+    a sliding-window one also ``window`` and ``key_slots``.
     """
     B, T = idx.shape
     if cache.batch_size != B:
@@ -276,11 +314,13 @@ def cached_forward(model, idx, cache, attention_mask=None, positions=None):
         if positions.numel() and positions.max().item() >= block_size:
             raise ValueError(f"positions must be < block_size = {block_size}: the context is full "
                          f"(position {positions.max().item()} requested)")
-    if T == 1 and attention_mask is None and cache.window is None:
+    window = getattr(cache, "window", None)  # a cache without the attribute has no sliding window
+    if T == 1 and attention_mask is None and window is None:
         allowed = None  # one new token, no padding: it may attend to every cached key and to itself
     else:
         query_slots = torch.arange(past, past + T, device=idx.device)
-        allowed = attention_allowed(query_slots, cache.key_slots(T), attention_mask, cache.window)
+        key_slots = torch.arange(past + T, device=idx.device) if window is None else cache.key_slots(T)
+        allowed = attention_allowed(query_slots, key_slots, attention_mask, window)
     tr = model.transformer
     x = tr.wte(idx) + tr.wpe(positions)  # (B, T, C)
     x = gpt_layers(model, x, lambda layer, attn, h: cached_attention(attn, h, cache, layer, allowed))
@@ -292,14 +332,17 @@ def cached_forward(model, idx, cache, attention_mask=None, positions=None):
 def generate_cached(model, idx, max_new_tokens: int, attention_mask=None):
     """Greedy generation with a KV cache: idx (B, T) int64 -> (B, T + max_new_tokens) int64, the prompt first.
 
-    Prefill: the whole prompt in one pass, whose last logits give the first new token. Decode: each new
-    token is fed once, at the next position, against the cache. A batch of prompts of different lengths
-    is left-padded, with attention_mask (B, T) 1 for real tokens and 0 for padding: padding keys are
-    masked out and each row's positions count its real tokens only, so that every row generates exactly
-    what its prompt generates alone.
+    model: a chapter 04 GPT in eval mode; max_new_tokens >= 1. attention_mask (B, T), optional: 1 for
+    real tokens, 0 for padding, for a batch of prompts of different lengths padded on the left.
+    Contract: row b of the output is the prompt, then the tokens that greedy decoding without a cache (a
+    full forward pass per token) appends to row b's real tokens alone, padding dropped; equal to Hugging
+    Face's ``generate(do_sample=False)`` on the same weights. It runs on a ``StaticKVCache`` of
+    T + max_new_tokens slots, feeds the model each prompt token once and each new token but the last one
+    once: T + max_new_tokens - 1 token rows in all. Errors: those of ``cached_forward`` (a context longer
+    than block_size).
     """
     B, T = idx.shape
-    cache = KVCache.for_model(model, B, T + max_new_tokens)
+    cache = StaticKVCache.for_model(model, B, T + max_new_tokens)
     mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask.new_ones(B, max_new_tokens)], dim=1)
     out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, T + max_new_tokens), filled in below
     positions = position_ids(attention_mask, 0, T, B, idx.device)  # (B, T)

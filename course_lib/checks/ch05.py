@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .ch04 import randomize_gpt
 from .core import assert_close, assert_shape, assert_tensor, fail, greedy_oracle, passed
 
-__all__ = ["check_cached_attention_step", "check_generate_cached", "check_kv_cache_bytes", "attention_rows_oracle",
+__all__ = ["check_cached_attention_step", "check_generate_cached", "check_kv_cache_bytes", "check_static_kv_cache", "attention_rows_oracle",
            "kv_cache_bytes_oracle", "kv_test_model", "padded_greedy_oracle"]
 
 
@@ -151,9 +151,60 @@ def _check_grouped_heads(cached_attention_step, g) -> None:
     assert_close(y, expected.float(), "y with 4 query heads over 2 key/value heads (grouped: head h reads h // 2)")
 
 
-def check_generate_cached(generate_cached) -> None:
-    """Visible checks for chapter 05, exercise 2: batch 1, 12 new tokens, against greedy decoding without a cache;
-    then two left-padded prompts with an attention mask, each against its prompt generated alone."""
+def check_static_kv_cache(cache_class) -> None:
+    """Visible checks for chapter 05, exercise 2 (the cache alone; ``check_generate_cached`` runs them first)."""
+    _check_cache(cache_class)
+    passed("StaticKVCache")
+
+
+def _check_cache(cache_class) -> None:
+    """2 layers, 3 rows, 2 heads of size 4, room for 5 tokens, filled by a chunk of 3 tokens then 2: update must
+    return exactly what was stored so far (torch.cat of the inputs) and a sixth token must raise ValueError;
+    for_model sizes a cache after a small GPT."""
+    g = torch.Generator().manual_seed(505)
+    cache = cache_class(2, 3, 2, 4, 5)
+    if cache.length != 0:
+        fail(f"a new cache should have length 0, got {cache.length!r}")
+    stored = [[], []]  # per layer: the keys given so far
+    for T in (3, 2):
+        for layer in (0, 1):
+            k, v = torch.randn(3, 2, T, 4, generator=g), torch.randn(3, 2, T, 4, generator=g)
+            stored[layer].append((k, v))
+            past = cache.length
+            try:
+                keys, values = cache.update(layer, k, v)
+            except ValueError as error:
+                fail(f"update of {T} tokens with {past} cached and max_len = 5 raised ValueError ({error}), "
+                     f"but {past} + {T} tokens fit: the cache is full only when length + T > max_len")
+            expected_k = torch.cat([kv[0] for kv in stored[layer]], dim=2)
+            expected_v = torch.cat([kv[1] for kv in stored[layer]], dim=2)
+            assert_shape(keys, tuple(expected_k.shape), f"the keys update returns in layer {layer} with {past} cached and "
+                         f"{T} new tokens, (B, H_kv, length + T, Dh): the cached and the new ones only, not all max_len slots")
+            assert_close(keys, expected_k, f"the keys update returns in layer {layer} (the cached ones first, then the new ones)")
+            assert_close(values, expected_v, f"the values update returns in layer {layer} (the cached ones first, then the new ones)")
+        cache.advance(T)
+        if cache.length != past + T:
+            fail(f"after advance({T}) with {past} cached, length should be {past + T}, got {cache.length!r}")
+    try:
+        cache.update(0, torch.zeros(3, 2, 1, 4), torch.zeros(3, 2, 1, 4))
+    except ValueError:
+        pass
+    else:
+        fail("a cache with max_len = 5 holding 5 tokens accepted a sixth: update should raise ValueError (the cache is full)")
+    model = kv_test_model(seed=506, block_size=32)
+    for max_len, expected in ((None, 32), (9, 9)):
+        made = cache_class.for_model(model, 2, max_len)
+        if (made.batch_size, made.max_len, made.length) != (2, expected, 0):
+            fail(f"for_model(model, 2, {max_len}) for a GPT of block_size 32: batch_size, max_len, length are "
+                 f"{(made.batch_size, made.max_len, made.length)}, expected {(2, expected, 0)}")
+
+
+def check_generate_cached(generate_cached, cache_class=None) -> None:
+    """Visible checks for chapter 05, exercise 2: the cache class first, if given (``check_static_kv_cache``); then
+    batch 1, 12 new tokens, against greedy decoding without a cache; then two left-padded prompts with an
+    attention mask, each against its prompt generated alone."""
+    if cache_class is not None:
+        _check_cache(cache_class)
     model = kv_test_model(seed=502)
     idx = torch.randint(0, 17, (1, 6), generator=torch.Generator().manual_seed(503))
     fed = []  # token rows the model embeds, call by call: each token should be fed once

@@ -8,7 +8,7 @@ import torch
 
 from course_lib import checks
 from course_lib.attention import masked_softmax
-from course_lib.kv_cache import KVCache, cached_attention_step, cached_forward, generate_cached, kv_cache_bytes, position_ids
+from course_lib.kv_cache import KVCache, StaticKVCache, cached_attention_step, cached_forward, generate_cached, kv_cache_bytes, position_ids
 
 
 def step_without_mask(q, k, v, past_k, past_v):
@@ -95,6 +95,29 @@ PADDING_ATTENDED = generate_planted((PREFILL, PREFILL.replace("None if mask is N
 POSITIONS_NOT_SHIFTED = generate_planted((PROMPT_POSITIONS, "positions = position_ids(None, 0, T, B, idx.device)"))
 NEW_TOKENS_AT_THEIR_SLOTS = generate_planted((DECODE, DECODE.replace(", position)", ", torch.full_like(position, t))")))
 
+class CacheUnsliced(StaticKVCache):  # returns every max_len slot, the empty ones too
+    def update(self, layer, k, v):
+        super().update(layer, k, v)
+        return self.storage[layer, 0], self.storage[layer, 1]
+
+
+class CacheFullTooEarly(StaticKVCache):  # full already at length + T == max_len
+    def update(self, layer, k, v):
+        if self.length + k.shape[2] >= self.max_len:
+            raise ValueError("the cache is full")
+        return super().update(layer, k, v)
+
+
+class CacheNeverFull(StaticKVCache):  # silently drops what does not fit
+    def check_room(self, T):
+        pass
+
+
+class CacheNotAdvanced(StaticKVCache):
+    def advance(self, T):
+        pass
+
+
 @pytest.mark.parametrize("check,buggy,message", [
     (checks.check_cached_attention_step, step_without_mask,
      r"the last new token is right, but tokens 0 and 1 of the chunk are off by up to \d.*causal mask missing"),
@@ -102,6 +125,11 @@ NEW_TOKENS_AT_THEIR_SLOTS = generate_planted((DECODE, DECODE.replace(", position
     (checks.check_cached_attention_step, step_new_first, r"the returned keys \(the cached ones first"),
     (checks.check_cached_attention_step, step_returns_repeated_cache,
      r"your returned keys have shape \(1, 4, 5, 8\): 4 heads, repeated for the queries. Return the cache with its 2"),
+    (checks.check_static_kv_cache, CacheUnsliced, r"the keys update returns in layer 0 with 0 cached and 3 new tokens.*has shape "
+     r"\(3, 2, 5, 4\), expected \(3, 2, 3, 4\)"),
+    (checks.check_static_kv_cache, CacheFullTooEarly, r"update of 2 tokens with 3 cached and max_len = 5 raised ValueError"),
+    (checks.check_static_kv_cache, CacheNeverFull, r"holding 5 tokens accepted a sixth"),
+    (checks.check_static_kv_cache, CacheNotAdvanced, r"after advance\(3\) with 0 cached, length should be 3, got 0"),
     (checks.check_generate_cached, generate_reprefilling, r"the model embedded \d+ tokens .*re-feeds the prefix, so it "
      r"does not use the cache"),
     (checks.check_cached_attention_step, lambda q, k, v, pk, pv: cached_attention_step(q, k, v, pk, pv)[0],

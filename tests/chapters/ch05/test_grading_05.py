@@ -4,7 +4,7 @@ One `grading.grade` run grades four students: the reference (full marks), the un
 and two students with three planted bugs each, one per exercise. The expected failures follow from
 what each test cell documents (its first comment line); tests/chapters/ch05/test_hidden_05.py runs the same cells
 against more bugs, one at a time and without nbgrader. The exercises are independent: the loop of
-exercise 2 runs on course_lib's cached_forward, the formula of exercise 3 on nothing else.
+exercise 2 (the cache and the loop) runs on course_lib's cached_forward, the formula of exercise 3 on nothing else.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import pytest
 from tests import roundtrip
 from tests.helpers import failing
 from tests.roundtrip import Chapter, round_trip
-from tests.planted import DOUBLE_FEED
 
 CH = Chapter("05-kv-cache", "kv_cache")
 STEP, GEN, SIZE = "cached_attention_step-solution", "generate_cached-solution", "kv_cache_bytes-solution"
@@ -25,7 +24,7 @@ def planted_a() -> dict:
     return CH.solved({
         # the causal mask dropped: right for one new token, wrong for chunks -> visible, chunk and prefill
         STEP: CH.mutate(STEP, MASK, "torch.ones(T, P + T, dtype=torch.bool)"),
-        # the position is never advanced after the first decode step -> visible and positions
+        # the position is never advanced after the first decode step -> visible, positions, padding and hf
         GEN: CH.mutate(GEN, "            position = position + 1\n", ""),
         # H instead of H_kv -> visible (its GQA case) and gqa
         SIZE: CH.mutate(SIZE, "H_kv = n_head if n_kv_head is None else n_kv_head", "H_kv = n_head"),
@@ -36,8 +35,8 @@ def planted_b() -> dict:
     return CH.solved({
         # the mask not offset by the cached length: a decode step sees only slot 0 -> visible, decode, chunk and gqa
         STEP: CH.mutate(STEP, ".tril(diagonal=P)", ".tril()"),
-        # the last prompt token fed a second time after the prefill -> visible, first and positions
-        GEN: DOUBLE_FEED,
+        # the cache says it is full one token early (>= max_len) -> visible and full (generate_cached never fills its cache)
+        GEN: CH.mutate(GEN, "if self.length + T > self.max_len:", "if self.length + T >= self.max_len:"),
         # keys only, or values only: the factor 2 forgotten -> visible and gpt2large (the other hidden tests are ratios)
         SIZE: CH.mutate(SIZE, FORMULA, FORMULA.replace("2 * ", "")),
     })
@@ -48,15 +47,15 @@ def planted_b() -> dict:
 STUDENTS = {
     "reference": (CH.solved, set()),
     "untouched": (CH.untouched, set(CH.points)),
-    "planted_a": (planted_a, failing("cached_attention_step", "visible", "chunk", "prefill") | failing("generate_cached", "visible", "positions")
+    "planted_a": (planted_a, failing("cached_attention_step", "visible", "chunk", "prefill") | failing("generate_cached", "visible", "positions", "padding", "hf")
                   | failing("kv_cache_bytes", "visible", "gqa")),
     "planted_b": (planted_b, failing("cached_attention_step", "visible", "decode", "chunk", "gqa")
-                  | failing("generate_cached", "visible", "first", "positions") | failing("kv_cache_bytes", "visible", "gpt2large")),
+                  | failing("generate_cached", "visible", "full") | failing("kv_cache_bytes", "visible", "gpt2large")),
 }
 
 
 graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions = round_trip(
-    CH, STUDENTS, total=15)  # one nbgrader run grades every student
+    CH, STUDENTS, total=23)  # one nbgrader run grades every student
 
 
 @pytest.mark.slow
@@ -66,4 +65,5 @@ def test_failures_carry_the_checks_messages(graded):
     assert "(do the positions advance with the cache)?" in messages["generate_cached-visible"]
     messages = roundtrip.messages(graded, CH, "planted_b")
     assert "offset by the P cached tokens" in messages["cached_attention_step-visible"]
+    assert "but 3 + 2 tokens fit: the cache is full only when length + T > max_len" in messages["generate_cached-visible"]
     assert "(ratio 0.5;" in messages["kv_cache_bytes-visible"]

@@ -52,16 +52,25 @@ CASES = [
         "weights = masked_softmax(q @ k_all.transpose(-2, -1) / math.sqrt(Dh), allowed)  # (B, H, T, P + T)\n    return weights @ v_all, keys, values",
         "return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed), keys, values")), set()),
     # the prefill + decode loop
-    (GEN, "last prompt token fed twice after the prefill", DOUBLE_FEED, {f"{GEN}-visible", f"{GEN}-first", f"{GEN}-positions"}),
-    (GEN, "positions not advanced", mutate(GEN, ("            position = position + 1\n", "")), {f"{GEN}-visible", f"{GEN}-positions"}),
+    (GEN, "last prompt token fed twice after the prefill", DOUBLE_FEED,
+     {f"{GEN}-visible", f"{GEN}-first", f"{GEN}-positions", f"{GEN}-padding", f"{GEN}-hf"}),
+    (GEN, "positions not advanced", mutate(GEN, ("            position = position + 1\n", "")),
+     {f"{GEN}-visible", f"{GEN}-positions", f"{GEN}-padding", f"{GEN}-hf"}),
     (GEN, "every decode step at position 0", mutate(GEN, (DECODE, DECODE.replace(", position)", ", torch.zeros_like(position))"))),
-     {f"{GEN}-visible", f"{GEN}-positions"}),
+     {f"{GEN}-visible", f"{GEN}-positions", f"{GEN}-padding", f"{GEN}-hf"}),
     (GEN, "attention mask ignored (padding attended)", mutate(GEN, (PREFILL, PREFILL.replace("None if mask is None else mask[:, :T]", "None")),
                                                            (DECODE, DECODE.replace("None if mask is None else mask[:, :t + 1]", "None"))),
-     {f"{GEN}-visible", f"{GEN}-padding"}),  # the visible check now runs a left-padded batch too
+     {f"{GEN}-visible", f"{GEN}-padding", f"{GEN}-hf"}),  # the visible check runs a left-padded batch too
     (GEN, "positions ignore the padding", mutate(GEN, ("positions = position_ids(attention_mask, 0, T, B, idx.device)",
                                                        "positions = position_ids(None, 0, T, B, idx.device)")),
-     {f"{GEN}-visible", f"{GEN}-padding"}),  # named by the visible check: positions not shifted per row
+     {f"{GEN}-visible", f"{GEN}-padding", f"{GEN}-hf"}),  # named by the visible check: positions not shifted per row
+    (GEN, "cache not sliced to its length: update returns all max_len slots", mutate(GEN, (
+        "return keys[:, :, :self.length + T], values[:, :, :self.length + T]", "return keys, values")),
+     {f"{GEN}-visible", f"{GEN}-first", f"{GEN}-positions", f"{GEN}-padding", f"{GEN}-hf"}),  # every generation attends to empty slots
+    (GEN, "off by one in the cache-full check (full at max_len - 1)", mutate(GEN, (
+        "if self.length + T > self.max_len:", "if self.length + T >= self.max_len:")),
+     {f"{GEN}-visible", f"{GEN}-full"}),  # generate_cached never fills its cache: only the cache's own tests see it
+    (GEN, "no cache-full check at all", mutate(GEN, ("        self.check_room(T)\n", "")), {f"{GEN}-visible", f"{GEN}-full"}),
     (GEN, "no cache use: every step re-runs the whole prefix through a fresh cache", '''
 @torch.inference_mode()
 def generate_cached(model, idx, max_new_tokens, attention_mask=None):
@@ -73,6 +82,11 @@ def generate_cached(model, idx, max_new_tokens, attention_mask=None):
         out[:, t] = logits[:, -1].argmax(dim=-1)
     return out
 ''', {f"{GEN}-visible"}),  # right tokens: only the visible check counts what the model is fed (issue 24)
+    (GEN, "correct: a cache of one tensor per layer and kind, grown by writing into slices", mutate(GEN, (
+        "self.storage = torch.zeros(n_layer, 2, batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device)",
+        "self.storage = [[torch.zeros(batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device) for _ in range(2)] "
+        "for _ in range(n_layer)]"), ("return self.storage.shape[2]", "return self.storage[0][0].shape[0]"),
+        ("keys, values = self.storage[layer, 0], self.storage[layer, 1]", "keys, values = self.storage[layer]")), set()),
     (GEN, "correct: positions left to cached_forward", mutate(GEN, (", positions)  # prefill", ")  # prefill"), (", position)", ")")), set()),
     (GEN, "correct: prefill all but the last prompt token, then feed it", '''
 @torch.inference_mode()
