@@ -41,9 +41,9 @@ import numbers
 import random
 import time
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Mapping
 
+import numpy as np
 import torch
 
 from .attention import masked_softmax
@@ -417,7 +417,7 @@ class _Layout:
 
     Shapes: n chunks, N tokens in all; B_d chunks of one token (decodes), M_d the longest block table among
     them; P longer chunks (prefill), T_p the longest of them, K_p the most keys one of them reads (its start +
-    its length)."""
+    its length). The prefill fields are None when every chunk is one token (a decode-only step)."""
 
     ids: torch.Tensor  # (N,) int64: the tokens, chunk after chunk
     positions: torch.Tensor  # (N,) int64: their positions in their sequences
@@ -426,15 +426,16 @@ class _Layout:
     decode_rows: torch.Tensor  # (B_d,) int64: the rows of the one-token chunks
     decode_tables: torch.Tensor  # (B_d, M_d) int64: their block tables, padded with valid blocks (the next tables')
     decode_lens: torch.Tensor  # (B_d,) int64: the tokens each attends to (its start + 1)
-    prefill_rows: torch.Tensor  # (P, T_p) int64: the rows of each longer chunk's queries (padding: its last row)
-    prefill_real: torch.Tensor  # (P, T_p) bool: a query of the chunk (not padding)
-    prefill_slots: torch.Tensor  # (P, K_p) int64: the slots of its keys, positions 0 .. start + length - 1, then padding
-    prefill_allowed: torch.Tensor  # (P, 1, T_p, K_p) bool: query i of a chunk at start s sees positions 0 .. s + i
+    prefill_rows: torch.Tensor | None = None  # (P, T_p) int64: the rows of each longer chunk's queries (padding: its last)
+    prefill_real: torch.Tensor | None = None  # (P, T_p) bool: a query of the chunk (not padding)
+    prefill_slots: torch.Tensor | None = None  # (P, K_p) int64: its keys' slots, positions 0 .. start + length - 1, padding
+    prefill_allowed: torch.Tensor | None = None  # (P, 1, T_p, K_p) bool: query i of a chunk at start s sees 0 .. s + i
 
-    @property
-    def all_decode(self) -> bool:
-        """Every chunk is one token (a decode-only step): the rows of the decodes are all rows, in order."""
-        return len(self.decode_rows) == len(self.last)
+
+def _int64(values) -> torch.Tensor:
+    """Integers (a NumPy array or a list) as an int64 tensor: through NumPy, several times cheaper than ``torch.tensor``
+    on a list, which matters in a step whose tensors are small."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
 def _layout(chunks: list, S: int, slots_of=slot_mapping) -> _Layout:
@@ -443,36 +444,33 @@ def _layout(chunks: list, S: int, slots_of=slot_mapping) -> _Layout:
     The block tables laid end to end are one long table, in which position p of a chunk whose table begins at
     block o is position o * S + p: so one call of slots_of gives the slots of every new token, and one more those
     of every prefill chunk's keys, whatever the number of chunks; the decodes' tables, padded, are one gather from
-    it. Per chunk, only Python integers are handled (starts, lengths, widths): no tensor operation per sequence."""
+    it. The index arithmetic is vectorised in NumPy (as vLLM prepares its inputs): a fixed number of operations
+    per pass, none per sequence."""
     table = torch.cat([t for t, _, _ in chunks])  # every block table, end to end
-    starts = [start for _, start, _ in chunks]
-    lengths = [len(tokens) for _, _, tokens in chunks]
-    widths = [len(t) for t, _, _ in chunks]
-    offsets = list(accumulate(widths, initial=0))  # where each chunk's table begins in the long one, in blocks
-    ends = list(accumulate(lengths))  # one past each chunk's last row
-    spans = [range(s, s + n) for s, n in zip(starts, lengths)]
-    positions = [p for span in spans for p in span]
-    slots = slots_of(table, torch.tensor([o * S + p for o, span in zip(offsets, spans) for p in span]), S)
-    decode = [i for i, n in enumerate(lengths) if n == 1]
-    prefill = [i for i, n in enumerate(lengths) if n > 1]
-    M_d = max((widths[i] for i in decode), default=0)
-    gather = torch.tensor([offsets[i] for i in decode], dtype=torch.long)[:, None] + torch.arange(M_d)  # (B_d, M_d) in the long table
-    T_p = max((lengths[i] for i in prefill), default=0)
-    K_p = max((starts[i] + lengths[i] for i in prefill), default=0)
-    t, k = torch.arange(T_p), torch.arange(K_p)
-    first = torch.tensor([ends[i] - lengths[i] for i in prefill], dtype=torch.long)[:, None]  # (P, 1)
-    length = torch.tensor([lengths[i] for i in prefill], dtype=torch.long)[:, None]
-    start = torch.tensor([starts[i] for i in prefill], dtype=torch.long)[:, None]
-    keys = torch.minimum(k[None, :], start + length - 1)  # (P, K_p): padding repeats the last key
-    base = torch.tensor([offsets[i] * S for i in prefill], dtype=torch.long)[:, None]
-    return _Layout(
-        ids=torch.cat([tokens for _, _, tokens in chunks]), positions=torch.tensor(positions), slots=slots,
-        last=torch.tensor(ends) - 1, decode_rows=torch.tensor([ends[i] - 1 for i in decode], dtype=torch.long),
-        decode_tables=table[gather.clamp(max=len(table) - 1)],
-        decode_lens=torch.tensor([starts[i] + 1 for i in decode], dtype=torch.long),
-        prefill_rows=first + torch.minimum(t[None, :], length - 1), prefill_real=t[None, :] < length,
-        prefill_slots=slots_of(table, (base + keys).flatten(), S).view(len(prefill), K_p),
-        prefill_allowed=(k[None, None, :] <= (start + t[None, :])[:, :, None])[:, None])
+    starts = np.array([start for _, start, _ in chunks], dtype=np.int64)
+    lengths = np.array([tokens.numel() for _, _, tokens in chunks], dtype=np.int64)
+    widths = np.array([t.numel() for t, _, _ in chunks], dtype=np.int64)
+    offsets = np.cumsum(widths) - widths  # where each chunk's table begins in the long one, in blocks
+    ends = np.cumsum(lengths)  # one past each chunk's last row
+    first = ends - lengths  # each chunk's first row
+    chunk = np.repeat(np.arange(len(chunks)), lengths)  # (N,): the chunk of each token
+    positions = starts[chunk] + np.arange(ends[-1]) - first[chunk]
+    decode, prefill = np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)
+    M_d = int(widths[decode].max(initial=0))
+    gather = np.minimum(offsets[decode, None] + np.arange(M_d), len(table) - 1)  # (B_d, M_d); padding: the next tables'
+    layout = _Layout(ids=torch.cat([tokens for _, _, tokens in chunks]), positions=_int64(positions),
+                     slots=slots_of(table, _int64(offsets[chunk] * S + positions), S), last=_int64(ends - 1),
+                     decode_rows=_int64(first[decode]), decode_tables=table[_int64(gather)],
+                     decode_lens=_int64(starts[decode] + 1))
+    if len(prefill):
+        t, k = np.arange(lengths[prefill].max()), np.arange((starts + lengths)[prefill].max())
+        start, length = starts[prefill, None], lengths[prefill, None]
+        keys = np.minimum(k[None, :], start + length - 1)  # (P, K_p): padding repeats the last key
+        layout.prefill_rows = _int64(first[prefill, None] + np.minimum(t[None, :], length - 1))
+        layout.prefill_real = torch.from_numpy(t[None, :] < length)
+        layout.prefill_slots = slots_of(table, _int64(offsets[prefill, None] * S + keys).flatten(), S).view(keys.shape)
+        layout.prefill_allowed = torch.from_numpy(k[None, None, :] <= (start + t[None, :])[:, :, None])[:, None]
+    return layout
 
 
 def _prefill_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, layout: _Layout) -> torch.Tensor:
@@ -505,7 +503,6 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_a
     layout = _layout(chunks, S, slots_of)
     x = tr.wte(layout.ids) + tr.wpe(layout.positions)  # (N, C)
     N, C = x.shape
-    real_rows = layout.prefill_rows[layout.prefill_real]  # the prefill queries' rows, padding left out
 
     def attend(layer, attn, h):  # every chunk's attention in block `layer`, through the block tables
         H = attn.n_head
@@ -514,14 +511,14 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_a
         pool = cache.storage[layer]  # (2, N_blocks, S, H, Dh): keys, values
         pool.view(2, -1, C).index_copy_(1, layout.slots, qkv[:, C:].view(N, 2, C).transpose(0, 1))  # into their slots
         key_pool, value_pool = pool[0], pool[1]
-        if layout.all_decode:  # the decode-only step: every row is a decode, in order
+        if layout.prefill_rows is None:  # a decode-only step: every row is a decode, in order
             y = attention(q, key_pool, value_pool, layout.decode_tables, layout.decode_lens)
         else:
             y = torch.empty_like(q)
             if len(layout.decode_rows):
                 y[layout.decode_rows] = attention(q[layout.decode_rows], key_pool, value_pool, layout.decode_tables,
                                                   layout.decode_lens)
-            y[real_rows] = _prefill_attention(q, key_pool, value_pool, layout)[layout.prefill_real]
+            y[layout.prefill_rows[layout.prefill_real]] = _prefill_attention(q, key_pool, value_pool, layout)[layout.prefill_real]
         return attn.c_proj(y.reshape(N, C))
 
     return model.lm_head(gpt_layers(model, x, attend)[layout.last])  # (len(chunks), V): each chunk's last token
