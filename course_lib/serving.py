@@ -40,6 +40,7 @@ import math
 import numbers
 import random
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -486,6 +487,25 @@ def _prefill_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torc
     return (weights @ values).transpose(1, 2)  # (P, T_p, H, Dh)
 
 
+#: Multiply-adds of one layer's linear products in a pass (tokens x 12 C^2) below which the pass runs on one thread.
+#: Intra-op threads pay only when an operation's work outweighs waking and joining them; a decode step of a small
+#: model is hundreds of operations of microseconds, and each parallel one waits for every thread, on a busy machine
+#: for a descheduled thread's time slice (measured here: the course model's engine 25 times slower at 2 threads
+#: than at 1 on a loaded 2-core machine). Above it (GPT-2 small's width from 3 tokens) the caller's threads are used.
+ONE_THREAD_WORK = 2 ** 24
+
+
+@contextmanager
+def _threads(n: int):
+    """Run the block with n torch threads (at most the caller's), then restore the caller's count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(min(n, previous))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 @torch.inference_mode()
 def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_attention, slots_of=slot_mapping) -> torch.Tensor:
     """Run a course_lib.gpt.GPT over the chunks of several sequences at once; logits of each chunk's last token.
@@ -496,9 +516,16 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_a
     through its block table: one ``attention`` (paged attention) for all the chunks of one token (decodes), their
     block tables padded into one tensor, and one masked attention for all the longer chunks (prefill), padded into
     one batch. The slots come from slots_of, called twice per pass whatever the number of chunks (``_layout``).
-    Returns (len(chunks), V). attention and slots_of: the functions used for paged attention and the slot mapping
+    A pass whose linear work is small runs on one thread (``ONE_THREAD_WORK``). Returns (len(chunks), V). attention and slots_of: the functions used for paged attention and the slot mapping
     (the learner's, say).
     """
+    work = sum(tokens.numel() for _, _, tokens in chunks) * 12 * model.config.n_embd ** 2  # per layer
+    with _threads(1 if work < ONE_THREAD_WORK else torch.get_num_threads()):
+        return _paged_forward(model, cache, chunks, attention, slots_of)
+
+
+def _paged_forward(model, cache: PagedKVCache, chunks: list, attention, slots_of) -> torch.Tensor:
+    """``paged_forward``'s pass, on the threads it chose."""
     tr, S = model.transformer, cache.block_size
     layout = _layout(chunks, S, slots_of)
     x = tr.wte(layout.ids) + tr.wpe(layout.positions)  # (N, C)
