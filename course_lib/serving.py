@@ -516,8 +516,9 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_a
     through its block table: one ``attention`` (paged attention) for all the chunks of one token (decodes), their
     block tables padded into one tensor, and one masked attention for all the longer chunks (prefill), padded into
     one batch. The slots come from slots_of, called twice per pass whatever the number of chunks (``_layout``).
-    A pass whose linear work is small runs on one thread (``ONE_THREAD_WORK``). Returns (len(chunks), V). attention and slots_of: the functions used for paged attention and the slot mapping
-    (the learner's, say).
+    A pass whose linear work is small runs on one thread (``ONE_THREAD_WORK``). Returns (len(chunks), V).
+    attention and slots_of: the functions used for paged attention and the slot mapping (the learner's, say), with
+    the contracts of ``paged_attention`` and ``slot_mapping``.
     """
     work = sum(tokens.numel() for _, _, tokens in chunks) * 12 * model.config.n_embd ** 2  # per layer
     with _threads(1 if work < ONE_THREAD_WORK else torch.get_num_threads()):
@@ -545,7 +546,8 @@ def _paged_forward(model, cache: PagedKVCache, chunks: list, attention, slots_of
             if len(layout.decode_rows):
                 y[layout.decode_rows] = attention(q[layout.decode_rows], key_pool, value_pool, layout.decode_tables,
                                                   layout.decode_lens)
-            y[layout.prefill_rows[layout.prefill_real]] = _prefill_attention(q, key_pool, value_pool, layout)[layout.prefill_real]
+            chunked = _prefill_attention(q, key_pool, value_pool, layout)  # (P, T_p, H, Dh), padding included
+            y[layout.prefill_rows[layout.prefill_real]] = chunked[layout.prefill_real]
         return attn.c_proj(y.reshape(N, C))
 
     return model.lm_head(gpt_layers(model, x, attend)[layout.last])  # (len(chunks), V): each chunk's last token
