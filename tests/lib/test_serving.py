@@ -171,7 +171,7 @@ def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restore
     # A small pass runs on one thread whatever the caller's count (ONE_THREAD_WORK); with that threshold at 0
     # every pass runs on the caller's two threads. The tokens are the same either way, and equal the run alone.
     import course_lib.serving as serving
-    requests = trace(6, 11, gap=0.4)
+    requests = trace(4, 11, gap=0.4)
     seen = []
 
     def attention(*args):
