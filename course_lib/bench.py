@@ -806,6 +806,103 @@ def format_serve_wall(result: dict) -> str:
     return "\n".join(lines)
 
 
+#: ``course bench serve``'s targets for the engine's speed (issue 33): a decode-only step at most this many times
+#: static batching's at the same batch size and contexts, throughput at least Hugging Face's, 2 threads no slower than 1
+SERVE_TARGETS = {"decode_step": 1.2, "versus_hf": 1.0, "two_threads": 1.0}
+
+
+def _decode_step_seconds(trace, batch_size: int) -> float:
+    """The median seconds of a run's decode-only steps of batch_size sequences (no prompt chunk in them)."""
+    return statistics.median(s for s, p, b in zip(trace.step_seconds, trace.prefill, trace.batch) if p == 0 and b == batch_size)
+
+
+def bench_serve_speed(models=SERVE_MODELS, serve_result: dict | None = None, batch_size: int = 8, prompt_len: int = 32,
+                      new_tokens: int = 32, block_size: int = 8, token_budget: int = 64, mean_gap: float = 0.5,
+                      n_requests: dict | int | None = None, threads: tuple = (1, 2), warmup: int = 1, repeats: int = 3,
+                      seed: int = 0) -> dict:
+    """The engine's speed against its targets (``SERVE_TARGETS``); every ratio is the median of per-round ratios, the
+    contenders alternating within each round (so that background load hits both alike).
+
+    * decode step: batch_size requests of prompt_len random tokens, new_tokens each, all at step 0, served by
+      ``Engine`` (token budget batch_size * prompt_len: one prefill step, then decode-only steps of batch_size
+      sequences) and by ``static_batching`` (one batch): the same sequences at the same contexts in every decode step.
+      Per run, the median seconds of its decode-only steps of batch_size sequences; the ratio engine / static.
+    * versus HF: ours continuous / Hugging Face's ``generate_batch`` manager, tokens/s of each round of `serve_result`
+      (``bench_serve``'s "all at 0" rows, whose rounds alternate the systems), per model.
+    * threads: the engine (``bench_serve``'s settings) on the model's trace with its arrivals, at threads[1] and at
+      threads[0] torch threads in turn; the ratio of tokens/s, threads[1] / threads[0] (the target: >= 1, no slower).
+    Returns {"rows": [...], ...}; each row: model, what, ratio, runs (the per-round ratios), target.
+    """
+    from .serving import Engine, Request, make_trace, static_batching
+
+    previous_threads = torch.get_num_threads()
+    counts = dict(SERVE_REQUESTS) if n_requests is None else (
+        {m: n_requests for m in SERVE_MODELS} if isinstance(n_requests, int) else {**SERVE_REQUESTS, **n_requests})
+    rows = []
+    try:
+        for name in models:
+            torch.set_num_threads(threads[0])
+            model = serve_model(name, seed)
+            use_fastest_kernels(model, rows=[1 << i for i in range(7)])
+            V, context = model.config.vocab_size, model.config.block_size
+            g = torch.Generator().manual_seed(seed)
+            same = [Request(f"d{i}", torch.randint(0, V, (prompt_len,), generator=g).tolist(), new_tokens)
+                    for i in range(batch_size)]
+            blocks = batch_size * math.ceil((prompt_len + new_tokens) / block_size)
+            engine = Engine(model, num_blocks=blocks, block_size=block_size, token_budget=batch_size * prompt_len)
+            contenders = {"engine": lambda: engine.run(same)[1], "static": lambda: static_batching(model, same, batch_size)[1]}
+            for run in contenders.values():
+                for _ in range(warmup):
+                    run()
+            ratios = []
+            for _ in range(repeats):
+                seconds = {who: _decode_step_seconds(run(), batch_size) for who, run in contenders.items()}
+                ratios.append(seconds["engine"] / seconds["static"])
+            rows.append({"model": name, "what": f"decode-only step, engine / static batching (batch {batch_size}, "
+                                                f"contexts {prompt_len + 1}..{prompt_len + new_tokens - 1})",
+                         "ratio": statistics.median(ratios), "runs": ratios, "target": ("<=", SERVE_TARGETS["decode_step"])})
+            if serve_result is not None:
+                per_s = {r["system"]: r["runs_tokens_per_s"] for r in serve_result["rows"]
+                         if r["model"] == name and r["arrivals"] == "all at 0"}
+                if SERVE_SYSTEMS[2] in per_s:
+                    ratios = [ours / hf for ours, hf in zip(per_s[SERVE_SYSTEMS[0]], per_s[SERVE_SYSTEMS[2]])]
+                    rows.append({"model": name, "what": "tokens/s, ours continuous / HF generate_batch (all at 0)",
+                                 "ratio": statistics.median(ratios), "runs": ratios,
+                                 "target": (">=", SERVE_TARGETS["versus_hf"])})
+            trace = make_trace(counts[name], seed=seed, context=context, vocab=list(range(V)), mean_gap=mean_gap)
+            num_blocks = sum(math.ceil((len(r.prompt) + r.max_new_tokens) / block_size) for r in trace)
+            engine = Engine(model, num_blocks=num_blocks, block_size=block_size, token_budget=token_budget)
+            for n in threads:  # warm-up (it measures the kernels a pass on n threads meets, see course_lib.kernels)
+                torch.set_num_threads(n)
+                for _ in range(warmup):
+                    engine.run(trace[:4])
+            ratios = []
+            for _ in range(repeats):
+                per_s = {}
+                for n in threads:
+                    torch.set_num_threads(n)
+                    results, run = engine.run(trace)
+                    per_s[n] = sum(len(r.tokens) for r in results.values()) / run.seconds
+                ratios.append(per_s[threads[1]] / per_s[threads[0]])
+            rows.append({"model": name, "what": f"tokens/s of the engine on the trace, {threads[1]} threads / {threads[0]}",
+                         "ratio": statistics.median(ratios), "runs": ratios, "target": (">=", SERVE_TARGETS["two_threads"])})
+    finally:
+        torch.set_num_threads(previous_threads)
+    return {"rows": rows, "repeats": repeats, "warmup": warmup, "threads": threads}
+
+
+def format_serve_speed(result: dict) -> str:
+    """The engine's speed against its targets, as `course bench serve` prints it after its table."""
+    lines = [f"the engine's speed against its targets (median of {result['repeats']} rounds' ratios, the contenders "
+             f"alternating in each round, after {result['warmup']} warm-up run(s)):"]
+    for row in result["rows"]:
+        op, target = row["target"]
+        met = row["ratio"] <= target if op == "<=" else row["ratio"] >= target
+        lines.append(f"  {row['model']:10s} {row['what']:92s} {row['ratio']:5.2f}x  (target {op} {target}x: "
+                     f"{'met' if met else 'NOT met'}; rounds {', '.join(f'{r:.2f}' for r in row['runs'])})")
+    return "\n".join(lines)
+
+
 #: Llama-style shapes of ``course bench decode`` (random weights): char-llama's, and a 12-layer model of GPT-2 small's
 #: width with 4 key/value heads and a 32,000-token vocabulary (Llama's)
 LLAMA_DECODE_SHAPES = {
@@ -959,6 +1056,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             wall = bench_serve_wall(threads=threads, repeats=args.repeats or 3)
         print(format_serve_wall(wall))
+        print()
+        quick = dict(new_tokens=8, n_requests=args.requests or 8, warmup=0, repeats=args.repeats or 1) if args.quick else \
+            dict(n_requests=args.requests, repeats=args.repeats or 3)
+        print(format_serve_speed(bench_serve_speed(models=models, serve_result=result, threads=(threads, 2 * threads),
+                                                   **quick)))
         return 0
     args.threads = args.threads or 2
     if args.what == "decode":

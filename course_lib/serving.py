@@ -39,18 +39,19 @@ chapter 12's exercises (``tests/grading/test_solution_drift.py`` keeps them equa
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import random
-import dataclasses
 import statistics
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .attention import masked_softmax
 from .decoding import REPLACEABLE, process_logits
@@ -449,15 +450,98 @@ class Sequence:
 # one forward pass over the scheduled chunks of many sequences
 
 
-def _chunk_attention(q, key_pool, value_pool, block_table, start: int, S: int, slots_of=slot_mapping):
-    """Attention of a chunk of T new queries (T, H, Dh) at positions start.. against its cached keys: (T, H, Dh)."""
-    T = q.shape[0]
-    slots = slots_of(block_table, torch.arange(start + T), S)
-    keys = key_pool.flatten(0, 1).index_select(0, slots).transpose(0, 1)  # (H, start + T, Dh)
-    values = value_pool.flatten(0, 1).index_select(0, slots).transpose(0, 1)
-    allowed = torch.ones(T, start + T, dtype=torch.bool).tril(diagonal=start)  # query i: positions 0..start + i
-    weights = masked_softmax(q.transpose(0, 1) @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1]), allowed)
-    return (weights @ values).transpose(0, 1)
+@dataclass
+class _Layout:
+    """Where every token of a forward pass over many chunks goes, worked out once per pass (not per layer).
+
+    Shapes: n chunks, N tokens in all; B_d chunks of one token (decodes), M_d the longest block table among
+    them; P longer chunks (prefill), T_p the longest of them, K_p the most keys one of them reads (its start +
+    its length). The prefill fields are None when every chunk is one token (a decode-only step)."""
+
+    ids: torch.Tensor  # (N,) int64: the tokens, chunk after chunk
+    positions: torch.Tensor  # (N,) int64: their positions in their sequences
+    slots: torch.Tensor  # (N,) int64: the pool slot each new key and value goes into
+    last: torch.Tensor  # (n,) int64: the row of each chunk's last token
+    decode_rows: torch.Tensor  # (B_d,) int64: the rows of the one-token chunks
+    decode_tables: torch.Tensor  # (B_d, M_d) int64: their block tables, padded with valid blocks (the next tables')
+    decode_lens: torch.Tensor  # (B_d,) int64: the tokens each attends to (its start + 1)
+    prefill_rows: torch.Tensor | None = None  # (P, T_p) int64: the rows of each longer chunk's queries (padding: its last)
+    prefill_real: torch.Tensor | None = None  # (P, T_p) bool: a query of the chunk (not padding)
+    prefill_slots: torch.Tensor | None = None  # (P, K_p) int64: its keys' slots, positions 0 .. start + length - 1, padding
+    prefill_allowed: torch.Tensor | None = None  # (P, 1, T_p, K_p) bool: query i of a chunk at start s sees 0 .. s + i
+
+
+def _int64(values) -> torch.Tensor:
+    """Integers (a NumPy array or a list) as an int64 tensor: through NumPy, several times cheaper than ``torch.tensor``
+    on a list, which matters in a step whose tensors are small."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
+
+
+def _layout(chunks: list, S: int, slots_of=slot_mapping) -> _Layout:
+    """The `_Layout` of a forward pass over `chunks` ((block_table, start, tokens), as ``paged_forward`` takes them).
+
+    The block tables laid end to end are one long table, in which position p of a chunk whose table begins at
+    block o is position o * S + p: so one call of slots_of gives the slots of every new token, and one more those
+    of every prefill chunk's keys, whatever the number of chunks; the decodes' tables, padded, are one gather from
+    it. The index arithmetic is vectorised in NumPy (as vLLM prepares its inputs): a fixed number of operations
+    per pass, none per sequence."""
+    table = torch.cat([t for t, _, _ in chunks])  # every block table, end to end
+    starts = np.array([start for _, start, _ in chunks], dtype=np.int64)
+    lengths = np.array([tokens.numel() for _, _, tokens in chunks], dtype=np.int64)
+    widths = np.array([t.numel() for t, _, _ in chunks], dtype=np.int64)
+    offsets = np.cumsum(widths) - widths  # where each chunk's table begins in the long one, in blocks
+    ends = np.cumsum(lengths)  # one past each chunk's last row
+    first = ends - lengths  # each chunk's first row
+    chunk = np.repeat(np.arange(len(chunks)), lengths)  # (N,): the chunk of each token
+    positions = starts[chunk] + np.arange(ends[-1]) - first[chunk]
+    decode, prefill = np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)
+    M_d = int(widths[decode].max(initial=0))
+    gather = np.minimum(offsets[decode, None] + np.arange(M_d), len(table) - 1)  # (B_d, M_d); padding: the next tables'
+    layout = _Layout(ids=torch.cat([tokens for _, _, tokens in chunks]), positions=_int64(positions),
+                     slots=slots_of(table, _int64(offsets[chunk] * S + positions), S), last=_int64(ends - 1),
+                     decode_rows=_int64(first[decode]), decode_tables=table[_int64(gather)],
+                     decode_lens=_int64(starts[decode] + 1))
+    if len(prefill):
+        t, k = np.arange(lengths[prefill].max()), np.arange((starts + lengths)[prefill].max())
+        start, length = starts[prefill, None], lengths[prefill, None]
+        keys = np.minimum(k[None, :], start + length - 1)  # (P, K_p): padding repeats the last key
+        layout.prefill_rows = _int64(first[prefill, None] + np.minimum(t[None, :], length - 1))
+        layout.prefill_real = torch.from_numpy(t[None, :] < length)
+        layout.prefill_slots = slots_of(table, _int64(offsets[prefill, None] * S + keys).flatten(), S).view(keys.shape)
+        layout.prefill_allowed = torch.from_numpy(k[None, None, :] <= (start + t[None, :])[:, :, None])[:, None]
+    return layout
+
+
+def _prefill_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """Attention of every prefill chunk's queries against its cached keys, the chunks padded into one batch: (P, T_p, H, Dh).
+
+    q (N, H, Dh): every token's query; key_pool, value_pool (N_blocks, S, H, Dh). Chunk p's query i (at position
+    start + i) attends to its positions 0 .. start + i, gathered through its block table (``layout.prefill_slots``)."""
+    H, Dh = q.shape[1:]
+    keys = key_pool.view(-1, H, Dh)[layout.prefill_slots].permute(0, 2, 3, 1)  # (P, H, Dh, K_p)
+    values = value_pool.view(-1, H, Dh)[layout.prefill_slots].transpose(1, 2)  # (P, H, K_p, Dh)
+    queries = q[layout.prefill_rows].transpose(1, 2)  # (P, H, T_p, Dh)
+    weights = masked_softmax(queries @ keys / math.sqrt(Dh), layout.prefill_allowed)  # (P, H, T_p, K_p)
+    return (weights @ values).transpose(1, 2)  # (P, T_p, H, Dh)
+
+
+#: Multiply-adds of one layer's linear products in a pass (tokens x 12 C^2) below which the pass runs on one thread.
+#: Intra-op threads pay only when an operation's work outweighs waking and joining them; a decode step of a small
+#: model is hundreds of operations of microseconds, and each parallel one waits for every thread, on a busy machine
+#: for a descheduled thread's time slice (measured here: the course model's engine 25 times slower at 2 threads
+#: than at 1 on a loaded 2-core machine). Above it (GPT-2 small's width from 3 tokens) the caller's threads are used.
+ONE_THREAD_WORK = 2 ** 24
+
+
+@contextmanager
+def _threads(n: int):
+    """Run the block with n torch threads (at most the caller's), then restore the caller's count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(min(n, previous))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @torch.inference_mode()
@@ -465,43 +549,46 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_a
     """Run a course_lib.gpt.GPT over the chunks of several sequences at once; logits of each chunk's last token.
 
     chunks: list of (block_table (n,) int64, start, tokens (T,) int64): tokens at positions start..start+T-1,
-    their blocks already allocated. Every token goes through the linear layers in one (sum T, C) matrix;
-    attention reads each sequence's keys and values through its block table: one ``paged_attention`` for
-    the chunks of one token (decode), one masked attention per longer chunk (prefill). Returns (len(chunks), V).
-    attention and slots_of: the functions used for paged attention and the slot mapping (the learner's, say).
+    their blocks already allocated. Every token goes through the linear layers in one (sum T, C) matrix. In each
+    layer, the new keys and values go to their slots in one copy; attention reads each sequence's keys and values
+    through its block table: one ``attention`` (paged attention) for all the chunks of one token (decodes), their
+    block tables padded into one tensor, and one masked attention for all the longer chunks (prefill), padded into
+    one batch. The slots come from slots_of, called twice per pass whatever the number of chunks (``_layout``).
+    A pass whose linear work is small runs on one thread (``ONE_THREAD_WORK``). Returns (len(chunks), V).
+    attention and slots_of: the functions used for paged attention and the slot mapping (the learner's, say), with
+    the contracts of ``paged_attention`` and ``slot_mapping``.
     """
+    work = sum(tokens.numel() for _, _, tokens in chunks) * 12 * model.config.n_embd ** 2  # per layer
+    with _threads(1 if work < ONE_THREAD_WORK else torch.get_num_threads()):
+        return _paged_forward(model, cache, chunks, attention, slots_of)
+
+
+def _paged_forward(model, cache: PagedKVCache, chunks: list, attention, slots_of) -> torch.Tensor:
+    """``paged_forward``'s pass, on the threads it chose."""
     tr, S = model.transformer, cache.block_size
-    ids = torch.cat([t for _, _, t in chunks])
-    positions = torch.cat([torch.arange(s, s + len(t)) for _, s, t in chunks])
-    slots = torch.cat([slots_of(bt, torch.arange(s, s + len(t)), S) for bt, s, t in chunks])
-    lengths = [len(t) for _, _, t in chunks]
-    ends = torch.tensor(lengths).cumsum(0)
-    decode = [i for i, n in enumerate(lengths) if n == 1]
-    rows = ends[decode] - 1  # rows of the decode tokens
-    if decode:
-        width = max(len(chunks[i][0]) for i in decode)
-        tables = torch.stack([F.pad(chunks[i][0], (0, width - len(chunks[i][0]))) for i in decode])  # (B_d, M)
-        context = torch.tensor([chunks[i][1] + 1 for i in decode])
-    x = tr.wte(ids) + tr.wpe(positions)  # (N, C)
+    layout = _layout(chunks, S, slots_of)
+    x = tr.wte(layout.ids) + tr.wpe(layout.positions)  # (N, C)
     N, C = x.shape
 
     def attend(layer, attn, h):  # every chunk's attention in block `layer`, through the block tables
         H = attn.n_head
-        q, k, v = attn.c_attn(h).split(C, dim=1)
-        q, k, v = (t.view(N, H, C // H) for t in (q, k, v))
-        key_pool, value_pool = cache.storage[layer, 0], cache.storage[layer, 1]  # (N_blocks, S, H, Dh)
-        key_pool.view(-1, H, C // H).index_copy_(0, slots, k)  # each new key into its slot
-        value_pool.view(-1, H, C // H).index_copy_(0, slots, v)
-        y = torch.empty_like(q)
-        if decode:
-            y[rows] = attention(q[rows], key_pool, value_pool, tables, context)
-        for i, (table, start, tokens) in enumerate(chunks):
-            if len(tokens) > 1:
-                a, b = int(ends[i]) - len(tokens), int(ends[i])
-                y[a:b] = _chunk_attention(q[a:b], key_pool, value_pool, table, start, S, slots_of)
+        qkv = attn.c_attn(h)  # (N, 3C): queries, keys, values
+        q = qkv[:, :C].view(N, H, C // H)
+        pool = cache.storage[layer]  # (2, N_blocks, S, H, Dh): keys, values
+        pool.view(2, -1, C).index_copy_(1, layout.slots, qkv[:, C:].view(N, 2, C).transpose(0, 1))  # into their slots
+        key_pool, value_pool = pool[0], pool[1]
+        if layout.prefill_rows is None:  # a decode-only step: every row is a decode, in order
+            y = attention(q, key_pool, value_pool, layout.decode_tables, layout.decode_lens)
+        else:
+            y = torch.empty_like(q)
+            if len(layout.decode_rows):
+                y[layout.decode_rows] = attention(q[layout.decode_rows], key_pool, value_pool, layout.decode_tables,
+                                                  layout.decode_lens)
+            chunked = _prefill_attention(q, key_pool, value_pool, layout)  # (P, T_p, H, Dh), padding included
+            y[layout.prefill_rows[layout.prefill_real]] = chunked[layout.prefill_real]
         return attn.c_proj(y.reshape(N, C))
 
-    return model.lm_head(gpt_layers(model, x, attend)[ends - 1])  # (len(chunks), V): each chunk's last token
+    return model.lm_head(gpt_layers(model, x, attend)[layout.last])  # (len(chunks), V): each chunk's last token
 
 
 # ----------------------------------------------------------------------------------------------------

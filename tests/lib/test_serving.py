@@ -102,6 +102,101 @@ def test_paged_forward_logits_equal_the_full_forward_pass(small):
     assert_parity(logits[1], full[1, 10])
 
 
+# ---------------------------------------------------------------------------------------------------- one batched pass
+
+
+def scattered_tables(lengths: list, S: int, N: int, seed: int) -> list:
+    """Block tables for sequences of `lengths` tokens, each block anywhere in a pool of N blocks (no block twice)."""
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, used = [], 0
+    for n in lengths:
+        k = math.ceil(n / S)
+        tables.append(torch.tensor(order[used:used + k]))
+        used += k
+    return tables
+
+
+@pytest.mark.parametrize("S", [1, 3, 4])
+def test_one_pass_mixing_decodes_of_different_lengths_and_prefill_chunks_equals_the_full_forward_pass(small, S):
+    # Six sequences in one pass, in an order that interleaves them: decodes whose contexts (1 to 40 tokens) and block
+    # tables (1 to 40 / S blocks) differ, so the shorter tables are padded; prefill chunks of different lengths, one
+    # from position 0, others after a cached part, one ending inside a block: their batch is padded too. Each
+    # sequence's cache is first filled by its own earlier passes. Oracle: the model's ordinary forward pass.
+    ids = torch.randint(0, 61, (6, 40), generator=torch.Generator().manual_seed(S))
+    cached = [0, 7, 39, 12, 2 * S + 1, 5]  # tokens in the cache before the pass
+    new = [1, 1, 1, 9, 3, 2 * S + 3]  # tokens in the pass: three decodes (one with an empty cache), three chunks
+    cache = PagedKVCache.for_model(small, 40 * 6, S)
+    tables = scattered_tables([c + n for c, n in zip(cached, new)], S, 40 * 6, S)
+    for i, c in enumerate(cached):
+        if c:
+            paged_forward(small, cache, [(tables[i], 0, ids[i, :c])])
+    order = [3, 0, 4, 2, 5, 1]
+    logits = paged_forward(small, cache, [(tables[i], cached[i], ids[i, cached[i]:cached[i] + new[i]]) for i in order])
+    with torch.no_grad():
+        full = small(ids)[0]
+    for row, i in enumerate(order):
+        assert_parity(logits[row], full[i, cached[i] + new[i] - 1])
+
+
+def test_a_pass_calls_paged_attention_once_per_layer_for_all_decodes_and_slot_mapping_twice(small):
+    # The learner's functions plug in: attention gets every decode of the pass at once, block tables padded into one
+    # (B, M) tensor, context lengths per row; slots_of is called once for the new tokens and once for the prefill keys.
+    S = 4
+    cached, new = [9, 30, 3, 14], [1, 1, 6, 1]
+    ids = torch.randint(0, 61, (4, 40), generator=torch.Generator().manual_seed(3))
+    cache = PagedKVCache.for_model(small, 60, S)
+    tables = scattered_tables([c + n for c, n in zip(cached, new)], S, 60, 3)
+    for i, c in enumerate(cached):
+        paged_forward(small, cache, [(tables[i], 0, ids[i, :c])])
+    calls = {"attention": [], "slots_of": 0}
+
+    def attention(q, key_pool, value_pool, block_tables, context_lens):
+        calls["attention"].append((tuple(q.shape), tuple(block_tables.shape), context_lens.tolist()))
+        return paged_attention(q, key_pool, value_pool, block_tables, context_lens)
+
+    def slots_of(block_table, positions, block_size):
+        calls["slots_of"] += 1
+        return slot_mapping(block_table, positions, block_size)
+
+    chunks = [(tables[i], cached[i], ids[i, cached[i]:cached[i] + new[i]]) for i in range(4)]
+    logits = paged_forward(small, cache, chunks, attention=attention, slots_of=slots_of)
+    H, Dh = small.config.n_head, small.config.n_embd // small.config.n_head
+    widest = max(len(tables[i]) for i in (0, 1, 3))  # the decodes' longest block table
+    assert calls["attention"] == [((3, H, Dh), (3, widest), [10, 31, 15])] * small.config.n_layer
+    assert calls["slots_of"] == 2
+    with torch.no_grad():
+        full = small(ids)[0]
+    for i in range(4):
+        assert_parity(logits[i], full[i, cached[i] + new[i] - 1])
+
+
+def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restored(small, monkeypatch):
+    # A small pass runs on one thread whatever the caller's count (ONE_THREAD_WORK); with that threshold at 0
+    # every pass runs on the caller's two threads. The tokens are the same either way, and equal the run alone.
+    import course_lib.serving as serving
+    requests = trace(4, 11, gap=0.4)
+    seen = []
+
+    def attention(*args):
+        seen.append(torch.get_num_threads())
+        return paged_attention(*args)
+
+    engine = Engine(small, num_blocks=80, block_size=4, token_budget=12)
+    one, _ = engine.run(requests)
+    torch.set_num_threads(2)
+    try:
+        small_passes, _ = engine.run(requests, attention=attention)
+        assert set(seen) == {1} and torch.get_num_threads() == 2
+        seen.clear()
+        monkeypatch.setattr(serving, "ONE_THREAD_WORK", 0)
+        two, _ = engine.run(requests, attention=attention)
+        assert set(seen) == {2} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    for r in requests:
+        assert one[r.name].tokens == small_passes[r.name].tokens == two[r.name].tokens == alone(small, r), r.name
+
+
 # ---------------------------------------------------------------------------------------------------- exactness
 
 
