@@ -1015,8 +1015,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="train: training steps per repeat (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: 2; serve: 1, because a serving step is many small ops, and on a "
-                             "shared machine each 2-thread op waits for a descheduled thread: measured 10 to 100 times "
-                             "slower for ours at 2 threads under load, 0.15 s vs 1 to 24 s for the same char-gpt run)")
+                             "shared machine each 2-thread op can wait for a descheduled thread; the engine runs its small "
+                             "passes on one thread whatever this says: the 2-threads row compares)")
     parser.add_argument("--tokens", type=int, default=256, help="decode: new tokens of the cached rows (default: %(default)s)")
     shapes = sorted(set(DECODE_SHAPES) | set(SERVE_MODELS))
     parser.add_argument("--shapes", nargs="+", default=None, choices=shapes,
