@@ -278,7 +278,9 @@ def assert_gpt2_init(model: nn.Module) -> None:
         pooled = [p.flatten() for name, p in named.items() if name.endswith(kind)]
         if not pooled:
             fail(f"your GPT has no parameter named ...{kind}")
-        _assert_normal(torch.cat(pooled), std, f"your initial {kind} weights (N(0, {std:.5f}^2) stated)")
+        stated = (f"N(0, (0.02 / sqrt(2 n_layer))^2) = N(0, {std:.5f}^2) stated, n_layer = {model.config.n_layer}: the "
+                  "projections that write into the residual stream start smaller" if std != 0.02 else "N(0, 0.02^2) stated")
+        _assert_normal(torch.cat(pooled), std, f"your initial {kind} weights ({stated})")
     for name, p in named.items():
         if name.endswith(".bias") and not torch.equal(p, torch.zeros_like(p)):
             fail(f"your initial {name} is not all zeros (every bias starts at 0)")
@@ -288,7 +290,7 @@ def assert_gpt2_init(model: nn.Module) -> None:
 
 def check_gpt(GPT) -> None:
     """Visible checks for chapter 04, exercise 2: GPT-2's names (the converter and the shipped checkpoint need them),
-    the tie, (logits, loss), the logits against Hugging Face's GPT2LMHeadModel with the same weights, and the loss
+    the tie, the initialisation (assert_gpt2_init, on a 2-layer model), (logits, loss), the logits against Hugging Face's GPT2LMHeadModel with the same weights, and the loss
     against F.cross_entropy of those logits."""
     config = _config(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=8)
     torch.manual_seed(403)
@@ -302,6 +304,8 @@ def check_gpt(GPT) -> None:
         fail("model.lm_head.weight is not model.transformer.wte.weight: the LM head must share the token embedding's "
              "Parameter (assign the Parameter itself, after both modules exist, and never replace it afterwards)")
     _check_names(model, gpt2_state_dict_names(config), "your GPT")
+    torch.manual_seed(406)  # a larger fresh model, so that a wrong distribution stands out from sampling noise
+    assert_gpt2_init(GPT(_config(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)))
     randomize_gpt(model, seed=404)
     gen = torch.Generator().manual_seed(405)
     idx, targets = torch.randint(0, 13, (3, 6), generator=gen), torch.randint(0, 13, (3, 6), generator=gen)
