@@ -247,9 +247,10 @@ def check_causal_self_attention(CausalSelfAttention) -> None:
     passed("CausalSelfAttention")
 
 
-def _assert_normal(values: torch.Tensor, std: float, what: str) -> None:
+def _assert_normal(values: torch.Tensor, std: float, what: str, rule: str = "") -> None:
     """values look like independent draws from N(0, std^2): their mean, their standard deviation and the share of
-    them within one std of 0 (68.3% for a normal distribution) each within 5 standard errors of n draws."""
+    them within one std of 0 (68.3% for a normal distribution) each within 5 standard errors of n draws. rule, shown
+    after the expected standard deviation, says where it comes from."""
     x = values.detach().double().flatten()
     n = x.numel()
     mean, sd, within = x.mean().item(), x.std().item(), (x.abs() < std).double().mean().item()
@@ -257,7 +258,7 @@ def _assert_normal(values: torch.Tensor, std: float, what: str) -> None:
     if abs(mean) > 5 * std / math.sqrt(n):
         fail(f"{what}: mean {mean:.3g}, expected 0 (to within {5 * std / math.sqrt(n):.2g}, 5 standard errors of {n:,} draws)")
     if abs(sd - std) > 5 * std / math.sqrt(2 * (n - 1)):
-        fail(f"{what}: standard deviation {sd:.5f}, expected {std:.5f} (to within {5 * std / math.sqrt(2 * (n - 1)):.5f}, "
+        fail(f"{what}: standard deviation {sd:.5f}, expected {std:.5f}{rule} (to within {5 * std / math.sqrt(2 * (n - 1)):.5f}, "
              f"5 standard errors of {n:,} draws)")
     if abs(within - normal_within) > 5 * math.sqrt(normal_within * (1 - normal_within) / n):
         fail(f"{what}: {within:.1%} of the values lie within one standard deviation of 0; for a normal distribution "
@@ -278,9 +279,8 @@ def assert_gpt2_init(model: nn.Module) -> None:
         pooled = [p.flatten() for name, p in named.items() if name.endswith(kind)]
         if not pooled:
             fail(f"your GPT has no parameter named ...{kind}")
-        stated = (f"N(0, (0.02 / sqrt(2 n_layer))^2) = N(0, {std:.5f}^2) stated, n_layer = {model.config.n_layer}: the "
-                  "projections that write into the residual stream start smaller" if std != 0.02 else "N(0, 0.02^2) stated")
-        _assert_normal(torch.cat(pooled), std, f"your initial {kind} weights ({stated})")
+        rule = f" = 0.02 / sqrt(2 n_layer), n_layer = {model.config.n_layer}" if std != 0.02 else ""
+        _assert_normal(torch.cat(pooled), std, f"your initial {kind} weights", rule)
     for name, p in named.items():
         if name.endswith(".bias") and not torch.equal(p, torch.zeros_like(p)):
             fail(f"your initial {name} is not all zeros (every bias starts at 0)")
