@@ -280,7 +280,7 @@ def assert_gpt2_init(model: nn.Module) -> None:
         if not pooled:
             fail(f"your GPT has no parameter named ...{kind}")
         rule = f" = 0.02 / sqrt(2 n_layer), n_layer = {model.config.n_layer}" if std != 0.02 else ""
-        _assert_normal(torch.cat(pooled), std, f"your initial {kind} weights", rule)
+        _assert_normal(torch.cat(pooled), std, f"your initial {kind} weights (N(0, {std:.5f}^2) stated)", rule)
     for name, p in named.items():
         if name.endswith(".bias") and not torch.equal(p, torch.zeros_like(p)):
             fail(f"your initial {name} is not all zeros (every bias starts at 0)")
