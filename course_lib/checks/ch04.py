@@ -247,9 +247,10 @@ def check_causal_self_attention(CausalSelfAttention) -> None:
     passed("CausalSelfAttention")
 
 
-def _assert_normal(values: torch.Tensor, std: float, what: str) -> None:
+def _assert_normal(values: torch.Tensor, std: float, what: str, rule: str = "") -> None:
     """values look like independent draws from N(0, std^2): their mean, their standard deviation and the share of
-    them within one std of 0 (68.3% for a normal distribution) each within 5 standard errors of n draws."""
+    them within one std of 0 (68.3% for a normal distribution) each within 5 standard errors of n draws. rule, shown
+    after the expected standard deviation, says where it comes from."""
     x = values.detach().double().flatten()
     n = x.numel()
     mean, sd, within = x.mean().item(), x.std().item(), (x.abs() < std).double().mean().item()
@@ -257,7 +258,7 @@ def _assert_normal(values: torch.Tensor, std: float, what: str) -> None:
     if abs(mean) > 5 * std / math.sqrt(n):
         fail(f"{what}: mean {mean:.3g}, expected 0 (to within {5 * std / math.sqrt(n):.2g}, 5 standard errors of {n:,} draws)")
     if abs(sd - std) > 5 * std / math.sqrt(2 * (n - 1)):
-        fail(f"{what}: standard deviation {sd:.5f}, expected {std:.5f} (to within {5 * std / math.sqrt(2 * (n - 1)):.5f}, "
+        fail(f"{what}: standard deviation {sd:.5f}, expected {std:.5f}{rule} (to within {5 * std / math.sqrt(2 * (n - 1)):.5f}, "
              f"5 standard errors of {n:,} draws)")
     if abs(within - normal_within) > 5 * math.sqrt(normal_within * (1 - normal_within) / n):
         fail(f"{what}: {within:.1%} of the values lie within one standard deviation of 0; for a normal distribution "
@@ -278,7 +279,8 @@ def assert_gpt2_init(model: nn.Module) -> None:
         pooled = [p.flatten() for name, p in named.items() if name.endswith(kind)]
         if not pooled:
             fail(f"your GPT has no parameter named ...{kind}")
-        _assert_normal(torch.cat(pooled), std, f"your initial {kind} weights (N(0, {std:.5f}^2) stated)")
+        rule = f" = 0.02 / sqrt(2 n_layer), n_layer = {model.config.n_layer}" if std != 0.02 else ""
+        _assert_normal(torch.cat(pooled), std, f"your initial {kind} weights (N(0, {std:.5f}^2) stated)", rule)
     for name, p in named.items():
         if name.endswith(".bias") and not torch.equal(p, torch.zeros_like(p)):
             fail(f"your initial {name} is not all zeros (every bias starts at 0)")
@@ -288,7 +290,7 @@ def assert_gpt2_init(model: nn.Module) -> None:
 
 def check_gpt(GPT) -> None:
     """Visible checks for chapter 04, exercise 2: GPT-2's names (the converter and the shipped checkpoint need them),
-    the tie, (logits, loss), the logits against Hugging Face's GPT2LMHeadModel with the same weights, and the loss
+    the tie, the initialisation (assert_gpt2_init, on a 2-layer model), (logits, loss), the logits against Hugging Face's GPT2LMHeadModel with the same weights, and the loss
     against F.cross_entropy of those logits."""
     config = _config(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=8)
     torch.manual_seed(403)
@@ -302,6 +304,8 @@ def check_gpt(GPT) -> None:
         fail("model.lm_head.weight is not model.transformer.wte.weight: the LM head must share the token embedding's "
              "Parameter (assign the Parameter itself, after both modules exist, and never replace it afterwards)")
     _check_names(model, gpt2_state_dict_names(config), "your GPT")
+    torch.manual_seed(406)  # a larger fresh model, so that a wrong distribution stands out from sampling noise
+    assert_gpt2_init(GPT(_config(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)))
     randomize_gpt(model, seed=404)
     gen = torch.Generator().manual_seed(405)
     idx, targets = torch.randint(0, 13, (3, 6), generator=gen), torch.randint(0, 13, (3, 6), generator=gen)

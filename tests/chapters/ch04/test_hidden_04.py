@@ -83,15 +83,15 @@ CASES = [
      {f"{GPT}-visible", f"{GPT}-hf"}),
     # the GPT: its initialisation
     (GPT, "residual projections not scaled", mutate(GPT, ("std=0.02 / math.sqrt(2 * config.n_layer)", "std=0.02")),
-     {f"{GPT}-init"}),
+     {f"{GPT}-visible", f"{GPT}-init"}),
     (GPT, "residual projections scaled by 1/sqrt(n_layer)", mutate(GPT, ("math.sqrt(2 * config.n_layer)", "math.sqrt(config.n_layer)")),
-     {f"{GPT}-init"}),
-    (GPT, "biases left at PyTorch's default", mutate(GPT, ("nn.init.zeros_(module.bias)", "pass")), {f"{GPT}-init"}),
+     {f"{GPT}-visible", f"{GPT}-init"}),
+    (GPT, "biases left at PyTorch's default", mutate(GPT, ("nn.init.zeros_(module.bias)", "pass")), {f"{GPT}-visible", f"{GPT}-init"}),
     (GPT, "embeddings left at PyTorch's N(0, 1)", mutate(GPT, ("isinstance(module, (nn.Linear, nn.Embedding))", "isinstance(module, nn.Linear)")),
-     {f"{GPT}-init"}),  # the tied head is a Linear: wte (= lm_head) is drawn anyway; wpe is not
+     {f"{GPT}-visible", f"{GPT}-init"}),  # the tied head is a Linear: wte (= lm_head) is drawn anyway; wpe is not
     (GPT, "uniform weights of the right standard deviation", mutate(GPT, (
         "nn.init.normal_(module.weight, mean=0.0, std=0.02)", "nn.init.uniform_(module.weight, -0.02 * 3 ** 0.5, 0.02 * 3 ** 0.5)")),
-     {f"{GPT}-init"}),
+     {f"{GPT}-visible", f"{GPT}-init"}),
     # the GPT: its loss and its length check
     (GPT, "loss over padding: mean includes the -100 positions", mutate(GPT, (LOSS, LOSS[:-1] + ', reduction="none").mean()')),
      {f"{GPT}-loss"}),
