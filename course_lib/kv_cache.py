@@ -33,6 +33,7 @@ from torch import nn
 
 from .attention import masked_softmax
 from .gpt import gpt_layers
+from .validation import check_positive
 
 
 class StaticKVCache:
@@ -110,8 +111,7 @@ class KVCache(StaticKVCache):
 
     def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, head_dim: int, max_len: int, *,
                  window: int | None = None, dtype=torch.float32, device=None):
-        if window is not None and (not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be None or an integer >= 1, got {window!r}")
+        check_positive("window", window, optional=True)
         capacity = max_len if window is None or not isinstance(max_len, int) else min(window, max_len)
         super().__init__(n_layer, batch_size, n_kv_head, head_dim, capacity, dtype=dtype, device=device)
         self.max_len = max_len

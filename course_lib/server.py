@@ -42,7 +42,8 @@ from collections import deque
 from contextlib import asynccontextmanager
 
 from . import assets
-from .serving import SEED_RANGE, Engine, Request, Trace, _integer, _number, quantile
+from .serving import SEED_RANGE, Engine, Request, Trace, _number, quantile
+from .validation import is_count
 
 HOST = "127.0.0.1"  # loopback only: the course's server is for this machine's clients
 FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
@@ -88,7 +89,7 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
             ids = tokenizer.encode(prompt)
         except ValueError as error:
             raise BadRequest(f"prompt: {error}", "prompt") from None
-    elif isinstance(prompt, list) and all(_integer(t) for t in prompt):
+    elif isinstance(prompt, list) and all(is_count(t) for t in prompt):
         ids = prompt
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
@@ -99,7 +100,7 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
     if not ids:
         raise BadRequest("prompt must hold at least 1 token, got an empty prompt", "prompt")
     max_tokens = body.get("max_tokens", 16)
-    if not _integer(max_tokens) or max_tokens < 1:
+    if not is_count(max_tokens) or max_tokens < 1:
         raise BadRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
     if len(ids) >= context:
         raise BadRequest(f"prompt is too long: this model's context is {context} tokens, the prompt holds {len(ids)}, "
@@ -119,7 +120,7 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
     seed = body.get("seed")
     if seed is None:
         seed = random.randrange(2 ** 63)
-    elif not _integer(seed) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+    elif not is_count(seed) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
         raise BadRequest(f"seed must be an integer in [-2**63, 2**64), got {seed!r}", "seed")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop

@@ -57,6 +57,7 @@ from .attention import masked_softmax
 from .decoding import REPLACEABLE, process_logits
 from .gpt import gpt_layers
 from .kv_cache import KVCache, cached_forward
+from .validation import check_positive, is_count
 
 # ----------------------------------------------------------------------------------------------------
 # the three exercises
@@ -203,11 +204,6 @@ class Result:
         return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
 
 
-def _integer(value) -> bool:
-    """A Python int that is not a bool (True is an int in Python, but not a count)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _number(value) -> bool:
     """A real number (int, float, numpy scalar) that is not a bool; NaN passes here and fails every range below."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -216,7 +212,7 @@ def _number(value) -> bool:
 #: the sampling settings a request may carry (``process_logits``'s keyword arguments): a check and its range in words
 SAMPLING = {
     "temperature": (lambda v: _number(v) and 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)"),
-    "top_k": (lambda v: v is None or (_integer(v) and v >= 0), "None or an integer >= 0 (0 and None disable it)"),
+    "top_k": (lambda v: v is None or (is_count(v) and v >= 0), "None or an integer >= 0 (0 and None disable it)"),
     "top_p": (lambda v: v is None or (_number(v) and 0 < v <= 1), "None or a number in (0, 1]"),
     "min_p": (lambda v: v is None or (_number(v) and 0 <= v <= 1), "None or a number in [0, 1]"),
     "repetition_penalty": (lambda v: v is None or (_number(v) and 0 < v < math.inf),
@@ -231,7 +227,7 @@ SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes: [-2*
 
 
 def _arrival_error(request: Request) -> str | None:
-    if not _integer(request.arrival) or request.arrival < 0:
+    if not is_count(request.arrival) or request.arrival < 0:
         return f"request {request.name}: arrival must be an integer >= 0 (an engine step), got {request.arrival!r}"
     return None
 
@@ -260,7 +256,7 @@ def validate(request: Request, block_size_ctx: int, num_blocks: int | None = Non
                 or (vocab_size is not None and token >= vocab_size):
             allowed = "integers >= 0" if vocab_size is None else f"integers in [0, vocab_size = {vocab_size})"
             raise ValueError(f"request {name}: prompt token ids must be {allowed}, got {token!r} at position {i}")
-    if not _integer(request.max_new_tokens) or request.max_new_tokens < 1:
+    if not is_count(request.max_new_tokens) or request.max_new_tokens < 1:
         raise ValueError(f"request {name}: max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
     total = len(prompt) + request.max_new_tokens
     if total > block_size_ctx:
@@ -282,7 +278,7 @@ def validate(request: Request, block_size_ctx: int, num_blocks: int | None = Non
             check, allowed = SAMPLING[key]
             if not check(value):
                 raise ValueError(f"request {name}: sampling {key} must be {allowed}, got {value!r}")
-    if not _integer(request.seed) or not SEED_RANGE[0] <= request.seed < SEED_RANGE[1]:
+    if not is_count(request.seed) or not SEED_RANGE[0] <= request.seed < SEED_RANGE[1]:
         raise ValueError(f"request {name}: seed must be an integer in [-2**63, 2**64), got {request.seed!r}")
 
 
@@ -329,8 +325,7 @@ class PagedKVCache:
     def __init__(self, n_layer: int, n_head: int, head_dim: int, num_blocks: int, block_size: int, *,
                  dtype=torch.float32):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_positive(name, value)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.storage = torch.zeros(n_layer, 2, num_blocks, block_size, n_head, head_dim, dtype=dtype)
         self.free = OrderedDict.fromkeys(range(num_blocks))  # the free list, least recently freed first
@@ -675,9 +670,8 @@ class Engine:
     def __init__(self, model, num_blocks: int, block_size: int = 8, token_budget: int = 64, *,
                  share_prefixes: bool = True, max_num_seqs: int | None = None):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("token_budget", token_budget)):
-            if not _integer(value) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if max_num_seqs is not None and (not _integer(max_num_seqs) or max_num_seqs < 1):
+            check_positive(name, value)
+        if max_num_seqs is not None and (not is_count(max_num_seqs) or max_num_seqs < 1):
             raise ValueError(f"max_num_seqs must be None (no cap) or an integer >= 1 (most sequences running at once), "
                              f"got {max_num_seqs!r}")
         self.model = model.eval()
@@ -942,8 +936,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8, *, reserve: 
     rejected on arrival by the same ``validate``, and a request whose sampling raises fails alone (its row
     idles); an error in the batch's forward pass is raised.
     """
-    if not _integer(max_batch_size) or max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+    check_positive("max_batch_size", max_batch_size)
     if reserve not in ("oracle", "context"):
         raise ValueError(f'reserve must be "oracle" (the batch\'s longest prompt + longest output) or "context" '
                          f"(the model's context length per row), got {reserve!r}")

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import KVCache, cached_forward
+from .validation import check_positive
 
 
 def probs_from_logits(logits: torch.Tensor, do_sample: bool = True, temperature: float = 1.0) -> torch.Tensor:
@@ -134,8 +135,7 @@ def check_speculative_arguments(target, draft, input_ids, max_new_tokens, num_dr
                          f"at a time), got {tuple(input_ids.shape)}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
+    check_positive("num_draft_tokens", num_draft_tokens)
     if do_sample and not temperature > 0:
         raise ValueError(f"temperature must be > 0 when sampling (use do_sample=False for greedy), got {temperature}")
     if target.config.vocab_size != draft.config.vocab_size:
