@@ -420,3 +420,25 @@ def test_mean_log_likelihood_against_a_per_token_loop(models):
         expected = torch.stack([torch.stack([model(idx[b:b + 1, :t])[0][0, -1].log_softmax(-1)[idx[b, t]]
                                              for t in range(4, 9)]).mean() for b in range(2)])
     assert_parity(D.mean_log_likelihood(model, idx, 4), expected)
+
+
+def test_process_logits_runs_its_processors_in_the_documented_processor_order():
+    """PROCESSOR_ORDER (printed in chapter 06) is what process_logits does: every processor switched on, each
+    replaced by a spy that records its name, and the calls come in PROCESSOR_ORDER's order."""
+    called = []
+
+    def spy(name):
+        def record(logits, *args):
+            called.append(name)
+            return logits
+        return record
+
+    function_of = {"repetition_penalty": "apply_repetition_penalty", "frequency_presence_penalty":
+                   "apply_frequency_presence_penalty", "temperature": "apply_temperature", "top_k": "top_k_filter",
+                   "top_p": "top_p_filter", "min_p": "min_p_filter"}
+    assert set(function_of) == set(D.PROCESSOR_ORDER) and set(function_of.values()) <= set(D.REPLACEABLE)
+    logits, ids = torch.randn(2, 11), torch.randint(0, 11, (2, 5))
+    D.process_logits(logits, ids, ids[:, -2:], repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5,
+                     temperature=0.7, top_k=4, top_p=0.9, min_p=0.05,
+                     functions={function_of[name]: spy(name) for name in D.PROCESSOR_ORDER})
+    assert tuple(called) == D.PROCESSOR_ORDER
