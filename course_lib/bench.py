@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import CharTokenizer, default_corpus, get_batch
-from .gpt import GPT, GPTConfig, gpt_layers
+from .gpt import GPT, GPTConfig, extend, gpt_layers
 from .kernels import ONEDNN_AVAILABLE, chosen_kernels, onednn_linear, use_fastest_kernels
 from .kv_cache import generate_cached
 from .quantize import decode_weight_bytes, quantize_weights
@@ -110,11 +110,12 @@ def greedy_uncached(model, idx, max_new_tokens: int):
     """Greedy decoding without a cache: every step runs the blocks over the whole sequence so far and
     the LM head over its last position only. (B, T) -> (B, T + max_new_tokens)."""
     tr = model.transformer
-    for _ in range(max_new_tokens):
-        x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))
-        nxt = model.lm_head(gpt_layers(model, x)[:, -1]).argmax(-1, keepdim=True)
-        idx = torch.cat([idx, nxt], dim=1)
-    return idx
+
+    def next_logits(tokens, new):
+        x = tr.wte(tokens) + tr.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        return model.lm_head(gpt_layers(model, x)[:, -1])
+
+    return extend(idx, max_new_tokens, next_logits)
 
 
 def hf_generate(model, idx, max_new_tokens: int, use_cache: bool = True):

@@ -228,6 +228,28 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def greedy_choice(logits: torch.Tensor) -> torch.Tensor:
+    """The most likely next token of each row: logits (B, V) -> (B, 1)."""
+    return logits.argmax(dim=-1, keepdim=True)
+
+
+def extend(idx: torch.Tensor, max_new_tokens: int, next_logits: Callable, choose: Callable = greedy_choice) -> torch.Tensor:
+    """The autoregressive loop, written once: idx (B, T) -> (B, T + max_new_tokens), each new token fed back.
+
+    next_logits(tokens, new) returns the logits (B, V) of the next token, given all tokens so far (B, t) and
+    the newest of them (B, n): the prompt at the first call, then the token chosen last (a model with a KV
+    cache reads only ``new``; one without reads ``tokens``). choose(logits) picks the next tokens (B, 1)
+    (default: greedy). next_logits runs max_new_tokens times: the last token chosen is never fed.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    tokens, new = idx, idx
+    for _ in range(max_new_tokens):
+        new = choose(next_logits(tokens, new))
+        tokens = torch.cat([tokens, new], dim=1)
+    return tokens
+
+
 @torch.no_grad()
 def gpt_sample(model: GPT, idx, max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, generator=None):
     """Extend idx (B, T) by max_new_tokens tokens, one at a time, each fed back as input.
@@ -240,16 +262,14 @@ def gpt_sample(model: GPT, idx, max_new_tokens: int, temperature: float = 1.0, g
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not greedy and temperature <= 0:
         raise ValueError(f"temperature must be > 0 (use greedy=True for the argmax), got {temperature}")
+
+    def sample(logits):
+        return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)
+
     was_training = model.training
     model.eval()
-    for _ in range(max_new_tokens):
-        logits, _ = model(idx[:, -model.config.block_size:])
-        last = logits[:, -1, :]  # (B, V): the prediction for the next token
-        if greedy:
-            nxt = last.argmax(dim=-1, keepdim=True)
-        else:
-            nxt = torch.multinomial(torch.softmax(last / temperature, dim=-1), 1, generator=generator)
-        idx = torch.cat([idx, nxt], dim=1)
+    idx = extend(idx, max_new_tokens, lambda tokens, new: model(tokens[:, -model.config.block_size:])[0][:, -1],
+                 greedy_choice if greedy else sample)
     model.train(was_training)
     return idx
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gpt import extend
 from .kv_cache import KVCache, attention_allowed
 from .layers import RMSNorm, SwiGLU, swiglu_width
 from .positional import rope_cos_sin, rotate_half_layout, rotate_interleaved_layout
@@ -263,12 +264,5 @@ def generate_llama(model: Llama, idx, max_new_tokens: int):
     """Greedy generation with a KV cache: idx (B, T) -> (B, T + max_new_tokens). No padding (prompts of one length)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    B, T = idx.shape
-    cache = new_cache(model, B, T + max_new_tokens)
-    out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)
-    logits = llama_cached_forward(model, idx, cache)  # prefill
-    for t in range(T, T + max_new_tokens):
-        out[:, t] = logits[:, -1].argmax(dim=-1)
-        if t + 1 < T + max_new_tokens:
-            logits = llama_cached_forward(model, out[:, t:t + 1], cache)
-    return out
+    cache = new_cache(model, idx.shape[0], idx.shape[1] + max_new_tokens)
+    return extend(idx, max_new_tokens, lambda tokens, new: llama_cached_forward(model, new, cache)[:, -1])

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .gpt import extend, greedy_choice
 from .kv_cache import KVCache, cached_forward
 from .validation import check_positive
 
@@ -219,15 +220,12 @@ def plain_cached_generate(model, input_ids, max_new_tokens: int, *, do_sample: b
         raise ValueError(f"the prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) must fit "
                          f"in the context, block_size = {model.config.block_size}")
     cache = KVCache.for_model(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens)
-    tokens, new = input_ids, input_ids
-    for _ in range(max_new_tokens):
-        logits = cached_forward(model, new, cache)[:, -1]  # (B, V)
-        if do_sample:
-            new = torch.multinomial(probs_from_logits(logits, True, temperature), 1, generator=generator)
-        else:
-            new = logits.argmax(dim=-1, keepdim=True)
-        tokens = torch.cat([tokens, new], dim=1)
-    return tokens
+
+    def sample(logits):
+        return torch.multinomial(probs_from_logits(logits, True, temperature), 1, generator=generator)
+
+    return extend(input_ids, max_new_tokens, lambda tokens, new: cached_forward(model, new, cache)[:, -1],
+                  sample if do_sample else greedy_choice)
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:

@@ -250,3 +250,21 @@ def test_estimate_loss_is_the_mean_over_batches_and_restores_the_mode(generator)
     model.train()
     assert abs(estimate_loss(model, batches) - expected) < 1e-6
     assert model.training
+
+
+def test_extend_feeds_the_prompt_once_then_each_chosen_token_and_never_the_last():
+    """The one autoregressive loop: a counting "model" whose next token is the newest one + 1 (mod 10)."""
+    from course_lib.gpt import extend
+
+    seen = []
+
+    def next_logits(tokens, new):
+        seen.append((tokens.shape[1], new.tolist()))
+        return torch.nn.functional.one_hot((new[:, -1] + 1) % 10, 10).float()
+
+    out = extend(torch.tensor([[3, 4], [8, 9]]), 3, next_logits)
+    assert out.tolist() == [[3, 4, 5, 6, 7], [8, 9, 0, 1, 2]]
+    assert seen == [(2, [[3, 4], [8, 9]]), (3, [[5], [0]]), (4, [[6], [1]])]
+    assert extend(torch.tensor([[1]]), 0, next_logits).tolist() == [[1]] and len(seen) == 3
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        extend(torch.tensor([[1]]), -1, next_logits)
