@@ -62,14 +62,10 @@ def fit_power_law(n, loss, offsets=None):
     """Fit loss = E + A / n**alpha in log space; returns (E, A, alpha) as floats.
 
     n (P,), loss (P,): sizes and losses, lists or arrays. offsets (G,), a list or an array: the candidate values
-    of E, each strictly below min(loss), which the caller ensures (log(loss - E) needs loss > E; the default grid
-    does: 1000 evenly spaced values in [0, min(loss))). The E returned is one of the offsets, exactly (so an
-    exact law whose E is among them is recovered exactly). For each candidate E, log(loss - E) = log A - alpha log n
-    is a straight line in log n: its least-squares fit gives A and alpha for that E. The candidates are then
-    compared on one scale, the same for every E: the sum of squared residuals of log(loss),
-    log(loss) - log(E + A / n**alpha). Keep the E with the smallest sum, with its A and alpha. (The residuals of
-    each E's own line, in log(loss - E), would not do: the same misfit looks larger the closer E comes to the
-    losses, so comparing them favours small E.)
+    of E, each strictly below min(loss), which the caller ensures; by default 1000 evenly spaced values in
+    [0, min(loss)). The E returned is one of the offsets, exactly (so an exact law whose E is among them is
+    recovered exactly), with its A and alpha. The hidden tests check exact laws with large offsets, and noisy
+    losses whose noise only a comparison of the offsets on the one scale of log(loss) cannot see.
     """
     n, loss = np.asarray(n, dtype=np.float64), np.asarray(loss, dtype=np.float64)
     if offsets is None:
@@ -88,8 +84,8 @@ def fit_power_law(n, loss, offsets=None):
 def compute_optimal(flops, tokens_per_param=20.0):
     """The compute-optimal split of a budget: (N, D) with 6ND = flops and D = tokens_per_param * N.
 
-    N = sqrt(flops / (6 r)), D = r N for r = tokens_per_param (Chinchilla: about 20; any r > 0, not only 20).
-    flops and r are positive numbers. Returns (N, D) as floats.
+    flops and tokens_per_param (Chinchilla: about 20; any r > 0, not only 20) are positive numbers. Returns (N, D)
+    as floats. The hidden tests check 6ND = flops and D / N = tokens_per_param over many budgets and ratios.
     """
     n_params = math.sqrt(flops / (6 * tokens_per_param))
     return n_params, tokens_per_param * n_params
