@@ -1,9 +1,10 @@
 """Visible checks of chapter 10 (scaling laws), and the independent oracles they compare against.
 
 Oracles: numbers worked out by hand (6 x 1,000 x 2,000 = 12,000,000), synthetic losses made from a known
-(E, A, alpha) (``synthetic_losses``, ``planted_noise_losses``), and the defining equations of the
-compute-optimal split (6ND = C, D = rN) checked on what the learner returns; never course_lib.scaling's
-reference solutions.
+(E, A, alpha) (``synthetic_losses``, ``planted_noise_losses``), IsoFLOP runs of a known loss surface
+L(N, D) = E + A/N^alpha + B/D^beta whose optimum is known in closed form (``surface_runs``, ``surface_optimum``),
+and the defining equations of the compute-optimal split (6ND = C, D = rN) checked on what the learner returns;
+never course_lib.scaling's reference solutions.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import numpy as np
 
 from .core import fail, passed
 
-__all__ = ["check_training_flops", "check_fit_power_law", "check_compute_optimal", "synthetic_losses",
-           "planted_noise_losses"]
+__all__ = ["check_training_flops", "check_fit_power_law", "check_isoflop_analysis", "check_compute_optimal",
+           "synthetic_losses", "planted_noise_losses", "surface_runs", "surface_optimum", "shipped_isoflop_runs"]
 
 
 def synthetic_losses(n, E: float, A: float, alpha: float):
@@ -186,7 +187,7 @@ def check_fit_power_law(fit_power_law) -> None:
 
 
 def check_compute_optimal(compute_optimal) -> None:
-    """Visible checks for chapter 10, exercise 3: 6ND = C and D = rN, on a worked example, at r = 20 and r = 120."""
+    """Visible checks for chapter 10, exercise 4: 6ND = C and D = rN, on a worked example, at r = 20 and r = 120."""
     result = compute_optimal(1.2e14)
     if not isinstance(result, tuple) or len(result) != 2:
         fail(f"compute_optimal should return a tuple (N, D), got {type(result).__name__}")
@@ -215,3 +216,80 @@ def check_compute_optimal(compute_optimal) -> None:
         fail(f"compute_optimal(1.2e14, tokens_per_param=120.0) should give N = sqrt(1.2e14 / (6 x 120)) = 408,248 and "
              f"D = 120 N = 48,989,795 (D / N = 120, 6ND = C), got N = {n:,.6g}, D = {d:,.6g}")
     passed("compute_optimal")
+
+
+def surface_optimum(flops, A: float, alpha: float, B: float, beta: float) -> float:
+    """The exact loss-optimal N of L(N, D) = E + A/N^alpha + B/D^beta with 6ND = flops (Hoffmann et al. 2022, eq. 4):
+    G (C/6)^(beta/(alpha+beta)), G = (alpha A / (beta B))^(1/(alpha+beta)); the oracle of the IsoFLOP checks."""
+    return (alpha * A / (beta * B)) ** (1 / (alpha + beta)) * (flops / 6) ** (beta / (alpha + beta))
+
+
+def surface_runs(budgets, E: float, A: float, alpha: float, B: float, beta: float, offsets):
+    """IsoFLOP runs of the loss surface L(N, D) = E + A/N^alpha + B/D^beta: for each budget C, the sizes
+    n = N_opt(C) exp(offsets) (offsets (P,), in log n from the exact optimum) trained on D = C / 6n tokens, and their
+    exact losses (float64). Returns {C: (n (P,), loss (P,))}. The surface is not a parabola in log n, but it is the
+    same curve at every budget up to a scale, so a parabola's vertex misses N_opt by the same factor at every
+    budget and the fitted exponents are exact."""
+    runs = {}
+    for flops in budgets:
+        n = surface_optimum(flops, A, alpha, B, beta) * np.exp(np.asarray(offsets, dtype=np.float64))
+        runs[flops] = (n, E + A / n**alpha + B / (flops / (6 * n)) ** beta)
+    return runs
+
+
+def shipped_isoflop_runs() -> dict:
+    """The shipped IsoFLOP runs (course_lib/assets/scaling-family.json): {C: (n (P,) non-embedding, val_loss (P,))}."""
+    from ..scaling import load_results  # the data file, not a reference solution
+
+    results = load_results()
+    return {float(budget): tuple(np.array([r[key] for r in results["runs"] if r["group"] == f"isoflop-{budget:.0e}"],
+                                          dtype=np.float64) for key in ("non_embedding", "val_loss"))
+            for budget in results["recipe"]["isoflop_budgets"]}
+
+
+def _vertex(x, loss) -> float:
+    curvature, slope, _ = np.polyfit(x, loss, 2)
+    return -slope / (2 * curvature)
+
+
+def check_isoflop_analysis(isoflop_analysis) -> None:
+    """Visible checks for chapter 10, exercise 3: IsoFLOP runs of Chinchilla's loss surface (E, A, alpha, B, beta =
+    1.69, 406.4, 0.34, 410.7, 0.28) at 4 budgets, 1e18 to 1e21 FLOPs, 7 sizes each: the optima within 3% of the
+    surface's exact N_opt, 6 N_opt D_opt = C, and the exponents beta/(alpha+beta) and alpha/(alpha+beta) within 1e-4."""
+    A, alpha, B, beta = 406.4, 0.34, 410.7, 0.28
+    offsets = np.arange(-1.3, 1.8, 0.5)  # log n from the exact optimum: the best run is 0.2 off it, exp(0.2) = 1.22
+    budgets = [1e18, 1e19, 1e20, 1e21]
+    runs = surface_runs(budgets, 1.69, A, alpha, B, beta, offsets)
+    result = isoflop_analysis(runs)
+    if not isinstance(result, tuple) or len(result) != 3:
+        fail(f"isoflop_analysis should return a tuple (a, b, optima), got {type(result).__name__}")
+    a, b = (_number(v, name) for v, name in zip(result[:2], ("a", "b")))
+    optima = result[2]
+    if not isinstance(optima, dict) or sorted(map(float, optima)) != budgets:
+        fail(f"optima should be a dict with one entry per budget, {budgets}, got {optima!r:.200}")
+    for flops in budgets:
+        n_opt, d_opt = (_number(v, f"optima[{flops:g}][{i}]") for i, v in enumerate(optima[flops]))
+        n, loss = runs[flops]
+        exact = surface_optimum(flops, A, alpha, B, beta)
+        if abs(n_opt / exact - 1) > 0.03:
+            what = (f"budget {flops:g}: the surface's optimum is N = {exact:,.0f} (runs at {n.min():,.0f} to "
+                    f"{n.max():,.0f}), you returned N_opt = {n_opt:,.6g}")
+            if abs(n_opt - n[loss.argmin()]) <= 1e-9 * n_opt:
+                fail(f"{what}: that is the best run's size. N_opt is the minimum of the parabola fitted to all the runs "
+                     "of the budget, which falls between the sizes trained")
+            if abs(n_opt / _vertex(n, loss) - 1) < 1e-6:
+                fail(f"{what}: that is the vertex of a parabola in n. Fit the parabola against log n (the sizes span "
+                     "orders of magnitude, and an IsoFLOP curve is a parabola in log n), then undo the log")
+            if abs(n_opt / _vertex(np.log(n), loss) - 1) < 1e-6:
+                fail(f"{what}: that is the vertex in log n itself; N_opt is a size: exp of the vertex")
+            fail(f"{what}: fit loss against log n by a parabola (np.polyfit with degree 2) and take its minimum")
+        if abs(6 * n_opt * d_opt / flops - 1) > 1e-9:
+            hint = (" (did you compute D = C / N? Training costs 6 FLOPs per parameter and token: C = 6ND)"
+                    if abs(n_opt * d_opt / flops - 1) < 1e-9 else "")
+            fail(f"budget {flops:g}: D_opt should spend the budget, 6 N_opt D_opt = C; got 6 N_opt D_opt = "
+                 f"{6 * n_opt * d_opt:.6g}{hint}")
+    if abs(a - beta / (alpha + beta)) > 1e-4 or abs(b - alpha / (alpha + beta)) > 1e-4:
+        fail(f"the surface's optima grow as N_opt ~ C^{beta / (alpha + beta):.4f} and D_opt ~ C^{alpha / (alpha + beta):.4f} "
+             f"(beta/(alpha+beta) and alpha/(alpha+beta)), you returned a = {a:.6g}, b = {b:.6g}: fit straight lines to "
+             "log N_opt and log D_opt against log C by least squares; their slopes are the exponents")
+    passed("isoflop_analysis")

@@ -20,7 +20,7 @@ from course_lib import checks
 from course_lib.data import CharTokenizer, default_corpus
 from course_lib.gpt import GPT, GPTConfig, count_parameters
 from course_lib.scaling import (FAMILY_SHAPES, LADDER, RECIPE, RESULTS, RUN_FIELDS, ScalingRecipe, compute_optimal, fit_power_law,
-                                family_group, gpt_non_embedding, isoflop_minimum, load_results, non_embedding_parameters, planned_runs,
+                                family_group, gpt_non_embedding, isoflop_analysis, load_results, non_embedding_parameters, planned_runs,
                                 reusable_runs,                                 power_law, train_point, training_flops)
 from tests.helpers import ROOT
 
@@ -160,23 +160,37 @@ def test_power_law_is_the_formula():
     assert np.allclose(power_law(np.array([1.0, 4.0]), 0.5, 2.0, 0.5), [2.5, 1.5])
 
 
-# ----------------------------------------------------------------------------- IsoFLOP minimum and compute-optimal split
+# ----------------------------------------------------------------------------- IsoFLOP analysis and compute-optimal split
 
 
-def test_isoflop_minimum_is_the_vertex_of_a_parabola_in_log_n():
-    n = np.logspace(4, 6, 7)
-    loss = 2.0 + 0.3 * (np.log(n) - math.log(123_456.0)) ** 2
-    assert isoflop_minimum(n, loss) == pytest.approx(123_456.0, rel=1e-9)
+def test_isoflop_analysis_finds_the_vertices_in_log_n_and_the_exponents_of_a_power_law():
+    # exact parabolas in log n around vertices that grow as C^0.6 (an oracle made by formula, not by the analysis)
+    budgets = {c: (np.logspace(3, 7, 7), 2.0 + 0.3 * (np.log(np.logspace(3, 7, 7)) - math.log(7.0 * c**0.6)) ** 2)
+               for c in (1e10, 1e12, 1e14)}
+    a, b, optima = isoflop_analysis(budgets)
+    assert list(optima) == list(budgets)
+    for c, (n_opt, d_opt) in optima.items():
+        assert n_opt == pytest.approx(7.0 * c**0.6, rel=1e-9) and 6 * n_opt * d_opt == pytest.approx(c, rel=1e-12)
+    assert a == pytest.approx(0.6, abs=1e-9) and b == pytest.approx(0.4, abs=1e-9)
 
 
-@pytest.mark.parametrize("n,loss,message", [
-    ([1e4, 1e5, 1e6], [1.0, 2.0, 1.0], "convex"),
-    ([1e4, 1e5], [1.0, 2.0], "length >= 3"),
-    ([0.0, 1e5, 1e6], [2.0, 1.0, 2.0], "n must be > 0"),
+def test_isoflop_analysis_recovers_a_loss_surfaces_exponent():
+    a, b, _ = isoflop_analysis(checks.surface_runs([1e18, 1e20, 1e22], 1.69, 406.4, 0.34, 410.7, 0.28, np.linspace(-1, 1, 5)))
+    assert a == pytest.approx(0.28 / 0.62, abs=1e-9) and b == pytest.approx(0.34 / 0.62, abs=1e-9)
+
+
+GOOD = ([1e4, 1e5, 1e6], [2.0, 1.0, 2.0])
+
+
+@pytest.mark.parametrize("budgets,message", [
+    ({1e9: GOOD, 1e10: ([1e4, 1e5, 1e6], [1.0, 2.0, 1.0])}, "budget 1e\\+10: the parabola in log n opens downward"),
+    ({1e9: GOOD, 1e10: ([1e4, 1e5], [1.0, 2.0])}, "budget 1e\\+10: a parabola needs at least 3 runs, got 2"),
+    ({1e9: GOOD, 1e10: ([0.0, 1e5, 1e6], [2.0, 1.0, 2.0])}, "every n must be > 0"),
+    ({1e9: GOOD}, "at least 2 compute budgets"),
 ])
-def test_isoflop_minimum_rejects_what_has_no_minimum(n, loss, message):
+def test_isoflop_analysis_rejects_what_has_no_minimum(budgets, message):
     with pytest.raises(ValueError, match=message):
-        isoflop_minimum(n, loss)
+        isoflop_analysis(budgets)
 
 
 def test_compute_optimal_chinchilla_and_the_defining_equations():

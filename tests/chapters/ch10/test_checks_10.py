@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from course_lib import checks
-from course_lib.scaling import fit_power_law
+from course_lib.scaling import fit_power_law, isoflop_analysis
 
 
 def test_synthetic_losses_are_the_formula():
@@ -107,7 +107,49 @@ def ratio_inverted(flops, tokens_per_param=20.0):
     return n, n / tokens_per_param
 
 
+def test_surface_optimum_is_the_brute_force_minimum_of_the_surface():
+    A, alpha, B, beta = 406.4, 0.34, 410.7, 0.28
+    for flops in (1e18, 1e21):
+        n = np.logspace(4, 12, 400_001)
+        brute = n[np.argmin(A / n**alpha + B / (flops / (6 * n)) ** beta)]
+        assert checks.surface_optimum(flops, A, alpha, B, beta) == pytest.approx(brute, rel=1e-4)
+
+
+def test_surface_runs_spend_the_budget_and_sit_at_the_offsets():
+    runs = checks.surface_runs([1e18], 1.69, 406.4, 0.34, 410.7, 0.28, [-1.0, 0.0, 1.0])
+    n, loss = runs[1e18]
+    assert np.allclose(np.log(n / checks.surface_optimum(1e18, 406.4, 0.34, 410.7, 0.28)), [-1.0, 0.0, 1.0])
+    assert loss[1] < loss[0] and loss[1] < loss[2]  # the exact optimum is the lowest
+
+
+def _analysis(vertex, d_of=lambda flops, n_opt: flops / (6 * n_opt)):
+    """An IsoFLOP analysis with its own vertex (n, loss) -> N_opt and D_opt; exponents in log space."""
+    def analysis(budgets):
+        optima = {c: (vertex(np.asarray(n, float), np.asarray(loss, float)),) for c, (n, loss) in budgets.items()}
+        optima = {c: (n_opt, d_of(c, n_opt)) for c, (n_opt,) in optima.items()}
+        log_c = np.log(list(optima))
+        return (np.polyfit(log_c, np.log([n for n, _ in optima.values()]), 1)[0],
+                np.polyfit(log_c, np.log([d for _, d in optima.values()]), 1)[0], optima)
+    return analysis
+
+
+def _log_vertex(n, loss):
+    p = np.polyfit(np.log(n), loss, 2)
+    return math.exp(-p[1] / (2 * p[0]))
+
+
+def _linear_vertex(n, loss):
+    p = np.polyfit(n, loss, 2)
+    return -p[1] / (2 * p[0])
+
+
 @pytest.mark.parametrize("check,buggy,message", [
+    (checks.check_isoflop_analysis, _analysis(_linear_vertex), r"that is the vertex of a parabola in n\. Fit the parabola against log n"),
+    (checks.check_isoflop_analysis, _analysis(lambda n, loss: n[loss.argmin()]), r"that is the best run's size\. N_opt is the minimum"),
+    (checks.check_isoflop_analysis, _analysis(lambda n, loss: math.log(_log_vertex(n, loss))), r"that is the vertex in log n itself"),
+    (checks.check_isoflop_analysis, _analysis(_log_vertex, lambda flops, n_opt: flops / n_opt), r"did you compute D = C / N\?"),
+    (checks.check_isoflop_analysis, lambda budgets: isoflop_analysis(budgets)[::-1], r"should return a tuple \(a, b, optima\), got|should be a number"),
+    (checks.check_isoflop_analysis, lambda budgets: (0.5, 0.5, isoflop_analysis(budgets)[2]), r"you returned a = 0\.5, b = 0\.5: fit straight lines"),
     (checks.check_training_flops, forward_only, r"= 2ND: that is the forward pass only\. The backward pass costs twice"),
     (checks.check_training_flops, not_proportional, r"training_flops\(2,000, 2,000\) should be 24,000,000.*in proportion to N and to D"),
     (checks.check_training_flops, scalars_only, r"training_flops should work elementwise on numpy arrays: .* it raised TypeError"),

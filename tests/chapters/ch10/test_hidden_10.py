@@ -4,7 +4,8 @@ Each exercise's visible and hidden test cells run in a namespace holding the ref
 planted bug. Every bug must fail exactly the tests documented to target it (the comment at the top of each
 cell), and correct alternative implementations must pass everything. The hidden tests' oracles are synthetic
 losses of known (E, A, alpha), among them losses with noise that only a log-space fit cannot see
-(checks.planted_noise_losses), and the defining equations 6ND = C and D = rN.
+(checks.planted_noise_losses), IsoFLOP runs of a known loss surface whose optimum is known in closed form
+(checks.surface_runs), numpy.polyfit on the shipped runs, and the defining equations 6ND = C and D = rN.
 tests/chapters/ch10/test_grading_10.py checks the same on whole notebooks through nbgrader.
 """
 from __future__ import annotations
@@ -23,9 +24,13 @@ HARNESS = TestCells(SOURCE, {"np": np, "math": math, "checks": checks})
 CELLS, REFERENCE = HARNESS.cells, HARNESS.reference
 cells_of, mutate, failing_tests = HARNESS.cells_of, HARNESS.mutate, HARNESS.failing_tests
 
-FLOPS, FIT, OPT = "training_flops", "fit_power_law", "compute_optimal"
+FLOPS, FIT, ISO, OPT = "training_flops", "fit_power_law", "isoflop_analysis", "compute_optimal"
 SIX = "return 6.0 * n_params * n_tokens"
 SSE = "sse = float(np.sum((np.log(loss) - np.log(fitted)) ** 2))"
+LOG_N = "curvature, slope, _ = np.polyfit(np.log(n), loss, 2)"
+VERTEX = "n_opt = math.exp(-slope / (2 * curvature))"
+D_OPT = "optima[flops] = (float(n_opt), float(flops / (6 * n_opt)))"
+EXPONENTS = "a = np.polyfit(log_c, np.log([n for n, _ in optima.values()]), 1)[0]"
 SPLIT = "n_params = math.sqrt(flops / (6 * tokens_per_param))"
 
 NO_OFFSET = '''
@@ -52,6 +57,17 @@ def fit_power_law(n, loss, offsets=None):
             best = (sse[i], float(E), float(A[i]), float(alphas[i]))
     return best[1], best[2], best[3]
 '''
+
+LINEAR_EXPONENTS = """
+    budget = np.array([float(flops) for flops in optima])
+
+    def linear_fit(y):  # least squares on N_opt = k C^a itself: a on a grid, k in closed form
+        grid = np.linspace(0.0, 1.5, 150_001)
+        x = budget[None, :] ** grid[:, None]  # (grid, budgets)
+        k = (x @ y) / (x * x).sum(1)
+        return grid[((y[None, :] - k[:, None] * x) ** 2).sum(1).argmin()]
+
+    a = linear_fit(np.array([n for n, _ in optima.values()]))"""
 
 CASES = [
     # C = 6ND
@@ -81,6 +97,34 @@ def fit_power_law(n, loss, offsets=None):
     sse, E, A, alpha = min(fits, key=lambda f: f[0])
     return E, A, alpha
 ''', set()),
+    # the IsoFLOP analysis
+    (ISO, "parabola against n, not log n", mutate(ISO, (LOG_N, "curvature, slope, _ = np.polyfit(n, loss, 2)"),
+                                                  (VERTEX, "n_opt = -slope / (2 * curvature)")),
+     {f"{ISO}-visible", f"{ISO}-surface", f"{ISO}-shipped", f"{ISO}-identity"}),  # in n, the shipped curves open downward
+    (ISO, "the best run's size instead of the parabola's minimum", mutate(ISO, (VERTEX, "n_opt = n[int(loss.argmin())]")),
+     {f"{ISO}-visible", f"{ISO}-surface", f"{ISO}-shipped"}),
+    (ISO, "D_opt = C / N, the 6 forgotten", mutate(ISO, (D_OPT, "optima[flops] = (float(n_opt), float(flops / n_opt))")),
+     {f"{ISO}-visible", f"{ISO}-identity"}),
+    (ISO, "the exponent of N_opt fitted in linear space", mutate(ISO, (EXPONENTS, LINEAR_EXPONENTS.strip("\n").lstrip())),
+     {f"{ISO}-shipped", f"{ISO}-identity"}),  # a + b = 1 holds only for lines fitted in log space
+    (ISO, "no check of the curvature", mutate(ISO, ("if curvature <= 0:", "if False:")), {f"{ISO}-errors"}),
+    (ISO, "correct: the vertex by numpy.polynomial, exponents by lstsq, b as 1 - a", '''
+def isoflop_analysis(budgets):
+    if len(budgets) < 2:
+        raise ValueError("need two budgets")
+    optima = {}
+    for flops, (n, loss) in budgets.items():
+        if len(n) < 3:
+            raise ValueError("need three runs")
+        p = np.polynomial.Polynomial.fit(np.log(n), loss, 2).convert()
+        if p.coef[2] <= 0:
+            raise ValueError("opens downward")
+        n_opt = math.exp(-p.coef[1] / (2 * p.coef[2]))
+        optima[flops] = (n_opt, flops / 6 / n_opt)
+    X = np.stack([np.ones(len(optima)), np.log(list(optima))], axis=1)
+    a = np.linalg.lstsq(X, np.log([n for n, _ in optima.values()]), rcond=None)[0][1]
+    return a, 1 - a, optima
+''', set()),
     # the compute-optimal split
     (OPT, "the 6 of 6ND forgotten", mutate(OPT, (SPLIT, "n_params = math.sqrt(flops / tokens_per_param)")),
      {f"{OPT}-visible", f"{OPT}-budget"}),
@@ -99,12 +143,12 @@ def compute_optimal(flops, tokens_per_param=20.0):
 
 
 def test_every_exercise_has_a_visible_test_and_hidden_tests():
-    assert set(REFERENCE) == {FLOPS, FIT, OPT}
+    assert set(REFERENCE) == {FLOPS, FIT, ISO, OPT}
     for exercise in REFERENCE:
-        assert f"{exercise}-visible" in CELLS and len(cells_of(exercise)) == 3
+        assert f"{exercise}-visible" in CELLS and len(cells_of(exercise)) == (5 if exercise == ISO else 3)
 
 
-@pytest.mark.parametrize("exercise", [FLOPS, FIT, OPT])
+@pytest.mark.parametrize("exercise", [FLOPS, FIT, ISO, OPT])
 def test_the_reference_passes_every_test(exercise):
     assert failing_tests(exercise, REFERENCE[exercise]) == set()
 
