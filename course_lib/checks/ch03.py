@@ -207,7 +207,7 @@ def _check_parameter_names(layer: nn.Module, expected: set[str], name: str) -> N
     names = set(layer.state_dict())
     if names != expected:
         missing, unexpected = sorted(expected - names), sorted(names - expected)
-        fail(f"your {name} holds other parameters than the given constructor's (missing: {missing or 'none'}; unexpected: "
+        fail(f"your {name} holds other parameters than its docstring names (missing: {missing or 'none'}; unexpected: "
              f"{unexpected or 'none'}). Create exactly the submodules the docstring names, under those names: the chapter "
              "loads trained weights into your layers by them")
 
