@@ -28,8 +28,8 @@ def planted_a() -> dict:
         # causal mask without its diagonal (off by one) -> visible and causal; the combined test compares the
         # target mask with the learner's own padding & causal masks, so it still passes
         MASKS: CH.mutate(MASKS, ".tril()", ".tril(-1)"),
-        # the encoder's padding mask never reaches self-attention -> visible (it has padding) and encoder_padding;
-        # encoder_pre_ln and encoder_dropout_eval use no mask, and the decoder is untouched
+        # the encoder's padding mask never reaches self-attention -> visible, encoder_padding and encoder_pre_ln (all
+        # with padding); encoder_dropout_eval uses no mask, and the decoder is untouched
         LAYERS: CH.mutate(LAYERS, "h, h, h, mask)", "h, h, h)").replace("x, x, x, mask)", "x, x, x)"),
     })
 
@@ -40,8 +40,8 @@ def planted_b() -> dict:
         LN: CH.mutate(LN, "dim=-1", "dim=0"),
         # the decoder mask forgets the padding -> visible and combined
         MASKS: CH.mutate(MASKS, "make_padding_mask(tgt, pad_id) & ", ""),
-        # the decoder's cross-attention without the source padding mask -> visible and cross_attention; causal and
-        # decoder_pre_ln use no memory mask, and the encoder is untouched
+        # the decoder's cross-attention without the source padding mask -> visible, cross_attention and decoder_pre_ln
+        # (all with a memory mask); causal uses none, and the encoder is untouched
         LAYERS: CH.mutate(LAYERS, "memory, memory, memory_mask)", "memory, memory)"),
     })
 
@@ -51,9 +51,9 @@ STUDENTS = {
     "reference": (CH.solved, set()),
     "untouched": (CH.untouched, set(CH.points)),
     "planted_a": (planted_a, {"layer_norm-visible", "layer_norm-variance", "masks-visible", "masks-causal",
-                              "layers-visible", "layers-encoder_padding"}),
+                              "layers-visible", "layers-encoder_padding", "layers-encoder_pre_ln"}),
     "planted_b": (planted_b, {"layer_norm-visible", "layer_norm-last_axis", "masks-visible", "masks-combined",
-                              "layers-visible", "layers-cross_attention"}),
+                              "layers-visible", "layers-cross_attention", "layers-decoder_pre_ln"}),
 }
 
 

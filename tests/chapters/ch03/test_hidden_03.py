@@ -100,7 +100,7 @@ CASES = {
     "layers_reference": (L, REFERENCE[L], set()),
     "encoder_functional_dropout_done_right": (L, in_class("EncoderLayer", ("self.dropout2(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout2.p, self.training)")), set()),
     "encoder_mask_ignored": (L, in_class("EncoderLayer", ("h, h, h, mask)", "h, h, h)"), ("x, x, x, mask)", "x, x, x)")),
-                             {"layers-visible", "layers-encoder_padding"}),
+                             {"layers-visible", "layers-encoder_padding", "layers-encoder_pre_ln"}),  # pre_ln has a padding mask
     "encoder_dropout_in_eval": (L, in_class("EncoderLayer", ("self.dropout2(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout2.p)")),
                                 {"layers-encoder_dropout_eval"}),
     # the visible check compares both arrangements with PyTorch, so pre-LN mistakes fail it too
@@ -116,9 +116,9 @@ CASES = {
                                 {"layers-visible"}),  # the parameter names are the contract
     # --- the build exercise: decoder layer
     "decoder_causal_mask_ignored": (L, in_class("DecoderLayer", ("h, h, h, tgt_mask)", "h, h, h)"), ("x, x, x, tgt_mask)", "x, x, x)")),
-                                    {"layers-visible", "layers-causal"}),
+                                    {"layers-visible", "layers-causal", "layers-decoder_pre_ln"}),  # pre_ln has a causal mask
     "decoder_memory_mask_ignored": (L, in_class("DecoderLayer", ("memory, memory, memory_mask)", "memory, memory)")),
-                                    {"layers-visible", "layers-cross_attention"}),
+                                    {"layers-visible", "layers-cross_attention", "layers-decoder_pre_ln"}),  # and a memory mask
     "decoder_cross_attention_on_itself": (L, in_class("DecoderLayer", ("self.cross_attn(self.norm2(x), memory, memory, memory_mask)",
                                                                        "self.cross_attn(self.norm2(x), self.norm2(x), self.norm2(x))"),
                                                       ("self.cross_attn(x, memory, memory, memory_mask)", "self.cross_attn(x, x, x)")),
