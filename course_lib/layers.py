@@ -47,13 +47,12 @@ class FeedForward(nn.Module):
 
 
 def layer_norm(x, weight, bias, eps=1e-5):
-    """Layer normalisation over the last axis: (x - mean) / sqrt(var + eps) * weight + bias.
+    """Layer normalisation of each vector over the last axis, with gain weight and shift bias.
 
-    x: (..., D)   weight, bias: (D,)   Returns (..., D).
-    mean and var are taken over the last axis of each vector separately; var is the
-    biased (population) variance, dividing by D, as in torch.nn.LayerNorm; eps (the
-    argument, not a constant) goes inside the square root, so a constant vector gives
-    bias, not NaN.
+    x: (..., D)   weight, bias: (D,)   Returns (..., D), equal to torch.nn.functional.layer_norm(x, (D,),
+    weight, bias, eps). The tests check that each vector is normalised on its own, that the variance
+    is torch.nn.LayerNorm's (biased, dividing by D), that the eps argument is used as torch uses it,
+    and that a constant vector gives bias, not NaN.
     """
     mean = x.mean(dim=-1, keepdim=True)  # (..., 1)
     var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)  # (..., 1), divides by D, not D - 1

@@ -52,19 +52,23 @@ def make_causal_mask(T, device=None):
 def make_target_mask(tgt, pad_id):
     """tgt (B, T) int -> (B, 1, T, T) bool: query i may attend to key j iff j <= i and token j is not padding.
 
-    Exactly this shape (B, 1, T, T), not merely broadcastable to it: make_padding_mask(tgt, pad_id) & make_causal_mask(T).
+    Exactly this shape (B, 1, T, T), not merely broadcastable to it; the hidden tests compare it with your
+    padding and causal masks.
     """
     return make_padding_mask(tgt, pad_id) & make_causal_mask(tgt.shape[1], tgt.device)
 
 
 class EncoderLayer(nn.Module):
-    """Self-attention then feed-forward, each inside a residual connection with LayerNorm.
+    """The transformer's encoder layer: self-attention, then the position-wise feed-forward network.
 
-    Post-LN (norm_first=False, the original transformer): x = norm(x + sublayer(x)).
-    Pre-LN (norm_first=True): x = x + sublayer(norm(x)).
-    Dropout is applied to each sublayer's output before it is added to the residual, with the
-    given nn.Dropout modules (F.dropout would stay on after model.eval()). Keep the constructor
-    as given: trained weights are loaded into this layer by its parameters' names.
+    Contract. Constructor arguments as given. The layer holds exactly these submodules, under these
+    names (trained weights load into it by them, and the checks copy them into PyTorch's layer):
+    self_attn = MultiHeadAttention(d_model, n_heads, dropout); ffn = FeedForward(d_model, d_ff, dropout);
+    norm1, norm2 = LayerNorm(d_model); dropout1, dropout2 = nn.Dropout(dropout); and the flag norm_first.
+    norm_first=False is post-LN (the original transformer), norm_first=True pre-LN: with dropout 0 the
+    output equals that of torch.nn.TransformerEncoderLayer(batch_first=True, norm_first=norm_first)
+    holding the same weights. The tests check both arrangements against it (also in float64), that
+    positions the mask hides change no other output, and that dropout is off after model.eval().
     """
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, norm_first: bool = False):
@@ -90,13 +94,17 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Masked self-attention, cross-attention to the encoder's output, then feed-forward.
+    """The transformer's decoder layer: masked self-attention, cross-attention to the encoder's output
+    (memory), then the position-wise feed-forward network.
 
-    Each of the three sublayers sits inside a residual connection with LayerNorm, post-LN
-    (norm_first=False) or pre-LN (norm_first=True) as in EncoderLayer. In cross-attention
-    the queries come from the decoder, the keys and values from the encoder (memory); pre-LN
-    normalises the decoder-side query with norm2, never the memory. Dropout as in EncoderLayer,
-    with the given nn.Dropout modules; keep the constructor as given.
+    Contract. Constructor arguments as given. The layer holds exactly these submodules, under these
+    names: self_attn, cross_attn = MultiHeadAttention(d_model, n_heads, dropout); ffn = FeedForward(d_model,
+    d_ff, dropout); norm1, norm2, norm3 = LayerNorm(d_model); dropout1, dropout2, dropout3 = nn.Dropout(dropout);
+    and the flag norm_first. With dropout 0 the output equals that of torch.nn.TransformerDecoderLayer(
+    batch_first=True, norm_first=norm_first) holding the same weights. The tests check both arrangements
+    against it (also in float64), that no output depends on a later target position under a causal
+    tgt_mask, that memory positions hidden by memory_mask change nothing while the others do, and that
+    dropout is off after model.eval().
     """
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, norm_first: bool = False):

@@ -15,7 +15,7 @@ from torch import nn
 
 from .core import assert_close, assert_shape, assert_tensor, call_learner, fail, passed
 
-__all__ = ["check_layer_norm", "check_masks", "check_encoder_layer", "check_decoder_layer", "ENCODER_PARAMETERS", "DECODER_PARAMETERS",
+__all__ = ["check_layer_norm", "check_masks", "check_encoder_layer", "check_decoder_layer", "check_layers", "ENCODER_PARAMETERS", "DECODER_PARAMETERS",
            "torch_encoder_layer", "torch_decoder_layer", "torch_attention_mask", "seeded_parameters"]
 
 
@@ -50,24 +50,24 @@ def _copy_common(ours: nn.Module, theirs: nn.Module, n_norms: int) -> None:
 
 
 def torch_encoder_layer(layer: nn.Module) -> nn.TransformerEncoderLayer:
-    """A torch.nn.TransformerEncoderLayer (batch_first, ReLU, eps 1e-5, no dropout) holding the weights of our EncoderLayer.
+    """A torch.nn.TransformerEncoderLayer (batch_first, ReLU, eps 1e-5, no dropout, our dtype) holding the weights of our EncoderLayer.
 
     It runs in training mode: with dropout 0 that changes nothing, and it keeps PyTorch off its
     fused inference "fast path", so the oracle is the plain textbook computation.
     """
     attn = layer.self_attn
     oracle = nn.TransformerEncoderLayer(attn.d_model, attn.n_heads, layer.ffn.linear1.out_features, dropout=0.0,
-                                        batch_first=True, norm_first=layer.norm_first)
+                                        batch_first=True, norm_first=layer.norm_first, dtype=layer.norm1.weight.dtype)
     with torch.no_grad():
         _copy_common(layer, oracle, 2)
     return oracle.train()
 
 
 def torch_decoder_layer(layer: nn.Module) -> nn.TransformerDecoderLayer:
-    """A torch.nn.TransformerDecoderLayer (batch_first, ReLU, eps 1e-5, no dropout) holding the weights of our DecoderLayer."""
+    """A torch.nn.TransformerDecoderLayer (batch_first, ReLU, eps 1e-5, no dropout, our dtype) holding the weights of our DecoderLayer."""
     attn = layer.self_attn
     oracle = nn.TransformerDecoderLayer(attn.d_model, attn.n_heads, layer.ffn.linear1.out_features, dropout=0.0,
-                                        batch_first=True, norm_first=layer.norm_first)
+                                        batch_first=True, norm_first=layer.norm_first, dtype=layer.norm1.weight.dtype)
     with torch.no_grad():
         _copy_common(layer, oracle, 3)
         _copy_attention(layer.cross_attn, oracle.multihead_attn)
@@ -203,13 +203,13 @@ DECODER_PARAMETERS = (_attention_names("self_attn") | _attention_names("cross_at
 
 
 def _check_parameter_names(layer: nn.Module, expected: set[str], name: str) -> None:
-    """The layer holds exactly the given constructor's parameters, so a shipped model's weights load into it."""
+    """The layer holds exactly the parameters the docstring names, so a shipped model's weights load into it."""
     names = set(layer.state_dict())
     if names != expected:
         missing, unexpected = sorted(expected - names), sorted(names - expected)
-        fail(f"your {name} holds other parameters than the given constructor's (missing: {missing or 'none'}; unexpected: "
-             f"{unexpected or 'none'}). Keep the constructor as given: the chapter loads trained weights into your "
-             "layers by these names")
+        fail(f"your {name} holds other parameters than its docstring names (missing: {missing or 'none'}; unexpected: "
+             f"{unexpected or 'none'}). Create exactly the submodules the docstring names, under those names: the chapter "
+             "loads trained weights into your layers by them")
 
 
 def _run(call, name: str, hint: str):
@@ -231,7 +231,25 @@ PRE_LN_ENCODER = ("pre-LN: h = norm1(x); x = x + self_attn(h, h, h, mask)[0], th
 
 
 def check_encoder_layer(EncoderLayer) -> None:
-    """Visible checks for exercise 3 against torch.nn.TransformerEncoderLayer: post-LN and pre-LN, with a padding mask."""
+    """Visible checks of the encoder layer against torch.nn.TransformerEncoderLayer: post-LN and pre-LN, with a padding mask."""
+    _check_encoder(EncoderLayer)
+    passed("EncoderLayer")
+
+
+def check_decoder_layer(DecoderLayer) -> None:
+    """Visible checks of the decoder layer: post-LN and pre-LN with target (padding & causal) and memory padding masks."""
+    _check_decoder(DecoderLayer)
+    passed("DecoderLayer")
+
+
+def check_layers(EncoderLayer, DecoderLayer) -> None:
+    """Visible checks for exercise 3 (the build exercise): the encoder layer, then the decoder layer, as above."""
+    _check_encoder(EncoderLayer)
+    _check_decoder(DecoderLayer)
+    passed("EncoderLayer and DecoderLayer")
+
+
+def _check_encoder(EncoderLayer) -> None:
     d_model, n_heads, d_ff = 16, 4, 32
     x = torch.randn(2, 5, d_model, generator=torch.Generator().manual_seed(304))
     real = torch.tensor([[True, True, True, True, False], [True, True, True, False, False]])  # both end with padding
@@ -259,7 +277,6 @@ def check_encoder_layer(EncoderLayer) -> None:
             })
         _parity(out, expected, f"{name} with a padding mask", f"torch.nn.TransformerEncoderLayer(norm_first={norm_first})",
                 PRE_LN_ENCODER if norm_first else POST_LN_ENCODER)
-    passed("EncoderLayer")
 
 
 POST_LN_DECODER = ("post-LN: x = norm1(x + self_attn(x, x, x, tgt_mask)[0]), x = norm2(x + cross_attn(x, memory, memory, "
@@ -268,8 +285,7 @@ PRE_LN_DECODER = ("pre-LN: h = norm1(x); x = x + self_attn(h, h, h, tgt_mask)[0]
                   "memory_mask)[0]; x = x + ffn(norm3(x))")
 
 
-def check_decoder_layer(DecoderLayer) -> None:
-    """Visible checks for exercise 4: post-LN and pre-LN with target (padding & causal) and memory padding masks."""
+def _check_decoder(DecoderLayer) -> None:
     d_model, n_heads, d_ff = 16, 4, 32
     gen = torch.Generator().manual_seed(306)
     x, memory = torch.randn(2, 4, d_model, generator=gen), torch.randn(2, 6, d_model, generator=gen)
@@ -323,4 +339,3 @@ def check_decoder_layer(DecoderLayer) -> None:
                              f"True = may attend; pass {mask_name} to the attention as it is (only PyTorch's layers want ~mask)")
         _parity(out, expected, f"{name} with target and memory masks", f"torch.nn.TransformerDecoderLayer(norm_first={norm_first})",
                 PRE_LN_DECODER if norm_first else POST_LN_DECODER)
-    passed("DecoderLayer")

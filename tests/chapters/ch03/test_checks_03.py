@@ -166,10 +166,14 @@ MASKS = (make_padding_mask, make_causal_mask, make_target_mask)
     (checks.check_encoder_layer, (EncoderNormFirstIgnored,), r"pre-LN EncoderLayer \(norm_first=True\) computes post-LN"),
     (checks.check_encoder_layer, (EncoderPreLNResidualNormalised,),
      r"pre-LN EncoderLayer .*the residual adds the un-normalised x\) differs from the expected values in \d+ of 160"),
-    (checks.check_encoder_layer, (EncoderWithRenamedNorm,), r"other parameters than the given constructor's \(missing: \['norm1\.bias', 'norm1\.weight'\]; "
+    (checks.check_encoder_layer, (EncoderWithRenamedNorm,), r"other parameters than its docstring names \(missing: \['norm1\.bias', 'norm1\.weight'\]; "
                                                              r"unexpected: \['attention_norm\.bias', 'attention_norm\.weight'\]\)"),
     (checks.check_encoder_layer, (EncoderReturningWeights,), r"should return one tensor x \(B, T, D\), got a tuple of 2"),
     (checks.check_decoder_layer, (DecoderIgnoringMemoryMask,), r"post-LN DecoderLayer .* ignores memory_mask"),
+    # the build exercise's one visible check: both layers, the encoder first, then the decoder
+    (checks.check_layers, (EncoderIgnoringMask, DecoderLayer), r"EncoderLayer .* same output with and without the padding mask"),
+    (checks.check_layers, (EncoderLayer, DecoderIgnoringTargetMask), r"post-LN DecoderLayer .* ignores tgt_mask"),
+    (checks.check_layers, (EncoderLayer, DecoderCrossAttendingToItself), r"raised RuntimeError: .*keys and values are memory"),
     (checks.check_decoder_layer, (DecoderIgnoringTargetMask,), r"post-LN DecoderLayer .* ignores tgt_mask"),
     (checks.check_decoder_layer, (DecoderCrossAttendingToItself,), r"raised RuntimeError: .*keys and values are memory"),
     (checks.check_decoder_layer, (DecoderNormFirstIgnored,), r"pre-LN DecoderLayer \(norm_first=True\) computes post-LN"),

@@ -6,8 +6,8 @@ must fail are disjoint. Why each bug fails exactly those tests follows from what
 documents (its first comment line); tests/chapters/ch03/test_hidden_03.py runs the same cells against many more
 bugs, one at a time and without nbgrader.
 
-The notebook's later cells use course_lib's layers, not the learner's, so a bug in one exercise
-cannot cost points in another.
+The notebook's later cells use the learner's functions and layers only once they pass their visible
+checks (course_lib's otherwise), so a bug in one exercise cannot cost points in another.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests import roundtrip
 from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("03-transformer", "transformer")
-LN, MASKS, ENC, DEC = "layer_norm-solution", "masks-solution", "encoder_layer-solution", "decoder_layer-solution"
+LN, MASKS, LAYERS = "layer_norm-solution", "masks-solution", "layers-solution"  # layers: the build exercise, both classes
 
 
 def planted_a() -> dict:
@@ -28,12 +28,9 @@ def planted_a() -> dict:
         # causal mask without its diagonal (off by one) -> visible and causal; the combined test compares the
         # target mask with the learner's own padding & causal masks, so it still passes
         MASKS: CH.mutate(MASKS, ".tril()", ".tril(-1)"),
-        # the padding mask never reaches self-attention -> visible (it has padding) and padding; pre_ln and
-        # dropout_eval use no mask
-        ENC: CH.mutate(ENC, "h, h, h, mask)", "h, h, h)").replace("x, x, x, mask)", "x, x, x)"),
-        # F.dropout without training=self.training stays on after eval() -> dropout_eval only (every other test
-        # uses dropout 0, where F.dropout is the identity)
-        DEC: CH.mutate(DEC, "self.dropout3(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout3.p)"),
+        # the encoder's padding mask never reaches self-attention -> visible, encoder_padding and encoder_pre_ln (all
+        # with padding); encoder_dropout_eval uses no mask, and the decoder is untouched
+        LAYERS: CH.mutate(LAYERS, "h, h, h, mask)", "h, h, h)").replace("x, x, x, mask)", "x, x, x)"),
     })
 
 
@@ -43,10 +40,9 @@ def planted_b() -> dict:
         LN: CH.mutate(LN, "dim=-1", "dim=0"),
         # the decoder mask forgets the padding -> visible and combined
         MASKS: CH.mutate(MASKS, "make_padding_mask(tgt, pad_id) & ", ""),
-        # the classic dropout bug, in the encoder -> dropout_eval only
-        ENC: CH.mutate(ENC, "self.dropout2(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout2.p)"),
-        # cross-attention without the source padding mask -> visible and cross_attention; causal and pre_ln use no memory mask
-        DEC: CH.mutate(DEC, "memory, memory, memory_mask)", "memory, memory)"),
+        # the decoder's cross-attention without the source padding mask -> visible, cross_attention and decoder_pre_ln
+        # (all with a memory mask); causal uses none, and the encoder is untouched
+        LAYERS: CH.mutate(LAYERS, "memory, memory, memory_mask)", "memory, memory)"),
     })
 
 
@@ -55,14 +51,14 @@ STUDENTS = {
     "reference": (CH.solved, set()),
     "untouched": (CH.untouched, set(CH.points)),
     "planted_a": (planted_a, {"layer_norm-visible", "layer_norm-variance", "masks-visible", "masks-causal",
-                              "encoder_layer-visible", "encoder_layer-padding", "decoder_layer-dropout_eval"}),
+                              "layers-visible", "layers-encoder_padding", "layers-encoder_pre_ln"}),
     "planted_b": (planted_b, {"layer_norm-visible", "layer_norm-last_axis", "masks-visible", "masks-combined",
-                              "encoder_layer-dropout_eval", "decoder_layer-visible", "decoder_layer-cross_attention"}),
+                              "layers-visible", "layers-cross_attention", "layers-decoder_pre_ln"}),
 }
 
 
 graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions = round_trip(
-    CH, STUDENTS, total=17)  # one nbgrader run grades every student
+    CH, STUDENTS, total=24)  # 4 + 4 + the build exercise's 8 test cells at 2 points  # one nbgrader run grades every student
 
 
 @pytest.mark.slow
@@ -70,9 +66,8 @@ def test_failures_carry_the_checks_messages(graded):
     messages = roundtrip.messages(graded, CH, "planted_a")
     assert "you divided by D - 1" in messages["layer_norm-visible"]
     assert "the diagonal is False" in messages["masks-visible"]
-    assert "is dropout applied with F.dropout" in messages["decoder_layer-dropout_eval"]
-    assert "same output with and without the padding mask" in messages["encoder_layer-visible"]
+    assert "same output with and without the padding mask" in messages["layers-visible"]
     messages = roundtrip.messages(graded, CH, "planted_b")
     assert "combine the padding mask and the causal mask with &" in messages["masks-visible"]
     assert "normalise each vector over the last axis" in messages["layer_norm-visible"]
-    assert "ignores memory_mask" in messages["decoder_layer-visible"]
+    assert "ignores memory_mask" in messages["layers-visible"]

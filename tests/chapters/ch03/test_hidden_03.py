@@ -54,8 +54,20 @@ def make_target_mask(tgt, pad_id):
     return torch.logical_and(make_causal_mask(tgt.shape[1]), make_padding_mask(tgt, pad_id))
 '''
 
-ENC = "encoder_layer"
-DEC = "decoder_layer"
+L = "layers"  # the build exercise: EncoderLayer and DecoderLayer in one answer cell
+
+
+def in_class(name: str, *replacements: tuple[str, str]) -> str:
+    """The layers' reference with each (old, new) replacement applied inside class ``name`` only."""
+    code = REFERENCE[L]
+    start = code.index(f"class {name}(")
+    end = code.find("\nclass ", start + 1) % (len(code) + 1)
+    part = code[start:end]
+    for old, new in replacements:
+        assert old in part, f"the planted bug no longer applies to {name}: {old!r} not found"
+        part = part.replace(old, new)
+    return code[:start] + part + code[end:]
+
 
 # (exercise, solution code, the tests it must fail)
 CASES = {
@@ -84,39 +96,42 @@ CASES = {
                           {"masks-visible", "masks-padding"}),  # visible: its left-padded batch with pad_id 3 (issue 24)
     "padding_inverted": ("masks", mutate("masks", ("tokens != pad_id", "tokens == pad_id")), {"masks-visible", "masks-padding"}),
     "padding_on_query_shape": ("masks", mutate("masks", ("[:, None, None, :]", "[:, None, :, None]")), {"masks-visible", "masks-padding"}),
-    # --- encoder layer
-    "encoder_reference": (ENC, REFERENCE[ENC], set()),
-    "encoder_functional_dropout_done_right": (ENC, mutate(ENC, ("self.dropout2(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout2.p, self.training)")), set()),
-    "encoder_mask_ignored": (ENC, mutate(ENC, ("h, h, h, mask)", "h, h, h)"), ("x, x, x, mask)", "x, x, x)")),
-                             {"encoder_layer-visible", "encoder_layer-padding"}),
-    "encoder_dropout_in_eval": (ENC, mutate(ENC, ("self.dropout2(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout2.p)")),
-                                {"encoder_layer-dropout_eval"}),
+    # --- the build exercise: encoder layer
+    "layers_reference": (L, REFERENCE[L], set()),
+    "encoder_functional_dropout_done_right": (L, in_class("EncoderLayer", ("self.dropout2(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout2.p, self.training)")), set()),
+    "encoder_mask_ignored": (L, in_class("EncoderLayer", ("h, h, h, mask)", "h, h, h)"), ("x, x, x, mask)", "x, x, x)")),
+                             {"layers-visible", "layers-encoder_padding", "layers-encoder_pre_ln"}),  # pre_ln has a padding mask
+    "encoder_dropout_in_eval": (L, in_class("EncoderLayer", ("self.dropout2(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout2.p)")),
+                                {"layers-encoder_dropout_eval"}),
     # the visible check compares both arrangements with PyTorch, so pre-LN mistakes fail it too
-    "encoder_always_post_ln": (ENC, mutate(ENC, ("if self.norm_first:", "if False:")), {"encoder_layer-visible", "encoder_layer-pre_ln"}),
-    "encoder_arrangements_swapped": (ENC, mutate(ENC, ("if self.norm_first:", "if not self.norm_first:")),
-                                     {"encoder_layer-visible", "encoder_layer-pre_ln"}),
-    "encoder_pre_ln_residual_from_normed": (ENC, mutate(ENC, ("x = x + self.dropout1(", "x = h + self.dropout1(")),
-                                            {"encoder_layer-visible", "encoder_layer-pre_ln"}),
-    "encoder_post_ln_ffn_without_residual": (ENC, mutate(ENC, ("self.norm2(x + self.dropout2(", "self.norm2(0 + self.dropout2(")),
-                                             {"encoder_layer-visible"}),
-    # --- decoder layer
-    "decoder_reference": (DEC, REFERENCE[DEC], set()),
-    "decoder_causal_mask_ignored": (DEC, mutate(DEC, ("h, h, h, tgt_mask)", "h, h, h)"), ("x, x, x, tgt_mask)", "x, x, x)")),
-                                    {"decoder_layer-visible", "decoder_layer-causal"}),
-    "decoder_memory_mask_ignored": (DEC, mutate(DEC, ("memory, memory, memory_mask)", "memory, memory)")),
-                                    {"decoder_layer-visible", "decoder_layer-cross_attention"}),
-    "decoder_cross_attention_on_itself": (DEC, mutate(DEC, ("self.cross_attn(self.norm2(x), memory, memory, memory_mask)",
-                                                            "self.cross_attn(self.norm2(x), self.norm2(x), self.norm2(x))"),
-                                                           ("self.cross_attn(x, memory, memory, memory_mask)", "self.cross_attn(x, x, x)")),
+    "encoder_always_post_ln": (L, in_class("EncoderLayer", ("if self.norm_first:", "if False:")), {"layers-visible", "layers-encoder_pre_ln"}),
+    "encoder_arrangements_swapped": (L, in_class("EncoderLayer", ("if self.norm_first:", "if not self.norm_first:")),
+                                     {"layers-visible", "layers-encoder_pre_ln"}),
+    "encoder_pre_ln_residual_from_normed": (L, in_class("EncoderLayer", ("x = x + self.dropout1(", "x = h + self.dropout1(")),
+                                            {"layers-visible", "layers-encoder_pre_ln"}),
+    "encoder_post_ln_ffn_without_residual": (L, in_class("EncoderLayer", ("self.norm2(x + self.dropout2(", "self.norm2(0 + self.dropout2(")),
+                                             {"layers-visible"}),
+    "encoder_extra_parameter": (L, in_class("EncoderLayer", ("self.norm2 = LayerNorm(d_model)",
+                                                             "self.norm2 = LayerNorm(d_model)\n        self.scale = nn.Parameter(torch.ones(1))")),
+                                {"layers-visible"}),  # the parameter names are the contract
+    # --- the build exercise: decoder layer
+    "decoder_causal_mask_ignored": (L, in_class("DecoderLayer", ("h, h, h, tgt_mask)", "h, h, h)"), ("x, x, x, tgt_mask)", "x, x, x)")),
+                                    {"layers-visible", "layers-causal", "layers-decoder_pre_ln"}),  # pre_ln has a causal mask
+    "decoder_memory_mask_ignored": (L, in_class("DecoderLayer", ("memory, memory, memory_mask)", "memory, memory)")),
+                                    {"layers-visible", "layers-cross_attention", "layers-decoder_pre_ln"}),  # and a memory mask
+    "decoder_cross_attention_on_itself": (L, in_class("DecoderLayer", ("self.cross_attn(self.norm2(x), memory, memory, memory_mask)",
+                                                                       "self.cross_attn(self.norm2(x), self.norm2(x), self.norm2(x))"),
+                                                      ("self.cross_attn(x, memory, memory, memory_mask)", "self.cross_attn(x, x, x)")),
                                           # unmasked self-attention in the cross slot also sees the future
-                                          {"decoder_layer-visible", "decoder_layer-causal", "decoder_layer-cross_attention",
-                                           "decoder_layer-pre_ln"}),
-    "decoder_pre_ln_normalises_memory": (DEC, mutate(DEC, ("self.cross_attn(self.norm2(x), memory, memory,",
-                                                           "self.cross_attn(self.norm2(x), self.norm2(memory), self.norm2(memory),")),
-                                         {"decoder_layer-visible", "decoder_layer-pre_ln"}),  # visible: its pre-LN case
-    "decoder_dropout_in_eval": (DEC, mutate(DEC, ("self.dropout3(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout3.p)")),
-                                {"decoder_layer-dropout_eval"}),
-    "decoder_always_post_ln": (DEC, mutate(DEC, ("if self.norm_first:", "if False:")), {"decoder_layer-visible", "decoder_layer-pre_ln"}),
+                                          {"layers-visible", "layers-causal", "layers-cross_attention", "layers-decoder_pre_ln"}),
+    "decoder_pre_ln_normalises_memory": (L, in_class("DecoderLayer", ("self.cross_attn(self.norm2(x), memory, memory,",
+                                                                      "self.cross_attn(self.norm2(x), self.norm2(memory), self.norm2(memory),")),
+                                         {"layers-visible", "layers-decoder_pre_ln"}),  # visible: its pre-LN case
+    "decoder_dropout_in_eval": (L, in_class("DecoderLayer", ("self.dropout3(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout3.p)")),
+                                {"layers-decoder_dropout_eval"}),
+    "decoder_always_post_ln": (L, in_class("DecoderLayer", ("if self.norm_first:", "if False:")), {"layers-visible", "layers-decoder_pre_ln"}),
+    "decoder_arrangements_swapped": (L, in_class("DecoderLayer", ("if self.norm_first:", "if not self.norm_first:")),
+                                     {"layers-visible", "layers-decoder_pre_ln"}),
 }
 
 
@@ -125,7 +140,8 @@ def test_every_test_cell_is_documented_and_every_exercise_is_covered():
         if grade_id.endswith("-solution"):
             continue
         first = source.splitlines()[0]
-        assert first.startswith("# Visible test (1 point)") or first.startswith("# Hidden test (1 point): "), grade_id
+        points = "(2 points)" if grade_id.startswith(f"{L}-") else "(1 point)"  # the build exercise weighs more
+        assert first.startswith(f"# Visible test {points}") or first.startswith(f"# Hidden test {points}: "), grade_id
     assert {case[0] for case in CASES.values()} == set(REFERENCE)
     targeted = set().union(*(case[2] for case in CASES.values()))
     assert targeted == {gid for gid in CELLS if not gid.endswith("-solution")}, "every test cell is some bug's target"
