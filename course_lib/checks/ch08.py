@@ -594,9 +594,11 @@ def _check_int8_layer(layer, linear, name: str) -> None:
              f"{scale[:3].tolist()}...")
     error = (q.double() * scale.double()[:, None] - w).abs()
     if not (error <= scale.double()[:, None] / 2 * (1 + 1e-5)).all():
-        floor = torch.floor(w / expected_scale[:, None])
-        hint = (" (q is floor(w / scale): round to the nearest level)" if torch.equal(q.double(), floor)
-                else " (round to the nearest level, do not truncate)")
+        below = w - q.double() * scale.double()[:, None]  # >= 0 everywhere: every weight rounded down
+        slack = 1e-4 * scale.double()[:, None]
+        hint = (" (every weight was rounded down, q = floor(w / scale): round to the nearest level)" if (below >= -slack).all()
+                else " (every weight was rounded towards zero: round to the nearest level, do not truncate)"
+                if (below * w.sign() >= -slack).all() else " (round to the nearest level)")
         fail(f"{name}: a weight comes back {(error / (scale.double()[:, None] / 2)).max().item():.2f} half-steps "
              f"away, more than half a step{hint}")
     if linear.bias is None:
