@@ -26,15 +26,14 @@ from .gpt import GPTConfig, gpt_param_count
 
 
 def bytes_per_token(config: GPTConfig, batch_size: int, context: int, dtype=torch.float32, cache_dtype=None) -> float:
-    """Bytes one decode step reads per token it generates: (weights + B * KV cache) / B.
+    """Bytes one decode step of a batch of `batch_size` sequences reads, per token it generates (a number).
 
-    The step reads every weight once for the whole batch: all parameters of GPT(config) except the
-    position table, of which it reads one row per sequence (left out); the tied embedding counts once
-    (the LM head reads it in full). Each of the B sequences also reads its cached keys and values of
-    `context` tokens: 2 * L * context * C elements. dtype: of the weights; cache_dtype: of the cache,
-    by default what the course's models cache in: the weights' dtype if it is a floating-point one (a
-    bfloat16 model computes and caches in bfloat16), float32 otherwise (int8 weights: the activations,
-    and so the keys and values, stay float32).
+    What the step reads in full, as section 1 says: the weights of GPT(config) (the position table left out,
+    the tied embedding once) and each sequence's cached keys and values of `context` tokens. dtype: the
+    weights'; cache_dtype: the cache's, by default what the course's models cache in (the given code sets
+    it). Raises ValueError if batch_size is not an integer >= 1 or context not in [0, block_size]. The tests
+    compare with the bytes of a real model's tensors and of a real KV cache, at several batch sizes,
+    contexts and dtypes, and with GPT-2 small's parameter count.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -52,13 +51,11 @@ def bytes_per_token(config: GPTConfig, batch_size: int, context: int, dtype=torc
 def quantize_int8(weight):
     """Symmetric per-output-channel (absmax) int8 quantization of a weight (out, in).
 
-    Row o (output channel o) gets its own scale s_o = max_i |w_oi| / 127 and q_oi = round(w_oi / s_o):
-    the row's largest entry becomes +-127, zero stays 0, -128 is never used. The scale is computed in
-    float32, whatever the weight's float dtype (convert it first). A row whose float32 scale is 0 gets
-    s_o = 0 and q = 0, never a division by 0: an all-zero row, and a row so small that max |w| / 127
-    underflows to 0 in float32 (a subnormal max |w| such as 1.4e-44). The weight is left unchanged.
-    Returns (q (out, in) int8, scale (out,) float32), with weight ~ q * scale[:, None].
-    Raises ValueError if the weight is not 2-D.
+    Returns (q (out, in) int8, scale (out,) float32), with weight ~ q * scale[:, None]: every entry within
+    half a step (scale[o] / 2) of the weight, each row's largest entry at +127 or -127, the levels in
+    [-127, 127], zero kept 0. The scale is float32, whatever the weight's float dtype. A row whose float32
+    scale is 0 (an all-zero row, or one so small that its scale underflows, such as 1.4e-44) gets scale 0
+    and q 0, never NaN. The weight is left unchanged. Raises ValueError if the weight is not 2-D.
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D (out, in), got shape {tuple(weight.shape)}")
@@ -70,15 +67,15 @@ def quantize_int8(weight):
 
 
 def dequantize_int8(q, scale):
-    """The weight that (q (out, in) int8, scale (out,)) stands for: q * scale[:, None], (out, in) float32."""
+    """The weight that (q (out, in) int8, scale (out,)) stands for, (out, in) float32: scale[o] belongs to row o."""
     return q.float() * scale.float()[:, None]
 
 
 def int8_linear(x, q, scale, bias=None):
-    """x W^T + bias with W = q * scale[:, None], without building W: (..., in) -> (..., out), x's dtype.
+    """A linear layer on int8 weights, without building the float weight: x (..., in) -> (..., out), x's dtype.
 
-    The scale belongs to an output channel, so it factors out of that channel's dot product:
-    y_o = s_o * sum_i x_i q_oi + b_o, one multiplication per output instead of one per weight.
+    Equal, within float rounding, to F.linear(x, W, bias) with W the weight (q, scale) stands for; bias
+    (out,) or None. The tests compare with float64 F.linear, for several shapes, dtypes and scales.
     """
     y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)  # (..., out): scale each output channel
     return y if bias is None else y + bias.to(x.dtype)
