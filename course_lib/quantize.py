@@ -7,8 +7,9 @@ storing them in fewer bytes makes decoding faster: int8 with one float32 scale p
 
 ``bytes_per_token``, ``quantize_int8``, ``dequantize_int8`` and ``int8_linear`` are the reference
 solutions of chapter 08's exercises (``tests/grading/test_solution_drift.py`` keeps the notebook's equal to them).
-``Int8Linear`` is an ``nn.Linear`` with int8 weights, ``quantize_weights`` a quantized copy of a
-course_lib GPT, ``decode_weight_bytes`` the bytes of the weights a decode step of a model reads, counted.
+``Int8Linear`` (an ``nn.Linear`` with int8 weights) and ``quantize_model`` (every nn.Linear of a model made
+one, in place) are the reference of its build exercise; ``Int8KernelLinear`` runs PyTorch's int8 kernel,
+``quantize_weights`` a quantized copy of a course_lib GPT, ``decode_weight_bytes`` the bytes of the weights a decode step of a model reads, counted.
 
 Shapes: B batch, C = n_embd, L = n_layer, V vocabulary; a weight is (out, in), as in ``nn.Linear``.
 """
@@ -25,15 +26,14 @@ from .gpt import GPTConfig, gpt_param_count
 
 
 def bytes_per_token(config: GPTConfig, batch_size: int, context: int, dtype=torch.float32, cache_dtype=None) -> float:
-    """Bytes one decode step reads per token it generates: (weights + B * KV cache) / B.
+    """Bytes one decode step of a batch of `batch_size` sequences reads, per token it generates (a number).
 
-    The step reads every weight once for the whole batch: all parameters of GPT(config) except the
-    position table, of which it reads one row per sequence (left out); the tied embedding counts once
-    (the LM head reads it in full). Each of the B sequences also reads its cached keys and values of
-    `context` tokens: 2 * L * context * C elements. dtype: of the weights; cache_dtype: of the cache,
-    by default what the course's models cache in: the weights' dtype if it is a floating-point one (a
-    bfloat16 model computes and caches in bfloat16), float32 otherwise (int8 weights: the activations,
-    and so the keys and values, stay float32).
+    What the step reads in full, as section 1 says: the weights of GPT(config) (the position table left out,
+    the tied embedding once) and each sequence's cached keys and values of `context` tokens. dtype: the
+    weights'; cache_dtype: the cache's, by default what the course's models cache in (the given code sets
+    it). Raises ValueError if batch_size is not an integer >= 1 or context not in [0, block_size]. The tests
+    compare with the bytes of a real model's tensors and of a real KV cache, at several batch sizes,
+    contexts and dtypes, and with GPT-2 small's parameter count.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -51,13 +51,11 @@ def bytes_per_token(config: GPTConfig, batch_size: int, context: int, dtype=torc
 def quantize_int8(weight):
     """Symmetric per-output-channel (absmax) int8 quantization of a weight (out, in).
 
-    Row o (output channel o) gets its own scale s_o = max_i |w_oi| / 127 and q_oi = round(w_oi / s_o):
-    the row's largest entry becomes +-127, zero stays 0, -128 is never used. The scale is computed in
-    float32, whatever the weight's float dtype (convert it first). A row whose float32 scale is 0 gets
-    s_o = 0 and q = 0, never a division by 0: an all-zero row, and a row so small that max |w| / 127
-    underflows to 0 in float32 (a subnormal max |w| such as 1.4e-44). The weight is left unchanged.
-    Returns (q (out, in) int8, scale (out,) float32), with weight ~ q * scale[:, None].
-    Raises ValueError if the weight is not 2-D.
+    Returns (q (out, in) int8, scale (out,) float32), with weight ~ q * scale[:, None]: every entry within
+    half a step (scale[o] / 2) of the weight, each row's largest entry at +127 or -127, the levels in
+    [-127, 127], zero kept 0. The scale is float32, whatever the weight's float dtype. A row whose float32
+    scale is 0 (an all-zero row, or one so small that its scale underflows, such as 1.4e-44) gets scale 0
+    and q 0, never NaN. The weight is left unchanged. Raises ValueError if the weight is not 2-D.
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D (out, in), got shape {tuple(weight.shape)}")
@@ -69,15 +67,15 @@ def quantize_int8(weight):
 
 
 def dequantize_int8(q, scale):
-    """The weight that (q (out, in) int8, scale (out,)) stands for: q * scale[:, None], (out, in) float32."""
+    """The weight that (q (out, in) int8, scale (out,)) stands for, (out, in) float32: scale[o] belongs to row o."""
     return q.float() * scale.float()[:, None]
 
 
 def int8_linear(x, q, scale, bias=None):
-    """x W^T + bias with W = q * scale[:, None], without building W: (..., in) -> (..., out), x's dtype.
+    """A linear layer on int8 weights, without building the float weight: x (..., in) -> (..., out), x's dtype.
 
-    The scale belongs to an output channel, so it factors out of that channel's dot product:
-    y_o = s_o * sum_i x_i q_oi + b_o, one multiplication per output instead of one per weight.
+    Equal, within float rounding, to F.linear(x, W, bias) with W the weight (q, scale) stands for; bias
+    (out,) or None. The tests compare with float64 F.linear, for several shapes, dtypes and scales.
     """
     y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)  # (..., out): scale each output channel
     return y if bias is None else y + bias.to(x.dtype)
@@ -90,46 +88,89 @@ INT8_KERNEL_MULTIPLE = 16
 
 
 class Int8Linear(nn.Module):
-    """An ``nn.Linear`` whose weight is stored as int8 with one float32 scale per output channel.
+    """A linear layer whose weight is stored as int8 levels with one float32 scale per output channel.
 
-    Buffers: q (out, in) int8, scale (out,) float32, and the float32 bias (out,) if any.
-    forward(x (..., in)) -> (..., out). On the CPU it runs PyTorch's int8 kernel
-    (``torch._weight_int8pack_mm``), which reads the int8 weights as they are, converts the activations
-    to bfloat16 and returns bfloat16; the scale and the bias are then applied in float32. Elsewhere it
-    runs ``int8_linear``, as it does for an input width the kernel cannot take (not a multiple of 16).
+    ``Int8Linear(q, scale, bias=None)``: q (out, in) int8, scale (out,), bias (out,) or None; kept as the
+    buffers ``q`` (int8), ``scale`` (float32) and ``bias`` (float32, or None), with the attributes
+    ``in_features`` and ``out_features``. ``Int8Linear.from_linear(linear)``: the layer that stands for an
+    nn.Linear, its weight quantized as ``quantize_int8`` does, its bias kept as it is (in float32).
+    forward(x (..., in)) -> (..., out), in x's dtype: F.linear(x, W, bias) with W the dequantized weight,
+    within float rounding. Raises ValueError naming the argument: q not a 2-D int8 tensor, scale or bias
+    not of shape (out,), from_linear given something that is not an nn.Linear.
+    The tests check these buffers and outputs against float64 F.linear, on single layers and on a GPT.
     """
 
     def __init__(self, q, scale, bias=None):
         super().__init__()
-        if q.dtype != torch.int8 or q.dim() != 2:
-            raise ValueError(f"q must be a 2-D int8 tensor, got {q.dtype} of shape {tuple(q.shape)}")
-        if tuple(scale.shape) != (q.shape[0],):
-            raise ValueError(f"scale must have shape (out,) = ({q.shape[0]},), got {tuple(scale.shape)}")
-        self.in_features, self.out_features = q.shape[1], q.shape[0]
-        self.register_buffer("q", q.contiguous())
-        self.register_buffer("scale", scale.float())
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self._unit_scales = None  # the kernel's own scales, all 1 (ours are applied in float32): made at first use
+        ### BEGIN SOLUTION
+        if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.dim() != 2:
+            raise ValueError(f"q must be a 2-D int8 tensor (out, in), got {getattr(q, 'dtype', type(q))} "
+                             f"of shape {tuple(getattr(q, 'shape', ()))}")
+        out_features, in_features = q.shape
+        if tuple(scale.shape) != (out_features,):
+            raise ValueError(f"scale must have shape (out,) = ({out_features},), got {tuple(scale.shape)}")
+        if bias is not None and tuple(bias.shape) != (out_features,):
+            raise ValueError(f"bias must be None or of shape (out,) = ({out_features},), got {tuple(bias.shape)}")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("q", q.detach().contiguous())
+        self.register_buffer("scale", scale.detach().float())  # float32 scales, whatever they came in
+        self.register_buffer("bias", None if bias is None else bias.detach().float())  # kept, not quantized
+        ### END SOLUTION
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
-        """The int8 version of an nn.Linear (``quantize_int8`` of its weight, its bias kept)."""
-        q, scale = quantize_int8(linear.weight)
+    def from_linear(cls, linear):
+        ### BEGIN SOLUTION
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        q, scale = quantize_int8(linear.weight)  # one scale per output channel
         return cls(q, scale, linear.bias)
+        ### END SOLUTION
+
+    def forward(self, x):
+        ### BEGIN SOLUTION
+        return int8_linear(x, self.q, self.scale, self.bias)
+        ### END SOLUTION
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_model(model):
+    """Quantize `model` in place: every nn.Linear in it, at any depth, becomes an ``Int8Linear``; returns `model`.
+
+    For a course GPT: the four projections of every block and the LM head (whose int8 copy no longer shares
+    storage with the token embedding, which stays a float32 table for look-ups); embeddings, LayerNorms and
+    biases stay float32. The tests count the Int8Linear modules, check that no nn.Linear is left and that the
+    quantized GPT's logits equal, within float rounding, those of the float GPT whose matrices are replaced by
+    their dequantized weights. Raises ValueError if `model` is not an nn.Module.
+    """
+    ### BEGIN SOLUTION
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, Int8Linear.from_linear(child))
+    return model
+    ### END SOLUTION
+
+
+class Int8KernelLinear(Int8Linear):
+    """``Int8Linear`` on PyTorch's CPU int8 kernel (``torch._weight_int8pack_mm``): the fast path of section 6.
+
+    The kernel reads the int8 weights as they are, converts the activations to bfloat16 and returns
+    bfloat16; the scale and the bias are then applied in float32. Elsewhere it runs ``int8_linear``, as it
+    does for an input width the kernel cannot take (not a multiple of 16).
+    """
 
     def forward(self, x):
         if _INT8_KERNEL and x.device.type == "cpu" and self.in_features % INT8_KERNEL_MULTIPLE == 0:
-            if self._unit_scales is None:
-                self._unit_scales = torch.ones(self.out_features, dtype=torch.bfloat16)
+            unit_scales = torch.ones(self.out_features, dtype=torch.bfloat16)  # the kernel's own: ours come after
             rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (B*T, in)
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.q, self._unit_scales).view(*x.shape[:-1], self.out_features)
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.q, unit_scales).view(*x.shape[:-1], self.out_features)
             y = y.to(x.dtype) * self.scale if self.bias is None else torch.addcmul(self.bias, y, self.scale)  # float32
             return y.to(x.dtype)
-        y = int8_linear(x, self.q, self.scale)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return super().forward(x)
 
 
 #: What ``quantize_weights`` can store the weights in.
@@ -139,7 +180,7 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
 def quantize_weights(model: nn.Module, weights: str) -> nn.Module:
     """A copy of `model` (in eval mode) with its weights stored as `weights`; the model is left as it is.
 
-    "int8": every nn.Linear becomes an ``Int8Linear`` (for a GPT: the blocks' four projections and the LM
+    "int8": every nn.Linear becomes an ``Int8KernelLinear`` (for a GPT: the blocks' four projections and the LM
     head, whose int8 copy no longer shares storage with the token embedding, which stays float32 for its
     look-ups); LayerNorms, embeddings and biases stay float32. "bfloat16": every parameter and buffer
     in bfloat16 (the activations and a KV cache made for the model follow). "float32": a plain copy.
@@ -153,7 +194,7 @@ def quantize_weights(model: nn.Module, weights: str) -> nn.Module:
         for module in list(quantized.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(module, name, Int8Linear.from_linear(child))
+                    setattr(module, name, Int8KernelLinear.from_linear(child))
     return quantized
 
 

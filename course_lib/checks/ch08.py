@@ -5,10 +5,12 @@ position table left out and the tied embedding once, plus the ``nbytes`` of a ch
 ``context`` slots, in the dtype the model caches in); int8 quantization as its float64 formula (``int8_reference``: scale = max |w| / 127 per
 row, q = round(w / scale), a scale that underflows to 0 in float32 taken as 0) and its properties (int8 levels in -127..127, every entry within half a step of
 the weight, each row's largest entry at +-127); the dequantized weight and the int8 layer as float64
-products (``q * scale[:, None]``, ``F.linear``); never course_lib.quantize's reference solutions.
+products (``q * scale[:, None]``, ``F.linear``); a quantized GPT against a float64 copy whose matrices are the
+oracle's dequantized weights (``dequantized_copy``); never course_lib.quantize's reference solutions.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -18,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from .core import ATOL, RTOL, assert_close, assert_shape, assert_tensor, call_learner, fail, passed, unpack_pair
 
 __all__ = ["check_bytes_per_token", "check_quantize_int8", "check_dequantize_int8", "check_int8_linear",
+           "check_quantize_model", "dequantized_copy",
            "bytes_per_token_oracle", "default_cache_dtype", "int8_reference", "int8_rounding_ties"]
 
 
@@ -537,3 +540,117 @@ def check_int8_linear(int8_linear) -> None:
         assert_close(y, expected, f"{name}, compared with F.linear(x, q * scale[:, None], bias) in float64",
                      atol=_atol(expected))
     passed("int8_linear")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# exercise 5: an int8 model (Int8Linear and quantize_model)
+
+
+def dequantized_copy(model):
+    """The oracle of the int8 model: a float64 copy of `model` whose every nn.Linear weight is replaced by the
+    float64 dequantized weight of ``int8_reference`` (biases, embeddings, LayerNorms as they are)."""
+    oracle = copy.deepcopy(model).double().eval()
+    with torch.no_grad():
+        for module in oracle.modules():
+            if isinstance(module, torch.nn.Linear):
+                q, scale = int8_reference(module.weight)
+                module.weight = torch.nn.Parameter(q.double() * scale[:, None])  # untied from the embedding
+    return oracle
+
+
+def _small_gpt(seed: int):
+    """A small course GPT with biases, its biases drawn large (N(0, 3)): float32, eval mode."""
+    from course_lib.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16, bias=True)).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 3.0)
+    return model
+
+
+def _check_int8_layer(layer, linear, name: str) -> None:
+    """One quantized layer against the oracle: int8 buffers, per-channel absmax scales, rounding, bias, forward."""
+    q, scale, bias = getattr(layer, "q", None), getattr(layer, "scale", None), getattr(layer, "bias", "missing")
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
+        fail(f"{name}: expected a buffer `q` holding the int8 levels, got {getattr(q, 'dtype', type(q).__name__)} "
+             "(register_buffer('q', ...) with the int8 tensor of quantize_int8)")
+    assert_shape(q, tuple(linear.weight.shape), f"{name}.q, (out, in)")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        fail(f"{name}: expected a float32 buffer `scale`, got {getattr(scale, 'dtype', type(scale).__name__)}")
+    w = linear.weight.detach().double()
+    expected_q, expected_scale = int8_reference(linear.weight)
+    if tuple(scale.shape) != (w.shape[0],) or (scale.numel() > 1 and bool((scale == scale.flatten()[0]).all())
+                                                and not torch.allclose(scale.double(), expected_scale)):
+        fail(f"{name}.scale: one scale for the whole matrix (shape {tuple(scale.shape)}); each output channel (row) "
+             f"gets its own, max |row| / 127: shape ({w.shape[0]},)")
+    if torch.allclose(scale.double(), w.abs().mean(dim=1) / 127, rtol=1e-5):
+        fail(f"{name}.scale is mean |row| / 127: the scale comes from the row's largest weight, max |row| / 127, "
+             "so that no weight is clipped")
+    if not torch.allclose(scale.double(), expected_scale, rtol=1e-6, atol=0):
+        fail(f"{name}.scale should be max |row| / 127 per output channel, {expected_scale[:3].tolist()}..., got "
+             f"{scale[:3].tolist()}...")
+    error = (q.double() * scale.double()[:, None] - w).abs()
+    if not (error <= scale.double()[:, None] / 2 * (1 + 1e-5)).all():
+        below = w - q.double() * scale.double()[:, None]  # >= 0 everywhere: every weight rounded down
+        slack = 1e-4 * scale.double()[:, None]
+        hint = (" (every weight was rounded down, q = floor(w / scale): round to the nearest level)" if (below >= -slack).all()
+                else " (every weight was rounded towards zero: round to the nearest level, do not truncate)"
+                if (below * w.sign() >= -slack).all() else " (round to the nearest level)")
+        fail(f"{name}: a weight comes back {(error / (scale.double()[:, None] / 2)).max().item():.2f} half-steps "
+             f"away, more than half a step{hint}")
+    if linear.bias is None:
+        if bias is not None:
+            fail(f"{name}: the nn.Linear has no bias, so its Int8Linear should have bias None, got {bias!r}")
+    else:
+        if not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32:
+            fail(f"{name}: expected the bias kept as a float32 buffer `bias`, got "
+                 f"{getattr(bias, 'dtype', type(bias).__name__)}: only the weight is quantized")
+        if not torch.equal(bias, linear.bias.detach().float()):
+            fail(f"{name}.bias differs from the nn.Linear's bias by up to {(bias - linear.bias).abs().max().item():.3g}: "
+                 "the bias is not quantized, keep it as it is (in float32)")
+    x = torch.randn(3, 2, linear.in_features)
+    y = call_learner(lambda: layer(x), f"{name}(x) for x (3, 2, {linear.in_features})", "", Exception)
+    assert_tensor(y, f"{name}(x)")
+    expected = F.linear(x.double(), expected_q.double() * expected_scale[:, None],
+                        None if linear.bias is None else linear.bias.double())
+    assert_shape(y, tuple(expected.shape), f"{name}(x), (..., out)")
+    if y.dtype != x.dtype:
+        fail(f"{name}(x) returned {y.dtype} for a {x.dtype} x: the output should be in x's dtype")
+    assert_close(y, expected, f"{name}(x), compared with F.linear(x, q * scale[:, None], bias) in float64",
+                 atol=_atol(expected))
+
+
+def check_quantize_model(quantize_model) -> None:
+    """Visible check for chapter 08, exercise 5: a small GPT with large biases quantized in place: no nn.Linear
+    left, every replacement against the float64 oracle (int8 buffers, scales, rounding, bias, outputs), and the
+    logits against a float64 copy whose matrices are the dequantized weights."""
+    model = _small_gpt(805)
+    original = {name: m for name, m in copy.deepcopy(model).named_modules() if isinstance(m, torch.nn.Linear)}
+    oracle = dequantized_copy(model)
+    result = call_learner(lambda: quantize_model(model), "quantize_model(gpt)", "", Exception)
+    if result is not model:
+        fail(f"quantize_model(gpt) returned {type(result).__name__}, not the model it was given: it quantizes in "
+             "place and returns the same model")
+    modules = dict(model.named_modules())
+    left = [name for name, m in modules.items() if isinstance(m, torch.nn.Linear)]
+    if left:
+        fail(f"quantize_model left {len(left)} of the {len(original)} nn.Linear layers unquantized: {', '.join(left)}. "
+             "Replace every nn.Linear, at any depth (model.modules() and setattr on each parent), the LM head too")
+    for name, linear in original.items():
+        if name not in modules:
+            fail(f"after quantize_model, the model has no module {name!r}: replace each nn.Linear under its own name")
+        _check_int8_layer(modules[name], linear, f"the quantized {name}")
+    stored = sum(modules[name].q.numel() * modules[name].q.element_size() for name in original)
+    weights = sum(linear.weight.numel() for linear in original.values())
+    if stored != weights:
+        fail(f"the int8 levels take {stored} bytes, expected one per weight, {weights}")
+    idx = torch.randint(0, model.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        logits, _ = call_learner(lambda: model(idx), "the quantized GPT's forward", "", Exception)
+        expected, _ = oracle(idx)
+    assert_close(logits, expected, "the quantized GPT's logits, compared with a float64 GPT whose matrices are "
+                 "the dequantized weights", atol=_atol(expected))
+    passed("quantize_model")

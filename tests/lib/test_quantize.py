@@ -12,8 +12,8 @@ from torch import nn
 
 from course_lib.gpt import GPT, GPTConfig
 from course_lib.kv_cache import generate_cached
-from course_lib.quantize import (WEIGHT_FORMATS, Int8Linear, bytes_per_token, decode_weight_bytes, dequantize_int8,
-                                 int8_linear, quantize_int8, quantize_weights)
+from course_lib.quantize import (WEIGHT_FORMATS, Int8KernelLinear, Int8Linear, bytes_per_token, decode_weight_bytes, dequantize_int8,
+                                 int8_linear, quantize_int8, quantize_model, quantize_weights)
 
 SMALL = GPTConfig(vocab_size=61, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
@@ -52,18 +52,35 @@ def test_quantize_int8_is_symmetric_per_channel_absmax_and_rejects_non_matrices(
 
 
 @pytest.mark.parametrize("in_features", [16, 64, 768, 5, 24])  # 5 and 24 are not multiples of 16: the fallback path
-def test_int8_linear_layer_matches_float64_dequantized_linear_within_bfloat16_rounding(in_features):
+def test_int8_linear_layers_match_float64_dequantized_linear(in_features):
     torch.manual_seed(in_features)
     layer = nn.Linear(in_features, 48)
-    int8 = Int8Linear.from_linear(layer)
     x = torch.randn(3, 4, in_features)
     q, scale = quantize_int8(layer.weight)
     expected = F.linear(x.double(), q.double() * scale.double()[:, None], layer.bias.detach().double())
-    got = int8(x)
-    assert got.shape == (3, 4, 48) and got.dtype == torch.float32
-    # the CPU kernel takes bfloat16 activations and returns bfloat16: 8 significant bits
-    assert torch.allclose(got.double(), expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max()))
+    plain, kernel = Int8Linear.from_linear(layer), Int8KernelLinear.from_linear(layer)
+    assert type(kernel) is Int8KernelLinear and torch.equal(kernel.q, plain.q) and torch.equal(kernel.bias, layer.bias)
+    for got in (plain(x), kernel(x)):
+        assert got.shape == (3, 4, 48) and got.dtype == torch.float32
+    # float32 arithmetic: float32 rounding; the CPU kernel takes bfloat16 activations and returns bfloat16: 8 bits
+    assert torch.allclose(plain(x).double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(kernel(x).double(), expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max()))
     assert torch.allclose(int8_linear(x, q, scale, layer.bias).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_model_replaces_every_linear_in_place():
+    model = small_gpt()
+    assert quantize_model(model) is model
+    assert not [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 4 * SMALL.n_layer + 1
+    assert model.transformer.wte.weight.dtype == torch.float32  # the embedding stays float32 for its look-ups
+    for bad, match in ((lambda: quantize_model("gpt"), "model must be an nn.Module, got str"),
+                       (lambda: Int8Linear.from_linear(nn.Embedding(3, 4)), "linear must be an nn.Linear, got Embedding"),
+                       (lambda: Int8Linear(torch.zeros(2, 3), torch.ones(2)), "q must be a 2-D int8 tensor"),
+                       (lambda: Int8Linear(torch.zeros(2, 3, dtype=torch.int8), torch.ones(3)), r"scale must have shape \(out,\)"),
+                       (lambda: Int8Linear(torch.zeros(2, 3, dtype=torch.int8), torch.ones(2), torch.ones(3)), "bias must be None")):
+        with pytest.raises(ValueError, match=match):
+            bad()
 
 
 def test_int8_linear_keeps_the_inputs_dtype_with_a_float32_bias():
@@ -78,7 +95,7 @@ def test_quantize_weights_copies_and_leaves_the_model_alone():
     int8, bf16, fp32 = (quantize_weights(model, w) for w in ("int8", "bfloat16", "float32"))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     linears = [m for m in int8.modules() if isinstance(m, (nn.Linear, Int8Linear))]
-    assert linears and all(isinstance(m, Int8Linear) for m in linears)  # 4 per block and the LM head
+    assert linears and all(isinstance(m, Int8KernelLinear) for m in linears)  # 4 per block and the LM head
     assert len(linears) == 4 * SMALL.n_layer + 1
     assert int8.transformer.wte.weight.dtype == torch.float32  # the embedding stays float32 for its look-ups
     assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())

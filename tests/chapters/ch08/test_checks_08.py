@@ -2,13 +2,17 @@
 message."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from course_lib import checks
 from course_lib.gpt import GPTConfig
-from course_lib.quantize import bytes_per_token, int8_linear, quantize_int8
+from course_lib.quantize import Int8Linear, bytes_per_token, int8_linear, quantize_int8
+from course_lib.quantize import quantize_model as reference_quantize_model
 
 
 # ---- correct alternatives: other formulations pass too
@@ -504,3 +508,79 @@ def test_the_default_cache_dtype_is_the_one_the_course_models_cache_in(weights, 
     model = quantize_weights(GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=16)), weights)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[weights]
     assert KVCache.for_model(model, 1, 4).storage.dtype == expected == checks.default_cache_dtype(dtype)
+
+
+# ---- the int8 model: Int8Linear and quantize_model
+
+
+def _int8_layer_class(quantize):
+    """An Int8Linear whose from_linear quantizes with `quantize(weight) -> (q, scale)`, the bias kept."""
+    class Layer(Int8Linear):
+        @classmethod
+        def from_linear(cls, linear):
+            q, scale = quantize(linear.weight.detach().float())
+            return cls(q, scale, linear.bias)
+    return Layer
+
+
+def _quantizer(layer=Int8Linear, walk=lambda model: model.modules(), copy_first=False):
+    """A quantize_model that replaces the nn.Linear children of `walk(model)` by `layer.from_linear`."""
+    def quantize_model(model):
+        model = copy.deepcopy(model) if copy_first else model
+        for module in list(walk(model)):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, layer.from_linear(child))
+        return model
+    return quantize_model
+
+
+def _levels(w, scale, rounding=torch.round):
+    return rounding(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+class _BiasQuantized(Int8Linear):
+    @classmethod
+    def from_linear(cls, linear):
+        q, scale = quantize_int8(linear.weight)
+        bias = None if linear.bias is None else torch.round(linear.bias.detach() / scale).clamp(-127, 127) * scale
+        return cls(q, scale, bias)
+
+
+def quantize_by_name(model):
+    """Correct: the nn.Linear layers found by name first, then each replaced through get_submodule."""
+    for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, Int8Linear.from_linear(model.get_submodule(name)))
+    return model
+
+
+def test_the_int8_model_reference_and_an_alternative_pass():
+    checks.check_quantize_model(reference_quantize_model)
+    checks.check_quantize_model(quantize_by_name)
+
+
+@pytest.mark.parametrize("buggy,message", [
+    (_quantizer(walk=lambda model: model.transformer.h.modules()), "left 1 of the 9 nn.Linear layers unquantized: lm_head"),
+    (_quantizer(copy_first=True), "not the model it was given"),
+    (_quantizer(_int8_layer_class(lambda w: _levels(w, (w.abs().max() / 127).expand(w.shape[0]).clone()))),
+     "one scale for the whole matrix"),
+    (_quantizer(_int8_layer_class(lambda w: _levels(w, w.abs().mean(dim=1) / 127))), r"mean \|row\| / 127"),
+    (_quantizer(_int8_layer_class(lambda w: _levels(w, w.abs().amax(dim=1) / 127, torch.floor))), r"rounded down, q = floor\(w / scale\)"),
+    (_quantizer(_int8_layer_class(lambda w: _levels(w, w.abs().amax(dim=1) / 127, torch.trunc))), "rounded towards zero"),
+    (_quantizer(_BiasQuantized), "the bias is not quantized"),
+], ids=["lm head left", "a copy returned", "per tensor", "mean", "floor", "truncation", "bias quantized"])
+def test_int8_model_bugs_get_specific_messages(buggy, message):
+    with pytest.raises(checks.CheckFailed, match=message):
+        checks.check_quantize_model(buggy)
+
+
+def test_the_int8_model_oracle_is_the_formula():
+    layer = nn.Linear(3, 2)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[0.5, -1.27, 0.0], [2.54, 1.0, -0.1]]))
+    oracle = checks.dequantized_copy(nn.Sequential(layer))
+    # by hand: scales 0.01 and 0.02, levels [50, -127, 0] and [127, 50, -5]
+    expected = torch.tensor([[0.5, -1.27, 0.0], [2.54, 1.0, -0.1]], dtype=torch.float64)
+    assert oracle[0].weight.dtype == torch.float64 and torch.allclose(oracle[0].weight, expected, rtol=0, atol=1e-6)
+    assert torch.equal(oracle[0].bias, layer.bias.double()) and layer.weight.dtype == torch.float32  # the model as it was

@@ -7,7 +7,8 @@ One `grading.grade` run grades three students: the reference (full marks), the u
 * quantize_int8: a division by the scale even where it is 0 -> the visible test and `zero` (an exact zero row
   happens to give q = 0, since NaN casts to int8 as 0 here; a row whose scale underflows to 0 does not);
 * dequantize_int8: the scale along the columns -> the visible test and `axis`;
-* int8_linear: the bias multiplied by the scale too -> the visible test and `bias`.
+* int8_linear: the bias multiplied by the scale too -> the visible test and `bias`;
+* quantize_model: the LM head left unquantized (the blocks only) -> the visible test and `model`.
 
 tests/chapters/ch08/test_hidden_08.py runs the same cells against more bugs, one at a time and without nbgrader.
 """
@@ -20,8 +21,8 @@ from tests.helpers import failing
 from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("08-memory-bound", "memory_bound")
-BYTES, QUANT, DEQUANT, LINEAR = ("bytes_per_token-solution", "quantize_int8-solution", "dequantize_int8-solution",
-                                 "int8_linear-solution")
+BYTES, QUANT, DEQUANT, LINEAR, MODEL = ("bytes_per_token-solution", "quantize_int8-solution", "dequantize_int8-solution",
+                                        "int8_linear-solution", "quantize_model-solution")
 
 
 def planted() -> dict:
@@ -33,6 +34,7 @@ def planted() -> dict:
         LINEAR: CH.mutate(LINEAR, "return y if bias is None else y + bias.to(x.dtype)",
                           "return (y if bias is None else y + bias.to(x.dtype)) * scale.to(x.dtype)").replace(
             "y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)", "y = F.linear(x, q.to(x.dtype))"),
+        MODEL: CH.mutate(MODEL, "for module in list(model.modules()):", "for module in list(model.transformer.h.modules()):"),
     })
 
 
@@ -41,12 +43,13 @@ STUDENTS = {
     "reference": (CH.solved, set()),
     "untouched": (CH.untouched, set(CH.points)),
     "planted": (planted, failing("bytes_per_token", "visible", "kv") | failing("quantize_int8", "visible", "zero")
-                | failing("dequantize_int8", "visible", "axis") | failing("int8_linear", "visible", "bias")),
+                | failing("dequantize_int8", "visible", "axis") | failing("int8_linear", "visible", "bias")
+                | failing("quantize_model", "visible", "model")),
 }
 
 
 graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions = round_trip(
-    CH, STUDENTS, total=16)  # one nbgrader run grades every student
+    CH, STUDENTS, total=25)  # one nbgrader run grades every student
 
 
 @pytest.mark.slow
@@ -55,3 +58,4 @@ def test_failures_carry_the_checks_messages(graded):
     assert "underflows to 0" in messages["quantize_int8-zero"]
     assert "a division by a zero scale" in messages["quantize_int8-visible"]
     assert "you multiplied the bias by the scale too" in messages["int8_linear-visible"]
+    assert "left 1 of the 9 nn.Linear layers unquantized: lm_head" in messages["quantize_model-visible"]

@@ -8,6 +8,8 @@ tests/chapters/ch08/test_grading_08.py checks the same on whole notebooks throug
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,12 +22,12 @@ from tests.helpers import ROOT, failing
 
 SOURCE = ROOT / "solutions" / "08-memory-bound" / "memory_bound.ipynb"
 GPT2_SMALL = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
-HARNESS = TestCells(SOURCE, {"torch": torch, "F": F, "nn": nn, "checks": checks, "GPT": GPT, "GPTConfig": GPTConfig,
+HARNESS = TestCells(SOURCE, {"copy": copy, "torch": torch, "F": F, "nn": nn, "checks": checks, "GPT": GPT, "GPTConfig": GPTConfig,
                              "GPT2_SMALL": GPT2_SMALL, "gpt_param_count": gpt_param_count})
 CELLS, REFERENCE = HARNESS.cells, HARNESS.reference
 cells_of, mutate, failing_tests = HARNESS.cells_of, HARNESS.mutate, HARNESS.failing_tests
 
-BYTES, QUANT, DEQUANT, LINEAR = "bytes_per_token", "quantize_int8", "dequantize_int8", "int8_linear"
+BYTES, QUANT, DEQUANT, LINEAR, MODEL = "bytes_per_token", "quantize_int8", "dequantize_int8", "int8_linear", "quantize_model"
 RETURN = "return (weights * element + batch_size * kv_cache * cache_element) / batch_size"
 WEIGHTS = "weights = gpt_param_count(config) - config.block_size * config.n_embd"
 KV = "kv_cache = 2 * config.n_layer * context * config.n_embd"
@@ -35,6 +37,10 @@ SCALE = "scale = w.abs().amax(dim=1) / 127"
 Q = "q = torch.round(w / divisor[:, None]).clamp(-127, 127).to(torch.int8)"
 Y = "y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)"
 ADD = "return y if bias is None else y + bias.to(x.dtype)"
+FROM = "q, scale = quantize_int8(linear.weight)"
+OWN = "w = linear.weight.detach().float()\n        {scale}\n        q = {rounding}(w / scale[:, None]).clamp(-127, 127).to(torch.int8)"
+KEEP = "return cls(q, scale, linear.bias)"
+WALK = "for module in list(model.modules()):"
 
 
 
@@ -126,16 +132,74 @@ def int8_linear(x, q, scale, bias=None):
     weight = q.to(x.dtype) * scale.to(x.dtype)[:, None]
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 ''', set()),
+
+
+    # the int8 model: Int8Linear and quantize_model
+    (MODEL, "one scale for the whole tensor", mutate(MODEL, (FROM, OWN.format(
+        scale="scale = (w.abs().max() / 127).expand(w.shape[0]).clone()", rounding="torch.round"))),
+     failing(MODEL, "visible", "layer", "model")),
+    (MODEL, "the scale from the mean of the row", mutate(MODEL, (FROM, OWN.format(
+        scale="scale = w.abs().mean(dim=1) / 127", rounding="torch.round"))),
+     failing(MODEL, "visible", "layer", "model")),
+    (MODEL, "rounding by floor", mutate(MODEL, (FROM, OWN.format(
+        scale="scale = w.abs().amax(dim=1) / 127", rounding="torch.floor"))),
+     failing(MODEL, "visible", "layer", "model")),
+    (MODEL, "the bias quantized with the weight's scale", mutate(MODEL, (KEEP, "return cls(q, scale, None if linear.bias is None "
+                                                                             "else torch.round(linear.bias / scale).clamp(-127, 127) * scale)")),
+     failing(MODEL, "visible", "bias")),
+    (MODEL, "the LM head left unquantized: the blocks only", mutate(MODEL, (WALK, "for module in list(model.transformer.h.modules()):")),
+     failing(MODEL, "visible", "model")),
+    (MODEL, "a copy returned, the model left as it is", mutate(MODEL, (WALK, "model = copy.deepcopy(model)\n    " + WALK)),
+     failing(MODEL, "visible", "model")),
+    (MODEL, "no checks of the arguments", mutate(MODEL, ("raise ValueError(f\"linear must", "pass  # (f\"linear must"),
+                                                 ("if not isinstance(model, nn.Module):\n        raise", "if False:\n        raise")),
+     failing(MODEL, "errors")),
+    (MODEL, "correct: the weight dequantized in forward, the tree walked by name", '''
+class Int8Linear(nn.Module):
+    def __init__(self, q, scale, bias=None):
+        super().__init__()
+        if q.dtype != torch.int8 or q.ndim != 2:
+            raise ValueError("q: expected a 2-D int8 tensor")
+        if scale.shape != (q.shape[0],):
+            raise ValueError("scale: expected shape (out,)")
+        if bias is not None and bias.shape != (q.shape[0],):
+            raise ValueError("bias: expected shape (out,)")
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale.to(torch.float32))
+        self.register_buffer("bias", bias.detach().clone().float() if bias is not None else None)
+
+    @classmethod
+    def from_linear(cls, linear):
+        if type(linear) is not nn.Linear:
+            raise ValueError("linear: expected an nn.Linear")
+        return cls(*quantize_int8(linear.weight.data), linear.bias)
+
+    def forward(self, x):
+        weight = (self.q.to(x.dtype) * self.scale.to(x.dtype).unsqueeze(1))
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+
+def quantize_model(model):
+    if not isinstance(model, nn.Module):
+        raise ValueError("model: expected an nn.Module")
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, Int8Linear.from_linear(getattr(parent, child)))
+    return model
+''', set()),
 ]
 
 
 def test_every_exercise_has_a_visible_test_and_hidden_tests():
-    assert set(REFERENCE) == {BYTES, QUANT, DEQUANT, LINEAR}
+    assert set(REFERENCE) == {BYTES, QUANT, DEQUANT, LINEAR, MODEL}
     for exercise in REFERENCE:
         assert f"{exercise}-visible" in CELLS and len(cells_of(exercise)) >= 2
 
 
-@pytest.mark.parametrize("exercise", [BYTES, QUANT, DEQUANT, LINEAR])
+@pytest.mark.parametrize("exercise", [BYTES, QUANT, DEQUANT, LINEAR, MODEL])
 def test_the_reference_passes_every_test(exercise):
     assert failing_tests(exercise, REFERENCE[exercise]) == set()
 
