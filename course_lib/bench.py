@@ -327,6 +327,16 @@ def _ours_run(results: dict, trace) -> dict:
             "allocated": sum(trace.allocated), "used": sum(trace.used), "errors": len(results) - len(served)}
 
 
+def _collect_hf(manager, outputs: dict, n: int) -> None:
+    """Wait for Hugging Face's continuous batching manager to finish n requests; outputs[request_id] = each one."""
+    while len(outputs) < n:
+        output = manager.get_result(timeout=60)
+        if output is None:
+            raise RuntimeError(f"Hugging Face's continuous batching returned {len(outputs)} of {n} requests")
+        if output.is_finished():
+            outputs[output.request_id] = output
+
+
 def hf_serve(hf_model, requests: list, num_blocks: int, block_size: int, token_budget: int) -> dict:
     """Serve `requests` greedily with Hugging Face's continuous batching over its paged cache; every request is
     added at once (``Request.arrival``, a step of our engine's clock, means nothing to it: ``bench_serve_wall``
@@ -372,12 +382,7 @@ def hf_serve(hf_model, requests: list, num_blocks: int, block_size: int, token_b
         start = time.perf_counter()
         for r in requests:
             manager.add_request(r.prompt, request_id=r.name, max_new_tokens=r.max_new_tokens, record_timestamps=True)
-        while len(outputs) < len(requests):
-            output = manager.get_result(timeout=60)
-            if output is None:
-                raise RuntimeError(f"Hugging Face's continuous batching returned {len(outputs)} of {len(requests)} requests")
-            if output.is_finished():
-                outputs[output.request_id] = output
+        _collect_hf(manager, outputs, len(requests))
     served = [o for o in outputs.values() if o.error is None]
     ttft = [o.timestamps[0] - o.created_time for o in served]
     tpot = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in served if len(o.timestamps) > 1]
@@ -701,12 +706,7 @@ def _replay_hf(hf_model, requests: list, arrivals: list, num_blocks: int, block_
         for at, r in zip(arrivals, requests):
             _sleep_until(start, at)
             manager.add_request(r.prompt, request_id=r.name, max_new_tokens=r.max_new_tokens, record_timestamps=True)
-        while len(outputs) < len(requests):
-            output = manager.get_result(timeout=60)
-            if output is None:
-                raise RuntimeError(f"Hugging Face's continuous batching returned {len(outputs)} of {len(requests)} requests")
-            if output.is_finished():
-                outputs[output.request_id] = output
+        _collect_hf(manager, outputs, len(requests))
     failed = [o.request_id for o in outputs.values() if o.error is not None]
     if failed:
         raise RuntimeError(f"Hugging Face's continuous batching failed requests {failed}")

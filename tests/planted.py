@@ -67,3 +67,22 @@ def accidents() -> dict:
 ACCIDENT_NOTES = ["a copy of masked_softmax-solution was ignored", "a copy of masked_softmax-visible was ignored",
                   "a cell with nbgrader metadata the course does not have (grade id 'q1-tests') was ignored",
                   f"{SDPA} had been switched to markdown: it was graded as the code it holds"]
+
+# chapter 09: a learner's naive BPE trainer (recounts every pair after every merge): correct, slow; planted bugs edit it
+NAIVE_TRAINER = '''def train_bpe(text, vocab_size):
+    if vocab_size < 256:
+        raise ValueError(f"vocab_size must be at least 256, got {vocab_size}")
+    words = [[list(chunk.encode("utf-8")), n] for chunk, n in Counter(pretokenize(text)).items()]
+    merges = {}
+    while len(merges) < vocab_size - 256:
+        counts = {}
+        for ids, n in words:
+            count_pairs(ids, counts, n)
+        if not counts:
+            break
+        pair = min(counts, key=lambda p: (-counts[p], p))
+        merges[pair] = 256 + len(merges)
+        for word in words:
+            word[0] = bpe_merge(word[0], pair, merges[pair])
+    return merges
+'''

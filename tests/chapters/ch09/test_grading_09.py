@@ -21,6 +21,7 @@ import pytest
 
 from tests import roundtrip
 from tests.helpers import failing
+from tests.planted import NAIVE_TRAINER
 from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("09-tokenization", "tokenization")
@@ -34,23 +35,6 @@ OVERLAPPING_MERGE = '''def bpe_merge(ids, pair, new_id):
     return out
 '''
 
-NAIVE_TRAINER = '''def train_bpe(text, vocab_size):
-    if vocab_size < 256:
-        raise ValueError(f"vocab_size must be at least 256, got {vocab_size}")
-    words = [[list(chunk.encode("utf-8")), n] for chunk, n in Counter(pretokenize(text)).items()]
-    merges = {}
-    while len(merges) < vocab_size - 256:
-        counts = {}
-        for ids, n in words:
-            count_pairs(ids, counts, n)
-        if not counts:
-            break
-        pair = min(counts, key=lambda p: (-counts[p], p))
-        merges[pair] = 256 + len(merges)
-        for word in words:
-            word[0] = bpe_merge(word[0], pair, merges[pair])
-    return merges
-'''
 FIRST_COUNTED_TIE = NAIVE_TRAINER.replace("pair = min(counts, key=lambda p: (-counts[p], p))", "pair = max(counts, key=counts.get)")
 RUNS_WITHOUT_OVERLAP = NAIVE_TRAINER.replace("            count_pairs(ids, counts, n)\n", """            for p in set(zip(ids, ids[1:])):
                 counts[p] = counts.get(p, 0) + n * (len(ids) - len(bpe_merge(ids, p, -1)))

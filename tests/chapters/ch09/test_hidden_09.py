@@ -27,6 +27,7 @@ from course_lib.bpe import (BPETokenizer, bytes_to_unicode, count_pairs, hf_enco
 from course_lib.data import default_corpus
 from tests.cell_harness import TestCells
 from tests.helpers import ROOT
+from tests.planted import NAIVE_TRAINER
 
 SOURCE = ROOT / "solutions" / "09-tokenization" / "tokenization.ipynb"
 HARNESS = TestCells(SOURCE, {"torch": torch, "heapq": heapq, "math": math, "time": time, "Counter": Counter, "checks": checks,
@@ -41,24 +42,7 @@ MERGE, TRAIN, ENCODE, DECODE = "bpe_merge", "train_bpe", "bpe_encode", "bpe_deco
 RANK = 'pair = min(zip(chunk_ids, chunk_ids[1:]), key=lambda p: merges.get(p, float("inf")))'
 
 # a learner's trainer: correct, and naive (every pair recounted after every merge); the trainer's bugs are planted in it
-NAIVE = '''
-def train_bpe(text, vocab_size):
-    if vocab_size < 256:
-        raise ValueError(f"vocab_size must be at least 256, got {vocab_size}")
-    words = [[list(chunk.encode("utf-8")), n] for chunk, n in Counter(pretokenize(text)).items()]
-    merges = {}
-    while len(merges) < vocab_size - 256:
-        counts = {}
-        for ids, n in words:
-            count_pairs(ids, counts, n)
-        if not counts:
-            break
-        pair = min(counts, key=lambda p: (-counts[p], p))
-        merges[pair] = 256 + len(merges)
-        for word in words:
-            word[0] = bpe_merge(word[0], pair, merges[pair])
-    return merges
-'''
+NAIVE = NAIVE_TRAINER
 CHOOSE = "pair = min(counts, key=lambda p: (-counts[p], p))"
 COUNT = "count_pairs(ids, counts, n)"
 TRAIN_ALL = {f"{TRAIN}-visible", f"{TRAIN}-ties", f"{TRAIN}-bytes", f"{TRAIN}-stop"}
