@@ -231,7 +231,10 @@ class EngineLoop:
             try:
                 command = self.inbox.get(block=not busy)  # idle: sleep until someone comes
                 while True:
-                    self._command(command)
+                    try:
+                        self._command(command)
+                    except Exception as error:  # noqa: BLE001 - the engine's own fault, as in _step
+                        self._fail_all(error)
                     command = self.inbox.get_nowait()
             except queue.Empty:
                 pass
@@ -268,17 +271,21 @@ class EngineLoop:
                 del self.streams[name]
                 self.counts["aborted"] += 1
 
+    def _fail_all(self, error: Exception) -> None:
+        """The engine's own fault (not one request's): every open request gets the error, then a fresh engine."""
+        message = f"the engine failed: {type(error).__name__}: {error}"
+        for deliver in self.streams.values():
+            deliver(("error", message))
+        self.counts["failed"] += len(self.streams)
+        self.streams.clear()
+        self._fresh()
+
     def _step(self) -> None:
         engine = self.engine
         try:
             output = engine.step()
-        except Exception as error:  # noqa: BLE001 - the engine's own fault: every request gets it, then a fresh engine
-            message = f"the engine failed: {type(error).__name__}: {error}"
-            for deliver in self.streams.values():
-                deliver(("error", message))
-            self.counts["failed"] += len(self.streams)
-            self.streams.clear()
-            self._fresh()
+        except Exception as error:  # noqa: BLE001 - the engine's own fault
+            self._fail_all(error)
             return
         for name in output.finished:
             result = engine.results.pop(name)

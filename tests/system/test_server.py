@@ -319,3 +319,33 @@ def test_course_bench_serve_http_refuses_bad_options(capsys):
         with pytest.raises(SystemExit):
             bench.main(["serve-http", *options])
         assert "--requests must be >= 1 and every --rates value > 0" in capsys.readouterr().err
+
+
+def test_an_engine_fault_while_adding_a_request_fails_the_open_requests_and_the_loop_goes_on(model, monkeypatch):
+    """The engine thread never dies silently: an unexpected error in add_request (not a rejected request, the
+    engine's own fault) reaches every open request as an error, and the next request is served exactly."""
+    from course_lib.server import EngineLoop
+
+    events = {name: [] for name in ("before", "broken", "after")}
+    loop = EngineLoop(Engine(model, num_blocks=64, block_size=8))
+    slow_down(monkeypatch, loop.engine, 0.01)  # the first request surely still runs when the fault comes
+    loop.start()
+    try:
+        loop.add(Request("before", [5, 6, 7], 120), events["before"].append)  # long: still running at the fault
+        wait_until(lambda: events["before"], what="the first request's first token")
+        original = loop.engine.add_request
+
+        def broken_once(request):
+            monkeypatch.setattr(loop.engine, "add_request", original)
+            raise RuntimeError("a bug in the engine")
+
+        monkeypatch.setattr(loop.engine, "add_request", broken_once)
+        loop.add(Request("broken", [5, 6], 4), events["broken"].append)
+        loop.add(Request("after", [5, 6, 7], 4), events["after"].append)
+        wait_until(lambda: events["after"] and events["after"][-1][0] in ("done", "error"), what="the next request")
+    finally:
+        loop.close(timeout=30)
+    assert events["before"][-1] == ("error", "the engine failed: RuntimeError: a bug in the engine")
+    tokens = [token for kind, token in events["after"] if kind in ("token", "done")]
+    assert events["after"][-1][0] == "done" and tokens == generate_cached(model, torch.tensor([[5, 6, 7]]), 4)[0, 3:].tolist()
+    assert events["broken"] == [] and loop.counts["failed"] == 1
