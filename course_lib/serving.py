@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from .attention import masked_softmax
-from .decoding import REPLACEABLE, process_logits
+from .decoding import process_logits
 from .gpt import gpt_layers
 from .kv_cache import KVCache, cached_forward
 from .validation import check_positive, is_count
@@ -158,7 +158,8 @@ class Request:
 
     arrival: the engine step at which it arrives (a logical clock: step 0 is the first). sampling: None
     for greedy, else chapter 06's processor settings (``process_logits``'s keyword arguments, e.g.
-    ``dict(temperature=0.8, top_k=20)``; ``SAMPLING`` lists them and their ranges), drawn with a
+    ``dict(temperature=0.8, top_k=20)``, and other versions of its processor functions by name, e.g.
+    ``top_k_filter=my_top_k_filter``; ``SAMPLING`` lists them and their ranges), drawn with a
     ``torch.Generator`` seeded with ``seed``. ``validate`` checks every field on arrival.
     The request always generates max_new_tokens tokens (no end-of-sequence token here).
     """
@@ -219,9 +220,9 @@ SAMPLING = {
                            "None or a finite number > 0 (1 means no penalty)"),
     "frequency_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
     "presence_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
-    "functions": (lambda v: v is None or (isinstance(v, Mapping) and set(v) <= set(REPLACEABLE)
-                                          and all(callable(f) for f in v.values())),
-                  f"None or a dict {{name: function}} with names among {', '.join(REPLACEABLE)}"),
+    **{name: (callable, f"a function (the course's decoding.{name} by default)") for name in (
+        "apply_repetition_penalty", "apply_frequency_presence_penalty", "apply_temperature", "top_k_filter",
+        "top_p_filter", "min_p_filter")},
 }
 SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes: [-2**63, 2**64)
 

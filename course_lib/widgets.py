@@ -53,13 +53,14 @@ def temperature_explorer(scores, labels, initial: float = 1.0):
     return widgets.VBox([slider, output])
 
 
-def sampler_explorer(logits, labels, shown: int = 16, functions=None):
+def sampler_explorer(logits, labels, shown: int = 16, **processors):
     """Sliders for temperature, top-k, top-p and min-p over one next-token distribution (V,) logits.
 
     Draws the `shown` most probable tokens: the model's distribution (grey) and the processed,
     renormalised one that sampling would use (blue), with how many tokens survive and their mass.
-    The processors run in course_lib.decoding's order (temperature, top-k, top-p, min-p); functions
-    ({name: function}, as for ``decoding.process_logits``) runs other versions of them, e.g. the learner's. Like
+    The processors run in course_lib.decoding's order (temperature, top-k, top-p, min-p); processors: other
+    versions of them by the name of the function they replace, as for ``decoding.process_logits``
+    (``top_k_filter=my_top_k_filter``), e.g. the learner's. Like
     temperature_explorer, the output widget's state is set directly, so it renders headless too.
     """
     import ipywidgets as widgets
@@ -79,7 +80,7 @@ def sampler_explorer(logits, labels, shown: int = 16, functions=None):
     def redraw(_=None) -> None:
         processed = process_logits(logits, logits.new_zeros(1, 0, dtype=torch.long), temperature=temperature.value,
                                    top_k=top_k.value or None, top_p=top_p.value, min_p=min_p.value or None,
-                                   functions=functions)
+                                   **processors)
         probs = torch.softmax(processed[0].double(), dim=-1)
         kept = int(torch.isfinite(processed).sum())
         figure, ax = plt.subplots(figsize=(7.0, 2.8))

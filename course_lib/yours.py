@@ -10,6 +10,16 @@ exercise's visible check, and the course's reference until then, saying which in
 The check runs again, quietly (what it prints is dropped); any exception it raises, a failed check or an
 unfinished exercise's NotImplementedError, means "not yet". Grading is not affected: the clean room
 grades the answer cells alone.
+
+The one way the course runs the learner's function inside its own machinery: a keyword argument named
+after the course function it replaces, whose default is the course's own, in every module and chapter:
+
+    generate(model, idx, 50, do_sample=True, top_k=10, top_k_filter=top_k_filter)   # chapter 06
+    generate(model, idx, 50, num_beams=4, beam_search=beam_search)
+    mine = dict(top_k_filter=top_k_filter, beam_search=beam_search); generate(..., **mine)
+
+and, for a class, the same keyword given to its constructor (``attention=``). No {name: function} mapping
+is looked up by name anywhere.
 """
 from __future__ import annotations
 

@@ -6,12 +6,15 @@ known by construction; never course_lib.decoding.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .core import assert_close, assert_shape, assert_tensor, fail, passed
 
 __all__ = ["check_apply_temperature", "check_top_k_filter", "check_top_p_filter", "check_apply_repetition_penalty",
-           "check_greedy_search", "check_beam_search_step", "table_model", "greedy_table_oracle"]
+           "check_greedy_search", "check_beam_search", "table_model", "greedy_table_oracle", "table_gpt",
+           "brute_force_beam_target", "random_sharp_gpt", "TRAP_PROBS"]
 
 
 
@@ -218,27 +221,152 @@ def check_greedy_search(greedy_search) -> None:
     passed("greedy_search")
 
 
-def check_beam_search_step(beam_search_step) -> None:
-    """Top candidates over all beams x tokens (flattened), beam and token recovered, generated-length penalty."""
-    g = torch.Generator().manual_seed(61)
-    log_probs = torch.randn(2, 3, 5, generator=g).double().log_softmax(-1).float()
-    beam_scores = torch.tensor([[-1.0, -1.5, -4.0], [-0.5, -0.6, -0.7]])
-    result = beam_search_step(log_probs, beam_scores, 6, 7, 4, 2.0)
-    if not isinstance(result, tuple) or len(result) != 4:
-        fail("beam_search_step should return a tuple (scores, beam, token, finished_scores)")
-    scores, beam, token, finished = result
-    for name, index in (("beam", beam), ("token", token)):
-        if not isinstance(index, torch.Tensor) or index.dtype != torch.int64:
-            fail(f"{name} must be an int64 tensor of indices (flat // V and flat % V of torch.topk's indices), got "
-                 f"{index.dtype if isinstance(index, torch.Tensor) else type(index).__name__}")
-    total = (beam_scores[:, :, None].double() + log_probs.double()).reshape(2, 15)
-    best = total.sort(dim=-1, descending=True)
-    assert_shape(scores, (2, 6), "scores (B, num_candidates)")
-    assert_close(scores, best.values[:, :6].float(), "scores: the 6 best of beam_scores + log_probs over all 3 x 5 "
-                 "(beam, token) pairs, best first")
-    assert_close(beam.double(), (best.indices[:, :6] // 5).double(), "beam: the beam of each candidate (index // V)")
-    assert_close(token.double(), (best.indices[:, :6] % 5).double(), "token: the token of each candidate (index % V)")
-    assert_close(finished, (best.values[:, :6] / (7 + 1 - 4) ** 2.0).float(),
-                 "finished_scores with cur_len 7, prompt_len 4, length_penalty 2 (divide by (7 + 1 - 4) ** 2 = 16)")
-    passed("beam_search_step")
+def table_gpt(table: torch.Tensor, block_size: int = 32):
+    """A course GPT whose next-token log-probabilities are log_softmax(table[last token]): (V, V) -> GPT (eval).
 
+    It runs wherever a GPT does (``model(idx)``, chapter 05's ``cached_forward`` with a KV cache and an
+    attention mask): one block whose output projections are zero, no position embedding, tokens embedded as
+    [e_v, -e_v], whose final LayerNorm is a fixed multiple s of the embedding, and an untied head holding
+    table.T / s. So the best continuation of a prompt is known by brute force (``brute_force_beam_target``).
+    """
+    from ..gpt import GPT, GPTConfig  # the model class only: the oracle is the table
+
+    V = table.shape[0]
+    model = GPT(GPTConfig(vocab_size=V, block_size=block_size, n_layer=1, n_head=1, n_embd=2 * V)).eval()
+    scale = 1.0 / math.sqrt(1.0 / V + model.transformer.ln_f.eps)  # LayerNorm of [e_v, -e_v]: scale * [e_v, -e_v]
+    model.lm_head = torch.nn.Linear(2 * V, V, bias=False)
+    with torch.no_grad():
+        for module in (model.transformer.h[0].attn.c_proj, model.transformer.h[0].mlp.c_proj):
+            module.weight.zero_()
+            module.bias.zero_()
+        model.transformer.wpe.weight.zero_()
+        eye = torch.eye(V)
+        model.transformer.wte.weight.copy_(torch.cat([eye, -eye], dim=1))
+        model.lm_head.weight.copy_(torch.cat([table.T.float() / scale, torch.zeros(V, V)], dim=1))
+    return model
+
+
+def brute_force_beam_target(table: torch.Tensor, prompt: list, max_new_tokens: int, eos: int | None,
+                            length_penalty: float = 1.0):
+    """The best continuation of `prompt` under table_gpt(table), by enumerating every one, in float64.
+
+    A continuation ends at its first eos or after max_new_tokens tokens, and is ranked by its summed
+    log-probability / (its length) ** length_penalty (the prompt not counted). Returns (tokens, score).
+    Beam search returns this when its beams hold every prefix and nothing stops it early (early_stopping="never").
+    """
+    log_p = table.double().log_softmax(-1).tolist()
+    best = (-math.inf, None)
+    stack = [([], 0.0)]
+    while stack:
+        tokens, score = stack.pop()
+        if tokens and (tokens[-1] == eos or len(tokens) == max_new_tokens):
+            ranked = score / len(tokens) ** length_penalty
+            if ranked > best[0]:
+                best = (ranked, tokens)
+            continue
+        last = (prompt + tokens)[-1]
+        stack.extend((tokens + [v], score + log_p[last][v]) for v in range(len(log_p)))
+    return best[1], best[0]
+
+
+#: the trap of check_beam_search: after the prompt [0], token 1 is the likeliest (greedy takes it), but the
+#: text goes on badly after it; token 2, a little less likely, is followed by EOS (4) almost surely.
+TRAP_PROBS = torch.tensor([[0.01, 0.50, 0.45, 0.02, 0.02],
+                           [0.30, 0.25, 0.25, 0.15, 0.05],
+                           [0.01, 0.01, 0.01, 0.02, 0.95],
+                           [0.20, 0.20, 0.20, 0.20, 0.20],
+                           [0.20, 0.20, 0.20, 0.20, 0.20]], dtype=torch.float64)
+
+
+def _result(out, name: str, B: int):
+    if not (isinstance(out, tuple) and len(out) == 2):
+        fail(f"{name} should return a tuple (sequences (B, T + n), scores (B,)), got {type(out).__name__}")
+    sequences, scores = out
+    assert_tensor(sequences, f"the sequences of {name}")
+    assert_tensor(scores, f"the scores of {name}")
+    if sequences.dim() != 2 or sequences.shape[0] != B or tuple(scores.shape) != (B,):
+        fail(f"{name} returned sequences {tuple(sequences.shape)} and scores {tuple(scores.shape)}: expected "
+             f"({B}, T + n) and ({B},)")
+    return sequences, scores
+
+
+def _hf_beams(model, x, mask, max_new_tokens, **kwargs):
+    from ..hf import to_hf  # transformers is imported on first use only
+
+    theirs = to_hf(model).generate(x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                   output_scores=True, return_dict_in_generate=True, **kwargs)
+    return theirs.sequences, theirs.sequences_scores
+
+
+def random_sharp_gpt(seed: int, vocab_size: int = 13):
+    """A small random course GPT whose distributions are sharp enough for EOS and repeats to happen (eval mode)."""
+    from ..gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.mul_(20)
+    return model
+
+
+def _check_score(score: float, expected: float, n: int, prompt_len: int, name: str) -> None:
+    """The score of a best sequence of n generated tokens (length_penalty 1): expected, not its sum over prompt + n."""
+    total = expected * n
+    if abs(score - total / (prompt_len + n)) < 1e-4:
+        fail(f"{name} returned the score {score:.4f} = {total:.4f} / {prompt_len + n}: the length penalty counts the "
+             f"prompt; divide by the number of GENERATED tokens, {n} (expected {expected:.4f})")
+    if abs(score - expected) > 1e-4:
+        fail(f"{name} returned the score {score:.4f}, expected {expected:.4f}: the summed log-probability of the "
+             "generated tokens divided by their number ** length_penalty")
+
+
+def check_beam_search(beam_search) -> None:
+    """A trap greedy falls into (the best sequence known by brute force), the length penalty over the generated
+    tokens only, and Hugging Face's generate(num_beams=3) on a random GPT with a left-padded batch and EOS."""
+    model, eos = table_gpt(TRAP_PROBS.log().float()), 4
+    prompt = torch.tensor([[0]])
+    target, target_score = brute_force_beam_target(TRAP_PROBS.log(), [0], 3, eos, 1.0)
+    name = "beam_search(trap model, [[0]], max_new_tokens=3, num_beams=2, eos_token_id=4)"
+    sequences, scores = _result(beam_search(model, prompt, 3, 2, eos_token_id=eos), name, 1)
+    got = sequences[0, 1:].tolist()
+    if got[:len(target)] != target:
+        greedy = [1]
+        fail(f"{name} returned {got}, but the best sequence is {target} (0.45 x 0.95, length-penalised score "
+             f"{target_score:.4f}): greedy's first token is 1 (0.5), a dead end." +
+             (" Your beams never left greedy's path: rank the K x V candidates of ALL beams together (one top-k over "
+              "the flattened K * V scores, not per beam), and let only one of the K copies of the prompt expand at "
+              "the first step (give the others a score of -inf), or the K beams are K copies of one sequence."
+              if got[:1] == greedy else ""))
+    if got[len(target):] and set(got[len(target):]) != {eos}:
+        fail(f"{name} returned {got}: after the EOS that ends it, a sequence holds pad_token_id (default: the EOS id)")
+    _check_score(scores[0].item(), target_score, len(target), 1, name)
+
+    long_prompt = torch.tensor([[3, 3, 3, 3, 3, 3, 0]])  # the last token decides the table model's next one
+    name = "beam_search(trap model, a prompt of 7 tokens ending in 0, 3, num_beams=2, eos_token_id=4)"
+    sequences, scores = _result(beam_search(model, long_prompt, 3, 2, eos_token_id=eos), name, 1)
+    _check_score(scores[0].item(), target_score, len(target), 7, name)
+    if sequences[0, 7:].tolist()[:len(target)] != target:
+        fail(f"{name} returned {sequences[0, 7:].tolist()} with score {scores[0].item():.4f}, expected {target} "
+             f"with {target_score:.4f} (the same as after the prompt [0]: only the last token matters here)")
+
+    model = random_sharp_gpt(62)
+    x = torch.tensor([[9, 9, 5, 1, 7, 2], [4, 8, 3, 0, 11, 6]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    hf_free, _ = _hf_beams(model, x, mask, 10, num_beams=3, pad_token_id=12)
+    eos = int(hf_free[1, 8])  # a token the search meets: an EOS that ends some hypotheses
+    theirs, their_scores = _hf_beams(model, x, mask, 10, num_beams=3, eos_token_id=eos, pad_token_id=12)
+    name = (f"beam_search(random GPT, a left-padded batch of 2, 10, num_beams=3, eos_token_id={eos}, pad_token_id=12, "
+            "attention_mask=mask)")
+    sequences, scores = _result(beam_search(model, x, 10, 3, eos_token_id=eos, pad_token_id=12, attention_mask=mask),
+                                name, 2)
+    for row in range(2):
+        if sequences.shape != theirs.shape or not torch.equal(sequences[row], theirs[row]):
+            hint = (" Row 0 is left-padded: pass the attention mask to the model (cached_forward(model, idx, cache, "
+                    "mask), the mask growing by a 1 per step) so that padding is not attended to."
+                    if row == 0 else "")
+            fail(f"{name}: row {row} is {sequences[row].tolist()}, Hugging Face's generate gives "
+                 f"{theirs[row].tolist()}.{hint}")
+    assert_close(scores, their_scores, f"the scores of {name} (Hugging Face's sequences_scores)", rtol=1e-4, atol=1e-4)
+    passed("beam_search")

@@ -7,6 +7,8 @@ tolerance policy (assert_parity, 1e-5).
 """
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -202,23 +204,29 @@ def test_functions_replace_the_processors_and_the_input_is_left_alone():
     spies = {name: Spy(name, in_place=True) for name in
              ("apply_repetition_penalty", "apply_temperature", "top_k_filter", "top_p_filter", "min_p_filter")}
     before = logits.clone()
-    assert torch.equal(D.process_logits(logits, ids, functions=spies, **kwargs), D.process_logits(logits, ids, **kwargs))
+    assert torch.equal(D.process_logits(logits, ids, **spies, **kwargs), D.process_logits(logits, ids, **kwargs))
     assert torch.equal(logits, before)  # copied before an in-place replacement could touch it
     assert all(spy.calls == 1 for spy in spies.values())
-    with pytest.raises(ValueError, match="functions can replace only"):
-        D.process_logits(logits, ids, functions={"top_k": D.top_k_filter}, top_k=3)
+    with pytest.raises(TypeError, match="top_k_fliter"):  # a misspelt name is refused, not ignored
+        D.process_logits(logits, ids, top_k_fliter=D.top_k_filter, top_k=3)
 
 
 def test_generate_and_beam_search_run_the_functions_they_are_given(models):
     model, _ = models
     x = prompts()
-    top_k, step = Spy("top_k_filter"), Spy("beam_search_step")
+    top_k, calls = Spy("top_k_filter"), []
     sampled = D.generate(model, x, 6, do_sample=True, top_k=4, generator=torch.Generator().manual_seed(0),
-                         functions={"top_k_filter": top_k})
+                         top_k_filter=top_k)
     assert top_k.calls == 6 and torch.equal(sampled, D.generate(model, x, 6, do_sample=True, top_k=4,
                                                                 generator=torch.Generator().manual_seed(0)))
-    beams = D.generate(model, x, 6, num_beams=3, functions={"beam_search_step": step})
-    assert step.calls >= 1 and torch.equal(beams, D.generate(model, x, 6, num_beams=3))
+
+    def beam_search(*args, **kwargs):
+        calls.append(kwargs)
+        return D.beam_search(*args, **kwargs)
+
+    beams = D.generate(model, x, 6, num_beams=3, length_penalty=2.0, beam_search=beam_search)
+    assert len(calls) == 1 and calls[0]["length_penalty"] == 2.0
+    assert torch.equal(beams, D.generate(model, x, 6, num_beams=3, length_penalty=2.0))
 
 
 # ------------------------------------------------------------------ greedy and sampling vs HF generate
@@ -341,28 +349,32 @@ def test_beam_search_matches_hf_with_eos(models, num_beams, length_penalty, earl
     assert ours.shape == theirs.shape and torch.equal(ours, theirs)
 
 
-def test_beam_search_scores_and_return_sequences_match_hf(models):
+def test_beam_search_scores_match_hf(models):
     model, hf = models
     x = prompts(2, 5)
     eos = _eos_for_beams(model, x, 10)
-    ours, scores = D.beam_search(model, x, 10, 4, eos_token_id=eos, pad_token_id=12, num_return_sequences=3,
-                                 return_scores=True)
+    ours, scores = D.beam_search(model, x, 10, 4, eos_token_id=eos, pad_token_id=12)
     theirs = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False, num_beams=4,
-                         eos_token_id=eos, pad_token_id=12, num_return_sequences=3, output_scores=True,
-                         return_dict_in_generate=True)
+                         eos_token_id=eos, pad_token_id=12, output_scores=True, return_dict_in_generate=True)
     assert torch.equal(ours, theirs.sequences)
     assert_parity(scores, theirs.sequences_scores)
     assert (ours == eos).any()  # EOS hypotheses were stored
 
 
-def test_beam_search_left_padded_with_repetition_penalty_matches_hf(models):
+def test_beam_search_left_padded_matches_hf_and_refuses_what_it_does_not_do(models):
     model, hf = models
     x, mask = left_padded()
-    for kwargs in [dict(num_beams=3), dict(num_beams=2, repetition_penalty=1.5, eos_token_id=3, pad_token_id=9)]:
+    for kwargs in [dict(num_beams=3), dict(num_beams=2, eos_token_id=3, pad_token_id=9)]:
         ours = D.generate(model, x, 8, attention_mask=mask, **kwargs)
         theirs = hf.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False, **{"pad_token_id": 9, **kwargs})
         assert torch.equal(ours, theirs)
-        assert torch.equal(D.generate(model, x, 8, attention_mask=mask, use_cache=False, **kwargs), ours)
+    for refused in [dict(repetition_penalty=1.5), dict(eos_token_id=[3, 4]), dict(do_sample=True)]:
+        with pytest.raises(ValueError, match="num_beams=1"):
+            D.generate(model, x, 8, attention_mask=mask, num_beams=2, **refused)
+    with pytest.raises(ValueError, match="early_stopping"):
+        D.beam_search(model, x, 8, 2, early_stopping="sometimes")
+    with pytest.raises(ValueError, match="num_beams"):
+        D.beam_search(model, x, 8, 0)
 
 
 def test_one_rows_eos_does_not_end_other_rows_or_beams(models):
@@ -377,28 +389,21 @@ def test_one_rows_eos_does_not_end_other_rows_or_beams(models):
         assert set(batched[i, n:].tolist()) <= {12}
 
 
-def test_beam_search_step_expands_over_all_beams_and_normalises_generated_length():
-    g = torch.Generator().manual_seed(0)
-    log_probs = torch.randn(2, 3, 7, generator=g).log_softmax(-1)
-    beam_scores = torch.randn(2, 3, generator=g)
-    scores, beam, token, finished = D.beam_search_step(log_probs, beam_scores, 6, cur_len=9, prompt_len=5,
-                                                       length_penalty=2.0)
-    total = beam_scores[:, :, None] + log_probs
-    brute = total.reshape(2, -1).sort(dim=-1, descending=True).values[:, :6]
-    assert_parity(scores, brute)
-    assert_parity(total[torch.arange(2)[:, None], beam, token], scores)
-    assert_parity(finished, scores / 5 ** 2.0)  # generated length 9 + 1 - 5, the prompt not counted
-
-
-def test_gnmt_length_penalty_changes_the_ranking_as_documented(models):
-    model, _ = models
-    x = prompts(2, 5)
-    eos = _eos_for_beams(model, x, 10)
-    _, hf_scores = D.beam_search(model, x, 10, 3, eos_token_id=eos, length_penalty=1.0, return_scores=True)
-    out, gnmt_scores = D.beam_search(model, x, 10, 3, eos_token_id=eos, length_penalty=1.0, length_penalty_style="gnmt",
-                                     return_scores=True)
-    assert out.shape[0] == 2 and torch.isfinite(gnmt_scores).all()
+def test_gnmt_length_penalty_by_formula():
     assert abs(D.gnmt_length_penalty(1, 1.0) - 1.0) < 1e-12 and abs(D.gnmt_length_penalty(7, 0.5) - 2 ** 0.5) < 1e-12
+
+
+def test_beam_search_finds_the_brute_force_best_when_its_beams_hold_every_prefix():
+    """Lookup-table GPTs (checks.table_gpt): with K = V ** 3 beams, 4 new tokens and early_stopping="never"
+    nothing is pruned, so the result scores as the best of every continuation, enumerated in float64."""
+    from course_lib import checks
+    g = torch.Generator().manual_seed(7)
+    for length_penalty in (1.0, 0.0, -0.5, 2.0):
+        table = torch.randn(4, 4, generator=g) * 2
+        _, best = checks.brute_force_beam_target(table, [1, 2], 4, 3, length_penalty)
+        _, scores = D.beam_search(checks.table_gpt(table), torch.tensor([[1, 2]]), 4, 64, eos_token_id=3,
+                                  length_penalty=length_penalty, early_stopping="never")
+        assert abs(scores.item() - best) < 1e-4
 
 
 # ------------------------------------------------------------------ the text metrics of the comparison
@@ -436,9 +441,11 @@ def test_process_logits_runs_its_processors_in_the_documented_processor_order():
     function_of = {"repetition_penalty": "apply_repetition_penalty", "frequency_presence_penalty":
                    "apply_frequency_presence_penalty", "temperature": "apply_temperature", "top_k": "top_k_filter",
                    "top_p": "top_p_filter", "min_p": "min_p_filter"}
-    assert set(function_of) == set(D.PROCESSOR_ORDER) and set(function_of.values()) <= set(D.REPLACEABLE)
+    keywords = inspect.signature(D.process_logits).parameters
+    assert set(function_of) == set(D.PROCESSOR_ORDER)
+    assert all(keywords[f].default is getattr(D, f) for f in function_of.values())  # each defaults to the course's own
     logits, ids = torch.randn(2, 11), torch.randint(0, 11, (2, 5))
     D.process_logits(logits, ids, ids[:, -2:], repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5,
                      temperature=0.7, top_k=4, top_p=0.9, min_p=0.05,
-                     functions={function_of[name]: spy(name) for name in D.PROCESSOR_ORDER})
+                     **{function_of[name]: spy(name) for name in D.PROCESSOR_ORDER})
     assert tuple(called) == D.PROCESSOR_ORDER

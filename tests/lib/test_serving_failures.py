@@ -127,7 +127,8 @@ BAD = [  # (request, the words its error must contain: the field and its allowed
     (Request("pres", [1, 2, 3], 4, sampling=dict(presence_penalty="1")), "sampling presence_penalty must be a number in [-2, 2]"),
     (Request("typo", [1, 2, 3], 4, sampling=dict(temprature=0.5)), "sampling has no setting 'temprature'; the settings are temperature"),
     (Request("notdict", [1, 2, 3], 4, sampling=0.8), "sampling must be None (greedy) or a dict of settings"),
-    (Request("fn", [1, 2, 3], 4, sampling=dict(functions={"softmax": abs})), "sampling functions must be None or a dict"),
+    (Request("fn", [1, 2, 3], 4, sampling=dict(top_k_filter="abs")), "sampling top_k_filter must be a function"),
+    (Request("fns", [1, 2, 3], 4, sampling=dict(functions={"top_k_filter": abs})), "sampling has no setting 'functions'"),
     (Request("seed", [1, 2, 3], 4, seed=2 ** 64), "seed must be an integer in [-2**63, 2**64)"),
     (Request("seedf", [1, 2, 3], 4, seed=1.5), "seed must be an integer in [-2**63, 2**64)"),
     (Request("oov", [1, V, 3], 4), f"prompt token ids must be integers in [0, vocab_size = {V}), got {V} at position 1"),
@@ -201,7 +202,7 @@ def failing_after(calls: int, function):
 def test_a_request_whose_sampling_raises_mid_run_fails_alone_and_keeps_its_tokens_so_far(small, pools, engine, calls):
     requests = batch()
     doomed = Request("doomed", PREFIX + [3, 1, 4, 1, 5], 9, arrival=1, seed=5,  # shares the others' prefix blocks
-                     sampling=dict(top_k=6, functions={"top_k_filter": failing_after(calls, top_k_filter)}))
+                     sampling=dict(top_k=6, top_k_filter=failing_after(calls, top_k_filter)))
     requests.insert(2, doomed)
     results, trace = serve(small, pools, requests, engine)
     error = results["doomed"].error

@@ -1,11 +1,15 @@
 """Chapter 06's learner-facing checks: the reference passes; each classic bug gets a specific message with numbers."""
 from __future__ import annotations
 
+import inspect
+import textwrap
+
 import pytest
 import torch
 
 from course_lib import checks
-from course_lib.decoding import (apply_repetition_penalty, apply_temperature, beam_search_step, top_k_filter)
+from course_lib import decoding
+from course_lib.decoding import apply_repetition_penalty, apply_temperature, top_k_filter
 
 
 def divide_by_zero(logits, temperature):
@@ -142,24 +146,20 @@ pad_defaults_to_zero = _greedy_variant(lambda eos: 0, False, False)
 finished_rows_emit_eos = _greedy_variant(lambda eos: eos, False, True)
 
 
-def beam_modulo_k(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty=1.0):
-    scores, beam, token, finished = beam_search_step(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty)
-    flat = beam * log_probs.shape[-1] + token
-    return scores, flat % log_probs.shape[1], token, finished
+def beam_variant(*replacements):
+    """course_lib's beam_search with each (old, new) replacement of its source applied: a planted bug."""
+    source = textwrap.dedent(inspect.getsource(decoding.beam_search))
+    for old, new in replacements:
+        assert old in source, old
+        source = source.replace(old, new)
+    namespace = dict(vars(decoding))
+    exec(source, namespace)  # noqa: S102 - the course's own code, mutated
+    return namespace["beam_search"]
 
 
-def ranked_by_new_log_prob(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty=1.0):
-    return beam_search_step(log_probs, torch.zeros_like(beam_scores), n, cur_len, prompt_len, length_penalty)
-
-
-def float_indices(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty=1.0):
-    scores, beam, token, finished = beam_search_step(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty)
-    return scores, beam.float(), token.float(), finished
-
-
-def prompt_counted(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty=1.0):
-    scores, beam, token, _ = beam_search_step(log_probs, beam_scores, n, cur_len, prompt_len, length_penalty)
-    return scores, beam, token, scores / (cur_len + 1) ** length_penalty
+beams_start_equal = beam_variant(("running_scores[:, 0] = 0.0", "running_scores[:, :] = 0.0"))
+prompt_in_length_penalty = beam_variant(("(cur_len + 1 - T0) ** length_penalty", "(cur_len + 1) ** length_penalty"))
+mask_ignored = beam_variant(("cached_forward(model, new, cache, mask)", "cached_forward(model, new, cache)"))
 
 
 @pytest.mark.parametrize("check, fn, message", [
@@ -185,10 +185,9 @@ def prompt_counted(log_probs, beam_scores, n, cur_len, prompt_len, length_penalt
     (checks.check_greedy_search, eos_in_prompt_finishes, "an EOS already in the prompt does not finish a row"),
     (checks.check_greedy_search, pad_defaults_to_zero, "pad_token_id=None means pad with eos_token_id"),
     (checks.check_greedy_search, finished_rows_emit_eos, "is pad_token_id ignored?"),
-    (checks.check_beam_search_step, prompt_counted, "(7 + 1 - 4) ** 2 = 16"),
-    (checks.check_beam_search_step, beam_modulo_k, "(index // V)"),
-    (checks.check_beam_search_step, ranked_by_new_log_prob, "beam_scores + log_probs over all"),
-    (checks.check_beam_search_step, float_indices, "must be an int64 tensor of indices"),
+    (checks.check_beam_search, beams_start_equal, "Your beams never left greedy's path"),
+    (checks.check_beam_search, prompt_in_length_penalty, "the length penalty counts the prompt"),
+    (checks.check_beam_search, mask_ignored, "Row 0 is left-padded: pass the attention mask"),
 ])
 def test_each_classic_bug_gets_a_specific_message(check, fn, message):
     with pytest.raises(checks.CheckFailed) as failure:

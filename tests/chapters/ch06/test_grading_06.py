@@ -17,7 +17,7 @@ from tests.roundtrip import Chapter, round_trip
 
 CH = Chapter("06-decoding", "decoding")
 TEMP, TOPK, TOPP = "temperature-solution", "top_k-solution", "top_p-solution"
-REP, GREEDY, BEAM = "repetition_penalty-solution", "greedy-solution", "beam_step-solution"
+REP, GREEDY, BEAM = "repetition_penalty-solution", "greedy-solution", "beam_search-solution"
 ZERO_BRANCH = """    if temperature == 0:
         is_max = logits == logits.amax(dim=-1, keepdim=True)
         return torch.where(is_max, 0.0, float("-inf")).to(logits.dtype)
@@ -42,8 +42,8 @@ def planted_b() -> dict:
                         'return logits.softmax(-1).masked_fill(logits < kth_largest, float("-inf"))'),
         # divides negative logits too, raising them -> visible, negative and rows (once uses positive logits)
         REP: CH.mutate(REP, "score = torch.where(score < 0, score * penalty, score / penalty)", "score = score / penalty"),
-        # the length penalty counts the prompt -> visible and prompt (scores, beams and tokens are right)
-        BEAM: CH.mutate(BEAM, "(cur_len + 1 - prompt_len) ** length_penalty", "(cur_len + 1) ** length_penalty"),
+        # the length penalty counts the prompt -> every test but errors (the scores, and the rankings they decide)
+        BEAM: CH.mutate(BEAM, "(cur_len + 1 - T0) ** length_penalty", "(cur_len + 1) ** length_penalty"),
     })
 
 
@@ -54,12 +54,13 @@ STUDENTS = {
     "planted_a": (planted_a, failing("temperature", "visible", "zero") | failing("top_p", "visible", "crossing", "order")
                   | failing("greedy", "visible", "batch_eos", "padding")),
     "planted_b": (planted_b, failing("top_k", "visible", "large", "logits")
-                  | failing("repetition_penalty", "visible", "negative", "rows") | failing("beam_step", "visible", "prompt")),
+                  | failing("repetition_penalty", "visible", "negative", "rows")
+                  | failing("beam_search", "visible", "hf", "rows", "brute", "eos")),
 }
 
 
 graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions = round_trip(
-    CH, STUDENTS, total=25)  # one nbgrader run grades every student
+    CH, STUDENTS, total=33)  # one nbgrader run grades every student
 
 
 @pytest.mark.slow
@@ -69,4 +70,4 @@ def test_failures_carry_the_checks_messages(graded):
     assert "the other rows go on" in a["greedy-visible"]
     b = roundtrip.messages(graded, CH, "planted_b")
     assert "RAISES it" in b["repetition_penalty-visible"]
-    assert "(7 + 1 - 4) ** 2 = 16" in b["beam_step-visible"]
+    assert "the length penalty counts the prompt" in b["beam_search-visible"]

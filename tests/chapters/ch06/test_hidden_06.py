@@ -14,15 +14,18 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import checks
+from course_lib.hf import to_hf
+from course_lib.kv_cache import KVCache, cached_forward
 from tests.cell_harness import TestCells
 from tests.helpers import ROOT, failing
 
 SOURCE = ROOT / "solutions" / "06-decoding" / "decoding.ipynb"
-HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "F": F, "checks": checks})
+HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "F": F, "checks": checks, "to_hf": to_hf,
+                             "KVCache": KVCache, "cached_forward": cached_forward})
 CELLS, REFERENCE = HARNESS.cells, HARNESS.reference
 cells_of, mutate, failing_tests = HARNESS.cells_of, HARNESS.mutate, HARNESS.failing_tests
 
-TEMP, TOPK, TOPP, REP, GREEDY, BEAM = "temperature", "top_k", "top_p", "repetition_penalty", "greedy", "beam_step"
+TEMP, TOPK, TOPP, REP, GREEDY, BEAM = "temperature", "top_k", "top_p", "repetition_penalty", "greedy", "beam_search"
 ZERO_BRANCH = """    if temperature == 0:
         is_max = logits == logits.amax(dim=-1, keepdim=True)
         return torch.where(is_max, 0.0, float("-inf")).to(logits.dtype)
@@ -33,8 +36,10 @@ DROP = "drop = tail_mass <= 1 - p"
 PENALTY = "score = torch.where(score < 0, score * penalty, score / penalty)"
 ARGMAX = "next_token = logits[:, -1, :].argmax(dim=-1)  # (B,)"
 ALL_DONE = "if finished.all():"
-TOPK_FLAT = "scores, flat = torch.topk(total, num_candidates, dim=-1)"
-LENGTH = "(cur_len + 1 - prompt_len) ** length_penalty"
+LENGTH = "(cur_len + 1 - T0) ** length_penalty"
+EARLY_TRUE = """        if early_stopping is True:
+            searching &= finished_scores[:, -1] == -inf
+"""
 
 
 
@@ -107,17 +112,19 @@ CASES = [
         "finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)  # (B,)",
         "finished = (idx == eos_token_id).any(dim=1) if eos_token_id is not None else "
         "torch.zeros(idx.shape[0], dtype=torch.bool)")), failing(GREEDY, "visible", "padding")),  # visible: issue 24
-    # beam search step
+    # beam search (the build exercise): slow cases (Hugging Face runs in its tests), so only the main ones
     (BEAM, "length penalty counts the prompt", mutate(BEAM, (LENGTH, "(cur_len + 1) ** length_penalty")),
-     failing(BEAM, "visible", "prompt")),
-    (BEAM, "beam recovered with % K instead of // V", mutate(BEAM, ("beam, token = flat // V, flat % V",
-                                                                    "beam, token = flat % K, flat % V")),
-     failing(BEAM, "visible", "flatten")),
-    (BEAM, "ranked by the new log-prob alone", mutate(BEAM, ("(beam_scores[:, :, None] + log_probs)", "log_probs")),
-     failing(BEAM, "visible", "scores")),
-    (BEAM, "correct: sort instead of topk", mutate(BEAM, (TOPK_FLAT,
-        "scores, flat = total.sort(dim=-1, descending=True)\n    scores, flat = scores[:, :num_candidates], flat[:, :num_candidates]")),
-     set()),
+     failing(BEAM, "visible", "hf", "rows", "brute", "eos")),
+    (BEAM, "the K beams start equal: copies of one sequence", mutate(BEAM, (
+        "running_scores[:, 0] = 0.0", "running_scores[:, :] = 0.0")), failing(BEAM, "visible", "hf", "rows", "brute")),
+    (BEAM, "attention mask ignored", mutate(BEAM, ("cached_forward(model, new, cache, mask)",
+                                                   "cached_forward(model, new, cache)")), failing(BEAM, "visible", "rows")),
+    (BEAM, "early_stopping=True treated as False", mutate(BEAM, (EARLY_TRUE, "")), failing(BEAM, "hf")),
+    (BEAM, "returns every sequence at full length", mutate(BEAM, (
+        "finished[:, 0, :int(finished_len[:, 0].max())]", "finished[:, 0]")), failing(BEAM, "hf", "eos")),
+    (BEAM, "no ValueError", mutate(BEAM, ('if early_stopping not in (True, False, "never"):', "if False:"), (
+        "if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:", "if False:")),
+     failing(BEAM, "errors")),
 ]
 
 
