@@ -351,14 +351,17 @@ def test_beam_search_matches_hf_with_eos(models, num_beams, length_penalty, earl
 
 def test_beam_search_scores_match_hf(models):
     model, hf = models
-    x = prompts(2, 5)
-    eos = _eos_for_beams(model, x, 10)
-    ours, scores = D.beam_search(model, x, 10, 4, eos_token_id=eos, pad_token_id=12)
-    theirs = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False, num_beams=4,
-                         eos_token_id=eos, pad_token_id=12, output_scores=True, return_dict_in_generate=True)
-    assert torch.equal(ours, theirs.sequences)
-    assert_parity(scores, theirs.sequences_scores)
-    assert (ours == eos).any()  # EOS hypotheses were stored
+    x, ended = prompts(2, 5), []
+    for length_penalty in (1.0, 0.0):
+        for eos in (_eos_for_beams(model, x, 10), int(D.generate(model, x, 10, num_beams=4)[1, 8])):
+            ours, scores = D.beam_search(model, x, 10, 4, eos_token_id=eos, pad_token_id=12, length_penalty=length_penalty)
+            theirs = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False, num_beams=4,
+                                 eos_token_id=eos, pad_token_id=12, length_penalty=length_penalty, output_scores=True,
+                                 return_dict_in_generate=True)
+            assert torch.equal(ours, theirs.sequences)
+            assert_parity(scores, theirs.sequences_scores)
+            ended.append(bool((ours[:, 5:] == eos).any()))
+    assert any(ended)  # some best hypotheses end with EOS: their scores count EOS in the length
 
 
 def test_beam_search_left_padded_matches_hf_and_refuses_what_it_does_not_do(models):

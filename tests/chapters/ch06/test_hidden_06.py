@@ -122,6 +122,11 @@ CASES = [
     (BEAM, "early_stopping=True treated as False", mutate(BEAM, (EARLY_TRUE, "")), failing(BEAM, "hf")),
     (BEAM, "returns every sequence at full length", mutate(BEAM, (
         "finished[:, 0, :int(finished_len[:, 0].max())]", "finished[:, 0]")), failing(BEAM, "hf", "eos")),
+    (BEAM, "correct: no cache kept, the whole prefix recomputed each step", mutate(BEAM, (
+        "log_probs = cached_forward(model, new, cache, mask)[:, -1]",
+        "log_probs = cached_forward(model, running[:, :, :cur_len].reshape(B * K, cur_len), KVCache.for_model("
+        "model, B * K, cur_len), None if mask is None else mask[:, :cur_len])[:, -1]"),
+        ("        cache.reorder((source + rows * K).view(-1))\n", "")), set()),
     (BEAM, "no ValueError", mutate(BEAM, ('if early_stopping not in (True, False, "never"):', "if False:"), (
         "if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:", "if False:")),
      failing(BEAM, "errors")),
