@@ -65,7 +65,7 @@ def fit_power_law(n, loss, offsets=None):
     of E, each strictly below min(loss), which the caller ensures; by default 1000 evenly spaced values in
     [0, min(loss)). The E returned is one of the offsets, exactly (so an exact law whose E is among them is
     recovered exactly), with its A and alpha. The hidden tests check exact laws with large offsets, and noisy
-    losses whose noise only a comparison of the offsets on the one scale of log(loss) cannot see.
+    losses built so that only offsets compared on the one scale of log(loss) find the true law.
     """
     n, loss = np.asarray(n, dtype=np.float64), np.asarray(loss, dtype=np.float64)
     if offsets is None:

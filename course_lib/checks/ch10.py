@@ -198,7 +198,9 @@ def check_compute_optimal(compute_optimal) -> None:
         hint = " (did you forget the 6 of C = 6ND?)" if abs(n * d / 1.2e14 - 1) < 1e-9 else ""
         fail(f"compute_optimal(1.2e14): 6 N D should spend the budget, 1.2e14 FLOPs; got 6 N D = {6 * n * d:.4g}{hint}")
     if abs(d / n - 20) > 1e-9:
-        fail(f"compute_optimal(1.2e14) with the default 20 tokens per parameter: D / N should be 20, got {d / n:.4g}")
+        hint = (": that is 1 / 20, parameters per token. r counts tokens per parameter, D = r N (or are N and D swapped "
+                "in the returned pair (N, D)?)" if abs(n / d - 20) < 1e-9 else "")
+        fail(f"compute_optimal(1.2e14) with the default 20 tokens per parameter: D / N should be 20, got {d / n:.4g}{hint}")
     if abs(n - 1e6) > 1e-3:
         fail(f"compute_optimal(1.2e14) should give N = sqrt(1.2e14 / (6 x 20)) = 1e6 parameters, got {n:.6g}")
     result = compute_optimal(1.2e14, 120.0)

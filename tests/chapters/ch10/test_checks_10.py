@@ -170,7 +170,7 @@ def _linear_vertex(n, loss):
     (checks.check_fit_power_law, returns_a_list, r"should return a tuple \(E, A, alpha\), got list"),
     (checks.check_fit_power_law, coarse_default, r"with the default offsets \(1000 values in \[0, min\(loss\)\)"),
     (checks.check_compute_optimal, forgot_six, r"got 6 N D = 7\.2e\+14 \(did you forget the 6 of C = 6ND\?\)"),
-    (checks.check_compute_optimal, ratio_inverted, r"D / N should be 20, got 0\.05"),
+    (checks.check_compute_optimal, ratio_inverted, r"D / N should be 20, got 0\.05: that is 1 / 20, parameters per token"),
 ])
 def test_classic_bugs_get_specific_messages(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):
