@@ -79,31 +79,46 @@ def config_text(cell_timeout: int) -> str:
 
 def run_nbgrader(args: list[str], cwd: Path, log: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run ``nbgrader ARGS`` in ``cwd`` with this interpreter; with ``check``, raise with the log tail on failure."""
+    return _run_python(["-m", "nbgrader", *args], f"nbgrader {' '.join(args)}", cwd, log, check)
+
+
+def _run_python(argv: list[str], what: str, cwd: Path, log: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """``python ARGV`` (this interpreter) in ``cwd``, logged as ``what``; with ``check``, raise with the log tail on failure."""
     # nbgrader runs helper executables (alembic) by name: put this interpreter's bin/ first on PATH
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=cwd, capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, env=env)
     if log is not None:
         with log.open("a") as fh:
-            fh.write(f"$ nbgrader {' '.join(args)}\n{proc.stdout}{proc.stderr}\n")
+            fh.write(f"$ {what}\n{proc.stdout}{proc.stderr}\n")
     if check and proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-        raise RuntimeError(f"nbgrader {' '.join(args)} failed (exit {proc.returncode}):\n{tail}")
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")
     return proc
+
+
+#: ``nbgrader generate_assignment NAME --force --no-db`` for each NAME, in one process (importing nbgrader takes
+#: seconds: once, not once per chapter); an nbgrader error exits with status 1, as the command does.
+_GENERATE_ASSIGNMENTS = """
+import sys
+from nbgrader.apps.generateassignmentapp import GenerateAssignmentApp
+root, names = sys.argv[1], sys.argv[2:]
+for name in names:
+    app = GenerateAssignmentApp()
+    app.initialize([name, "--force", "--no-db", f"--CourseDirectory.root={root}"])
+    app.start()
+"""
 
 
 def release(chapter_names: list[str] | None = None, root: Path | None = None) -> list[Path]:
     """Regenerate ``notebooks/<chapter>/`` from ``solutions/<chapter>/`` with nbgrader; returns the folders."""
     root = root or repo_root()
     names = chapter_names or chapters(root)
-    out = []
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "nbgrader_config.py"
         config.write_text(config_text(CELL_TIMEOUT))
-        for name in names:
-            # nbgrader reads nbgrader_config.py from its working directory
-            run_nbgrader(["generate_assignment", name, "--force", "--no-db", f"--CourseDirectory.root={root}"], cwd=Path(tmp))
-            out.append(root / RELEASE_DIR / name)
-    return out
+        # nbgrader reads nbgrader_config.py from its working directory
+        _run_python(["-c", _GENERATE_ASSIGNMENTS, str(root), *names], f"nbgrader generate_assignment {' '.join(names)}", Path(tmp))
+    return [root / RELEASE_DIR / name for name in names]
 
 
 def execute_solutions(chapter_names: list[str] | None = None, root: Path | None = None, timeout: int = 600) -> list[Path]:

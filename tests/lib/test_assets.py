@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -232,6 +233,21 @@ def test_two_layers_form_an_induction_head_and_one_layer_does_not():
 # ----------------------------------------------------------------------------- course pretrain
 
 
+@pytest.fixture
+def small_evaluation(monkeypatch):
+    """A language model's pretrain evaluates on a tenth of the corpus and on one fixed batch per split (its training
+    evaluations too): the same code, run twice, at a fraction of the cost (the evaluation, not the 3 steps, took the
+    time)."""
+    import course_lib.pretrain as module
+
+    text = default_corpus()
+    monkeypatch.setattr(module, "default_corpus", lambda: text[:len(text) // 10])
+    monkeypatch.setattr(module, "EVAL_BATCHES", 1)
+    for name in CHAR_MODELS + BPE_MODELS:
+        monkeypatch.setitem(RECIPES, name, replace(RECIPES[name], train_args={**RECIPES[name].train_args, "eval_batches": 1}))
+
+
+@pytest.mark.usefixtures("small_evaluation")
 @pytest.mark.parametrize("name", ["char-gpt-draft", "char-llama", "bpe-gpt", "gru-reversal-attention", "transformer-reversal",
                                   "induction-2l"])
 def test_pretrain_is_deterministic(name, tmp_path):
