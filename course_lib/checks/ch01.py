@@ -117,7 +117,7 @@ def check_additive_attention(additive_attention) -> None:
 
 
 def check_scaled_dot_product_attention(scaled_dot_product_attention) -> None:
-    """Visible checks for chapter 01, exercise 3, against torch.nn.functional.scaled_dot_product_attention."""
+    """Visible checks for chapter 01, exercise 4, against torch.nn.functional.scaled_dot_product_attention."""
     gen = torch.Generator().manual_seed(103)
     q, k, v = torch.randn(4, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, 3, generator=gen)
     out, weights = unpack_pair(scaled_dot_product_attention(q, k, v), "scaled_dot_product_attention", ("out", "weights"))
