@@ -38,6 +38,17 @@ LUONG_ORDER = mutate("attention_decoder", (
 
 # exercise, bug name, solution source, the tests it must fail (and why)
 CASES = [
+    # the warm-ups
+    ("masked_softmax", "a fully masked row left uniform", mutate("masked_softmax", ("return weights.masked_fill(~mask, 0.0)", "return weights")),
+     {"masked_softmax-visible", "masked_softmax-fully_masked"}),
+    ("masked_softmax", "softmax over the first axis", mutate("masked_softmax", ("return torch.softmax(scores, dim=-1)", "return torch.softmax(scores, dim=0)")),
+     {"masked_softmax-visible", "masked_softmax-last_axis"}),  # without a mask only
+    ("additive_attention", "mask ignored", mutate("additive_attention", ("masked_softmax(energies, mask)", "masked_softmax(energies)")),
+     {"additive_attention-visible", "additive_attention-mask"}),
+    ("additive_attention", "no tanh", mutate("additive_attention", ("torch.tanh(projected_q + projected_k)", "(projected_q + projected_k)")),
+     {"additive_attention-visible", "additive_attention-mask", "additive_attention-batch"}),  # every test compares the formula
+    ("scaled_dot_product_attention", "unscaled", mutate("scaled_dot_product_attention", (" / math.sqrt(d_k)", "")),
+     {"scaled_dot_product_attention-visible", "scaled_dot_product_attention-scale"}),
     # the attention decoder (the build exercise); the trained test compares the whole translator with the course's model
     ("attention_decoder", "mask ignored", mutate("attention_decoder", ("attention.v, src_mask.unsqueeze(1))", "attention.v)")),
      {"attention_decoder-visible", "attention_decoder-query", "attention_decoder-padding", "attention_decoder-trained"}),
@@ -84,7 +95,7 @@ def test_the_build_exercise_is_at_least_20_reference_lines():
     assert len([line for line in code if line.strip() and not line.strip().startswith("#")]) >= 20
 
 
-@pytest.mark.parametrize("exercise", ["attention_decoder"])
+@pytest.mark.parametrize("exercise", list(REFERENCE))
 def test_the_reference_passes_every_test(exercise):
     assert failing_tests(exercise, REFERENCE[exercise]) == set()
 
