@@ -37,7 +37,7 @@ def masked_softmax(scores, mask=None):
 
 
 def additive_attention(query, keys, values, W_q, W_k, v, mask=None):
-    """Additive (Bahdanau) attention: score(q, k) = v . tanh(W_q q + W_k k).
+    """Additive (Bahdanau) attention of each query over the keys, with the learned W_q, W_k and v.
 
     query: (..., Tq, Dq)   keys: (..., Tk, Dk)   values: (..., Tk, Dv)
     W_q: (Dq, A)   W_k: (Dk, A)   v: (A,)   mask: bool, broadcastable to (..., Tq, Tk), True = keep.
@@ -51,7 +51,7 @@ def additive_attention(query, keys, values, W_q, W_k, v, mask=None):
 
 
 def scaled_dot_product_attention(q, k, v, mask=None):
-    """softmax(q k^T / sqrt(d_k)) v, with an optional boolean mask.
+    """Scaled dot-product attention (Vaswani et al., 2017) of each query over the keys, with an optional boolean mask.
 
     q: (..., Tq, Dk)   k: (..., Tk, Dk)   v: (..., Tk, Dv)
     mask: bool, broadcastable to (..., Tq, Tk), True = attend.

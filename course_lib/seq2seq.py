@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AdditiveAttention
+from .attention import AdditiveAttention, additive_attention
 from .data import BOS, DIGIT_VOCAB_SIZE, PAD, Seq2SeqBatch, reversal_batch
 
 
@@ -73,6 +73,67 @@ class GRUSeq2Seq(nn.Module):
         return torch.stack(tokens, 1), torch.stack(weights, 1)
 
 
+def decoder_step(model, token, state, enc_states, src_mask):
+    """One step of the attention decoder of a GRUSeq2Seq, computed from the model's weights.
+
+    model: a GRUSeq2Seq with use_attention=True. Its weights, by name: model.embed (nn.Embedding(V, E)),
+        model.attention.W_q (H, A), .W_k (2H, A), .v (A,), model.decoder (nn.GRUCell(E + 2H, H): weight_ih,
+        weight_hh, bias_ih, bias_hh) and model.readout (nn.Linear(H + 2H + E, V)). The layout it was trained
+        with: the GRU cell reads torch.cat([embedding, context]), the readout torch.cat([new state, context, embedding]).
+    token: (B,) int, the token written at the previous step   state: (B, H), the decoder state before this step
+    enc_states: (B, S, 2H), from model.encode   src_mask: (B, S) bool, True on real source positions
+    Returns (logits (B, V), new state (B, H), weights (B, S)): weights are the attention weights this step's
+    context was made with; padding gets exactly 0 and each row sums to 1. Raises ValueError naming
+    use_attention when model.use_attention is False. The tests compare all three with the course's
+    model (GRUSeq2Seq.decode_step, which calls torch.nn.GRUCell) and with a float64 reference.
+    """
+    if not model.use_attention:
+        raise ValueError("model must have use_attention=True: this decoder reads the source through attention")
+    emb = model.embed(token)  # (B, E)
+    attention = model.attention
+    # the query is the state *before* this step: it asks where to look for the token to write now
+    context, weights = additive_attention(state.unsqueeze(1), enc_states, enc_states, attention.W_q, attention.W_k,
+                                          attention.v, src_mask.unsqueeze(1))  # (B, 1, 2H), (B, 1, S)
+    context, weights = context.squeeze(1), weights.squeeze(1)
+    # the GRU cell from its equations, in PyTorch's convention: the reset gate scales W_hn h + b_hn
+    gru = model.decoder
+    x = torch.cat([emb, context], dim=-1)  # (B, E + 2H)
+    r_x, z_x, n_x = (x @ gru.weight_ih.T + gru.bias_ih).chunk(3, dim=-1)  # (B, H) each
+    r_h, z_h, n_h = (state @ gru.weight_hh.T + gru.bias_hh).chunk(3, dim=-1)
+    reset, update = torch.sigmoid(r_x + r_h), torch.sigmoid(z_x + z_h)
+    candidate = torch.tanh(n_x + reset * n_h)
+    new_state = (1 - update) * candidate + update * state  # the update gate keeps part of the old state
+    logits = model.readout(torch.cat([new_state, context, emb], dim=-1))  # (B, V)
+    return logits, new_state, weights
+
+
+def greedy_translate(model, src, src_lengths, max_len):
+    """Greedy decoding with decoder_step: the whole translator of a trained GRUSeq2Seq (use_attention=True).
+
+    src: (B, S) int, padded with PAD   src_lengths: (B,) int   max_len: the number of steps, >= 1.
+    model.encode(src, src_lengths) gives the encoder states and the summary; as in training, the decoder starts
+    from the state tanh(model.bridge(summary)) and the token BOS.
+    Returns (tokens (B, max_len), weights (B, max_len, S)): tokens[b, i] is the most likely token of step i and
+    the input of step i + 1; weights[b, i] are the attention weights of step i. Every row runs max_len steps
+    (no stop at EOS). Raises ValueError naming max_len when max_len < 1. The tests compare with the course's
+    model (GRUSeq2Seq.greedy_decode): the same tokens, the same weights up to float32 rounding; a string's
+    result does not depend on its padding or on the other strings of its batch.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    enc_states, summary = model.encode(src, src_lengths)  # (B, S, 2H), (B, 2H)
+    state = torch.tanh(model.bridge(summary))  # (B, H)
+    token = torch.full((src.shape[0],), BOS)  # (B,)
+    src_mask = src != PAD  # (B, S)
+    tokens, weights = [], []
+    for _ in range(max_len):
+        logits, state, step_weights = decoder_step(model, token, state, enc_states, src_mask)
+        token = logits.argmax(dim=-1)  # the model's own choice is the next step's input
+        tokens.append(token)
+        weights.append(step_weights)
+    return torch.stack(tokens, dim=1), torch.stack(weights, dim=1)
+
+
 def seq2seq_loss(logits, tgt):
     """Mean cross-entropy over real (non-PAD) target tokens. logits (B, T, V), tgt (B, T)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=PAD)
@@ -107,14 +168,18 @@ def train_reversal(model: GRUSeq2Seq, steps: int = 400, batch_size: int = 64, lr
 
 
 @torch.no_grad()
-def evaluate_reversal(model: GRUSeq2Seq, batch: Seq2SeqBatch) -> dict:
+def evaluate_reversal(model: GRUSeq2Seq, batch: Seq2SeqBatch, decode=None) -> dict:
     """Exact-match accuracy per example and the alignment accuracy of the attention.
+
+    decode(model, src, src_lengths, max_len) -> (tokens, weights) decodes; model.greedy_decode by default
+    (greedy_translate, or a learner's version of it, gives the same for a model with attention).
 
     Alignment accuracy: over all output positions i < L (L = source length), the fraction
     whose attention argmax is source position L - 1 - i, the digit being copied.
     Returns {"exact": (B,) bool, "alignment": float or None, "tokens", "weights"}.
     """
-    tokens, weights = model.greedy_decode(batch.src, batch.src_lengths, max_len=batch.tgt.shape[1])
+    decode = decode or type(model).greedy_decode
+    tokens, weights = decode(model, batch.src, batch.src_lengths, max_len=batch.tgt.shape[1])
     # Exact match: every target token up to and including EOS is right.
     real = batch.tgt != PAD
     exact = ((tokens == batch.tgt) | ~real).all(dim=1)

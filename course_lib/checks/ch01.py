@@ -4,10 +4,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-from .core import assert_close, assert_masked_are_zero, assert_rows_sum_to_one, assert_shape, fail, passed, unpack_pair
+from .ch02 import randomize_parameters
+from .core import (assert_close, assert_masked_are_zero, assert_rows_sum_to_one, assert_shape, call_learner, fail, passed,
+                   unpack_pair)
 
-__all__ = ["check_masked_softmax", "check_additive_attention", "check_scaled_dot_product_attention", "additive_attention_oracle"]
+__all__ = ["check_masked_softmax", "check_additive_attention", "check_scaled_dot_product_attention", "additive_attention_oracle",
+           "check_attention_decoder", "attention_decoder_oracle"]
 
 
 def _softmax64(scores, mask=None):
@@ -113,7 +117,7 @@ def check_additive_attention(additive_attention) -> None:
 
 
 def check_scaled_dot_product_attention(scaled_dot_product_attention) -> None:
-    """Visible checks for chapter 01, exercise 3, against torch.nn.functional.scaled_dot_product_attention."""
+    """Visible checks for chapter 01, exercise 4, against torch.nn.functional.scaled_dot_product_attention."""
     gen = torch.Generator().manual_seed(103)
     q, k, v = torch.randn(4, 8, generator=gen), torch.randn(6, 8, generator=gen), torch.randn(6, 3, generator=gen)
     out, weights = unpack_pair(scaled_dot_product_attention(q, k, v), "scaled_dot_product_attention", ("out", "weights"))
@@ -153,3 +157,137 @@ def check_scaled_dot_product_attention(scaled_dot_product_attention) -> None:
     assert_close(weights, expected_weights, "your attention weights with a mask that leaves query 2 no key")
     assert_close(out, expected_weights @ v.double(), "your output with a mask that leaves query 2 no key (its output must be 0)")
     passed("scaled_dot_product_attention")
+
+
+# --- exercise 3: the attention decoder of the GRU translator ------------------------------------------------------
+
+
+def _additive_weights64(query, enc_states, attention, src_mask):
+    """Float64 additive-attention weights (B, S) of queries (B, Dq) over enc_states (B, S, Dk), padding masked."""
+    hidden = torch.tanh((query.double() @ attention.W_q.double()).unsqueeze(1) + enc_states.double() @ attention.W_k.double())
+    return _softmax64(hidden @ attention.v.double(), src_mask)
+
+
+def attention_decoder_oracle(model, token, state, enc_states, src_mask):
+    """Float64 reference of one step of GRUSeq2Seq's attention decoder, from torch built-ins: F.embedding, the
+    additive attention of the state before the step (float64 softmax over the real positions), torch.nn.GRUCell
+    holding model.decoder's weights, F.linear. Returns (logits (B, V), new state (B, H), weights (B, S)), float64."""
+    with torch.no_grad():
+        emb = F.embedding(token, model.embed.weight.double())  # (B, E)
+        weights = _additive_weights64(state, enc_states, model.attention, src_mask)  # (B, S)
+        context = (weights.unsqueeze(1) @ enc_states.double()).squeeze(1)  # (B, 2H)
+        cell = torch.nn.GRUCell(model.decoder.input_size, model.decoder.hidden_size).double()
+        cell.load_state_dict(model.decoder.state_dict())
+        new_state = cell(torch.cat([emb, context], dim=-1), state.double())  # (B, H)
+        logits = F.linear(torch.cat([new_state, context, emb], dim=-1), model.readout.weight.double(), model.readout.bias.double())
+    return logits, new_state, weights
+
+
+def _unpack_step(result):
+    if not isinstance(result, tuple) or len(result) != 3:
+        fail(f"decoder_step should return a tuple (logits, new state, weights), got {type(result).__name__}"
+             + (f" of length {len(result)}" if isinstance(result, tuple) else ""))
+    return result
+
+
+def _close(a, b) -> bool:
+    return torch.allclose(a.detach().double(), b.double(), rtol=1e-5, atol=1e-5)
+
+
+def _name_the_wrong_gru(new_state, model, token, state, enc_states, src_mask) -> None:
+    """Fail naming a classic wrong GRU update when new_state is one (float64 versions of each)."""
+    _, _, weights = attention_decoder_oracle(model, token, state, enc_states, src_mask)
+    context = (weights.unsqueeze(1) @ enc_states.double()).squeeze(1)
+    x = torch.cat([F.embedding(token, model.embed.weight.double()), context], dim=-1)
+    gru, h = model.decoder, state.double()
+    w_ir, w_iz, w_in = gru.weight_ih.double().chunk(3)
+    w_hr, w_hz, w_hn = gru.weight_hh.double().chunk(3)
+    b_ir, b_iz, b_in = gru.bias_ih.double().chunk(3)
+    b_hr, b_hz, b_hn = gru.bias_hh.double().chunk(3)
+    r, z = torch.sigmoid(x @ w_ir.T + b_ir + h @ w_hr.T + b_hr), torch.sigmoid(x @ w_iz.T + b_iz + h @ w_hz.T + b_hz)
+    n = torch.tanh(x @ w_in.T + b_in + r * (h @ w_hn.T + b_hn))
+    wrong = {
+        "z * n + (1 - z) * h, the update gate on the wrong side": z * n + (1 - z) * h,
+        "n from r * h before its matrix, tanh(W_in x + b_in + W_hn (r * h) + b_hn), the paper's form, not torch.nn.GRUCell's":
+            (1 - z) * torch.tanh(x @ w_in.T + b_in + (r * h) @ w_hn.T + b_hn) + z * h,
+        "the gates in the order (z, r, n): weight_ih and weight_hh hold them as (r, z, n)":
+            (1 - r) * torch.tanh(x @ w_in.T + b_in + z * (h @ w_hn.T + b_hn)) + r * h,
+    }
+    for formula, candidate in wrong.items():
+        if _close(new_state, candidate):
+            fail(f"your new state is {formula}. torch.nn.GRUCell computes r = sigmoid(W_ir x + b_ir + W_hr h + b_hr), "
+                 "z likewise, n = tanh(W_in x + b_in + r * (W_hn h + b_hn)), h' = (1 - z) * n + z * h")
+
+
+def _check_step(decoder_step) -> None:
+    """One step of a small GRUSeq2Seq with random weights, against the float64 oracle; names the main mistakes."""
+    from course_lib.data import PAD
+    from course_lib.seq2seq import GRUSeq2Seq
+
+    model = randomize_parameters(GRUSeq2Seq(emb_dim=6, hidden=8, use_attention=True), seed=104, scale=0.5).eval()
+    gen = torch.Generator().manual_seed(104)
+    lengths = torch.tensor([5, 3, 2])
+    src = torch.randint(3, 13, (3, 5), generator=gen).masked_fill(torch.arange(5) >= lengths[:, None], PAD)
+    token, state = torch.randint(3, 13, (3,), generator=gen), torch.randn(3, 8, generator=gen)
+    with torch.no_grad():
+        enc_states, _ = model.encode(src, lengths)
+    src_mask = src != PAD
+    result = call_learner(lambda: decoder_step(model, token, state, enc_states, src_mask),
+                          "decoder_step(model, token, state, enc_states, src_mask) for B = 3, S = 5, E = 6, H = 8",
+                          "the docstring states each shape and the layout of the concatenations")
+    logits, new_state, weights = _unpack_step(result)
+    assert_shape(weights, (3, 5), "decoder_step's weights for B = 3 strings of S = 5 positions")
+    assert_shape(new_state, (3, 8), "decoder_step's new state for B = 3 and H = 8")
+    assert_shape(logits, (3, 13), "decoder_step's logits for B = 3 and a vocabulary of 13")
+    expected_logits, expected_state, expected_weights = attention_decoder_oracle(model, token, state, enc_states, src_mask)
+    weights = weights.detach()
+    if (weights[~src_mask] != 0).any():
+        fail(f"your weights give the padding of string 2 (length 2, positions 2 to 4) {weights[2, 2:].tolist()}; padding must "
+             "get exactly 0. Is src_mask passed on to the attention (True on real positions)?")
+    if _close(weights, _additive_weights64(expected_state, enc_states, model.attention, src_mask)):
+        fail("your attention weights are those of the NEW state as the query; the query is the state before this step "
+             "(the state the previous token left): attend first, then update the state with the context")
+    assert_close(weights, expected_weights, "your attention weights (query: the state before this step)")
+    _name_the_wrong_gru(new_state, model, token, state, enc_states, src_mask)
+    assert_close(new_state, expected_state,
+                 "your new state, compared with torch.nn.GRUCell holding model.decoder's weights fed torch.cat([embedding, context])")
+    context = (expected_weights.unsqueeze(1) @ enc_states.double()).squeeze(1)
+    emb = F.embedding(token, model.embed.weight.double())
+    readout = model.readout.weight.double(), model.readout.bias.double()
+    if _close(logits, F.linear(torch.cat([state.double(), context, emb], dim=-1), *readout)):
+        fail("your logits are the readout of the state before this step; the readout reads the NEW state: "
+             "model.readout(torch.cat([new state, context, embedding]))")
+    assert_close(logits, expected_logits, "your logits, compared with model.readout(torch.cat([new state, context, embedding]))")
+
+
+def _check_translation(greedy_translate) -> None:
+    """The shipped, trained translator on six strings: the same tokens and weights as the course's model."""
+    from course_lib import assets
+    from course_lib.data import digits_to_text, reversal_batch
+
+    model = assets.load("gru-reversal-attention")
+    batch = reversal_batch(6, generator=torch.Generator().manual_seed(105))
+    max_len = batch.tgt.shape[1]
+    with torch.no_grad():
+        expected_tokens, expected_weights = model.greedy_decode(batch.src, batch.src_lengths, max_len)
+        result = call_learner(lambda: greedy_translate(model, batch.src, batch.src_lengths, max_len),
+                              f"greedy_translate(model, src, src_lengths, max_len={max_len}) for 6 strings")
+    tokens, weights = unpack_pair(result, "greedy_translate", ("tokens", "weights"))
+    assert_shape(tokens, (6, max_len), f"greedy_translate's tokens for 6 strings and max_len = {max_len}")
+    assert_shape(weights, (6, max_len, batch.src.shape[1]), f"greedy_translate's weights for 6 strings of {batch.src.shape[1]} positions")
+    wrong = (tokens != expected_tokens).nonzero()
+    if len(wrong):
+        row, step = (int(i) for i in wrong[0])
+        fail(f"translating {digits_to_text(batch.src[row])!r}, step {step} of your greedy_translate writes token "
+             f"{int(tokens[row, step])} where the course's model writes {int(expected_tokens[row, step])} (its tokens: "
+             f"{expected_tokens[row].tolist()}, yours: {tokens[row].tolist()}). Each step's input is the previous step's "
+             "argmax, the first is BOS, and the first state is tanh(model.bridge(summary))")
+    assert_close(weights, expected_weights, "greedy_translate's attention weights, compared with the course's model")
+
+
+def check_attention_decoder(decoder_step, greedy_translate) -> None:
+    """Visible checks for chapter 01, exercise 3: one step of a small random model against a float64 reference built
+    from torch built-ins, then the trained translator against the course's model (the hidden tests add the rest)."""
+    _check_step(decoder_step)
+    _check_translation(greedy_translate)
+    passed("attention decoder")

@@ -66,3 +66,53 @@ def test_evaluation_of_a_perfect_oracle_model():
 def test_setup_notebook_rejects_zero_threads():
     with pytest.raises(ValueError, match="threads"):
         course_lib.setup_notebook(threads=0)
+
+
+def test_decoder_step_is_the_models_step_in_float64(generator):
+    """decoder_step (the GRU from its equations) against GRUSeq2Seq.decode_step (torch.nn.GRUCell), both in float64
+    on a padded batch, with states far from 0 so that every gate matters."""
+    import copy
+
+    from course_lib.checks import randomize_parameters
+    from course_lib.seq2seq import decoder_step
+
+    model = randomize_parameters(GRUSeq2Seq(emb_dim=8, hidden=12), seed=5, scale=0.5).double().eval()
+    batch = reversal_batch(4, generator=generator)
+    with torch.no_grad():
+        enc_states, summary = model.encode(batch.src, batch.src_lengths)
+        state = torch.tanh(3 * torch.randn(4, 12, generator=generator, dtype=torch.float64))
+        expected = copy.deepcopy(model).decode_step(batch.tgt[:, 0], state, enc_states, summary, batch.src_mask)
+        actual = decoder_step(model, batch.tgt[:, 0], state, enc_states, batch.src_mask)
+    for got, want in zip(actual, expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert (actual[2][~batch.src_mask] == 0).all()
+
+
+def test_greedy_translate_writes_the_trained_models_tokens():
+    """On 1000 strings, with the shipped weights: the same tokens as GRUSeq2Seq.greedy_decode, weights to float32
+    rounding; evaluate_reversal gives the same figures with either decoder."""
+    from course_lib import assets
+    from course_lib.seq2seq import greedy_translate
+
+    model = assets.load("gru-reversal-attention")
+    batch = reversal_batch(1000, generator=torch.Generator().manual_seed(1234))
+    with torch.no_grad():
+        tokens, weights = greedy_translate(model, batch.src, batch.src_lengths, 11)
+        expected_tokens, expected_weights = model.greedy_decode(batch.src, batch.src_lengths, 11)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-5)
+    ours, theirs = evaluate_reversal(model, batch, greedy_translate), evaluate_reversal(model, batch)
+    assert torch.equal(ours["exact"], theirs["exact"]) and ours["alignment"] == theirs["alignment"]
+
+
+def test_the_decoder_rejects_bad_arguments():
+    from course_lib import assets
+    from course_lib.seq2seq import decoder_step, greedy_translate
+
+    batch = reversal_batch(2, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="max_len"):
+        greedy_translate(assets.load("gru-reversal-attention"), batch.src, batch.src_lengths, 0)
+    baseline = assets.load("gru-reversal-baseline")
+    enc_states, summary = baseline.encode(batch.src, batch.src_lengths)
+    with pytest.raises(ValueError, match="use_attention"):
+        decoder_step(baseline, batch.tgt[:, 0], torch.tanh(baseline.bridge(summary)), enc_states, batch.src_mask)

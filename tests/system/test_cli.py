@@ -29,7 +29,7 @@ def test_course_check_grades_a_learner_notebook_and_prints_a_report(tmp_path):
     assert proc.returncode == 0, proc.stderr
     total = sum(CH.points.values())
     assert f"{total:g} / {total:g}" in proc.stdout.splitlines()[-1]
-    for exercise in ("masked_softmax", "additive_attention", "scaled_dot_product_attention"):
+    for exercise in ("masked_softmax", "additive_attention", "attention_decoder", "scaled_dot_product_attention"):
         assert exercise in proc.stdout
     for note in ACCIDENT_NOTES:
         assert f"note: {note}" in proc.stdout

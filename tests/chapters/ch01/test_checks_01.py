@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from course_lib import attention, checks
+from course_lib import attention, checks, seq2seq
+from course_lib.data import BOS, PAD
 
 
 def softmax_wrong_axis(scores, mask=None):
@@ -89,6 +90,58 @@ def sdpa_uniform_on_fully_masked(q, k, v, mask=None):
     return weights @ v, weights
 
 
+def pytorch_gru(gates_x, gates_h, state, weight_hn, bias_hn):
+    r, z = torch.sigmoid(gates_x[0] + gates_h[0]), torch.sigmoid(gates_x[1] + gates_h[1])
+    return (1 - z) * torch.tanh(gates_x[2] + r * gates_h[2]) + z * state
+
+
+def gru_update_gate_swapped(gates_x, gates_h, state, weight_hn, bias_hn):
+    r, z = torch.sigmoid(gates_x[0] + gates_h[0]), torch.sigmoid(gates_x[1] + gates_h[1])
+    return z * torch.tanh(gates_x[2] + r * gates_h[2]) + (1 - z) * state
+
+
+def gru_reset_before_matrix(gates_x, gates_h, state, weight_hn, bias_hn):
+    r, z = torch.sigmoid(gates_x[0] + gates_h[0]), torch.sigmoid(gates_x[1] + gates_h[1])
+    return (1 - z) * torch.tanh(gates_x[2] + (r * state) @ weight_hn.T + bias_hn) + z * state
+
+
+def gru_gates_z_r_n(gates_x, gates_h, state, weight_hn, bias_hn):
+    z, r = torch.sigmoid(gates_x[0] + gates_h[0]), torch.sigmoid(gates_x[1] + gates_h[1])
+    return (1 - z) * torch.tanh(gates_x[2] + r * gates_h[2]) + z * state
+
+
+def decoder_step_with(gru_update=pytorch_gru, query="previous", readout="new", masked=True):
+    """A decoder step with one part chosen: the GRU update, the query's state, the readout's state, the mask."""
+    def step(model, token, state, enc_states, src_mask):
+        emb, a, cell = model.embed(token), model.attention, model.decoder
+
+        def attend(query_state):
+            context, weights = attention.additive_attention(query_state.unsqueeze(1), enc_states, enc_states, a.W_q, a.W_k, a.v,
+                                                            src_mask.unsqueeze(1) if masked else None)
+            return context.squeeze(1), weights.squeeze(1)
+
+        context, weights = attend(state)
+        gates_x = (torch.cat([emb, context], -1) @ cell.weight_ih.T + cell.bias_ih).chunk(3, -1)
+        gates_h = (state @ cell.weight_hh.T + cell.bias_hh).chunk(3, -1)
+        new_state = gru_update(gates_x, gates_h, state, cell.weight_hh.chunk(3)[2], cell.bias_hh.chunk(3)[2])
+        if query == "new":
+            context, weights = attend(new_state)
+        logits = model.readout(torch.cat([new_state if readout == "new" else state, context, emb], -1))
+        return logits, new_state, weights
+    return step
+
+
+def translate_without_feedback(model, src, src_lengths, max_len):
+    enc_states, summary = model.encode(src, src_lengths)
+    state, token = torch.tanh(model.bridge(summary)), torch.full((src.shape[0],), BOS)
+    tokens, weights = [], []
+    for _ in range(max_len):
+        logits, state, step_weights = seq2seq.decoder_step(model, token, state, enc_states, src != PAD)
+        tokens.append(logits.argmax(-1))
+        weights.append(step_weights)
+    return torch.stack(tokens, 1), torch.stack(weights, 1)
+
+
 @pytest.mark.parametrize("check,buggy,message", [
     (checks.check_additive_attention, additive_mask_ignored, r"padding mask \(True = keep; key 3 masked\) your weights give key 3 .* ignored or inverted"),
     (checks.check_scaled_dot_product_attention, sdpa_nan_on_fully_masked, r"query 2 no key at all.*nan.*0/0 = NaN.*masked_softmax"),
@@ -161,3 +214,42 @@ def test_no_two_chapters_export_the_same_check():
                 assert name not in owners, f"{name} is exported by both {owners[name]} and {info.name}"
                 owners[name] = info.name
     assert len({o for o in owners.values()}) >= 7
+
+
+@pytest.mark.parametrize("decoder_step,greedy_translate,message", [
+    (decoder_step_with(masked=False), seq2seq.greedy_translate, r"your weights give the padding of string 2 .* padding must get exactly 0\. Is src_mask passed on"),
+    (decoder_step_with(query="new"), seq2seq.greedy_translate, r"weights are those of the NEW state as the query; the query is the state before this step"),
+    (decoder_step_with(gru_update_gate_swapped), seq2seq.greedy_translate, r"new state is z \* n \+ \(1 - z\) \* h, the update gate on the wrong side"),
+    (decoder_step_with(gru_reset_before_matrix), seq2seq.greedy_translate, r"new state is n from r \* h before its matrix"),
+    (decoder_step_with(gru_gates_z_r_n), seq2seq.greedy_translate, r"new state is the gates in the order \(z, r, n\)"),
+    (decoder_step_with(readout="previous"), seq2seq.greedy_translate, r"logits are the readout of the state before this step; the readout reads the NEW state"),
+    (lambda *args: seq2seq.decoder_step(*args)[:2], seq2seq.greedy_translate, r"decoder_step should return a tuple \(logits, new state, weights\), got tuple of length 2"),
+    (seq2seq.decoder_step, translate_without_feedback, r"step \d+ of your greedy_translate writes token .* Each step's input is the previous step's argmax"),
+])
+def test_classic_decoder_bugs_get_specific_messages(decoder_step, greedy_translate, message):
+    with pytest.raises(checks.CheckFailed, match=message):
+        checks.check_attention_decoder(decoder_step, greedy_translate)
+
+
+def test_the_decoder_check_passes_the_reference_and_a_step_that_calls_the_gru_cell():
+    checks.check_attention_decoder(seq2seq.decoder_step, seq2seq.greedy_translate)
+    checks.check_attention_decoder(decoder_step_with(), seq2seq.greedy_translate)  # the same step, written apart
+
+
+def test_the_decoder_check_translates_strings_whose_greedy_choices_are_clear():
+    """The translation part compares tokens exactly: on its six strings the course's model's best logit leads the
+    second by far more than float32 rounding moves it, so a correct decoder in another order of operations passes."""
+    from course_lib import assets
+    from course_lib.data import reversal_batch
+
+    model = assets.load("gru-reversal-attention")
+    batch = reversal_batch(6, generator=torch.Generator().manual_seed(105))
+    with torch.no_grad():
+        enc_states, summary = model.encode(batch.src, batch.src_lengths)
+        state, token, gaps = torch.tanh(model.bridge(summary)), torch.full((6,), BOS), []
+        for _ in range(batch.tgt.shape[1]):
+            logits, state, _ = model.decode_step(token, state, enc_states, summary, batch.src != PAD)
+            top = logits.topk(2, dim=-1).values
+            gaps.append(top[:, 0] - top[:, 1])
+            token = logits.argmax(-1)
+    assert torch.stack(gaps).min() > 1e-3

@@ -78,13 +78,16 @@ STUDENTS = {
     "untouched": (CH.untouched, set(CH.points)),
     "unscaled": (lambda: CH.solved({SDPA: UNSCALED}),
                  {"scaled_dot_product_attention-visible", "scaled_dot_product_attention-scale"}),
-    # scaled_dot_product_attention calls masked_softmax, but is tested with the reference one: one bug, one exercise
-    "nan_on_fully_masked": (lambda: CH.solved({"masked_softmax-solution": NAIVE_MASKED_SOFTMAX}),
-                            {"masked_softmax-visible", "masked_softmax-fully_masked"}),
-    "mask_ignored": (lambda: CH.solved({"additive_attention-solution": CH.mutate(
-        "additive_attention-solution", "masked_softmax(energies, mask)", "masked_softmax(energies)")}),
-        # the visible check runs a padding mask too (issue 24: an ignored mask must fail where the learner sees it)
-        {"additive_attention-visible", "additive_attention-mask"}),
+    # a mistake with masks in three exercises, each charged once: additive_attention and scaled_dot_product_attention call
+    # masked_softmax, and the build exercise's decoder_step calls additive_attention, but each exercise is tested with the
+    # reference versions of the others, so the NaN of the naive masked_softmax and the ignored masks cost only their own
+    "masks": (lambda: CH.solved({
+        "masked_softmax-solution": NAIVE_MASKED_SOFTMAX,
+        "additive_attention-solution": CH.mutate("additive_attention-solution", "masked_softmax(energies, mask)", "masked_softmax(energies)"),
+        "attention_decoder-solution": CH.mutate("attention_decoder-solution", "attention.v, src_mask.unsqueeze(1))", "attention.v)")}),
+        # the visible checks run a padding mask too (issue 24: an ignored mask must fail where the learner sees it)
+        {"masked_softmax-visible", "masked_softmax-fully_masked", "additive_attention-visible", "additive_attention-mask",
+         "attention_decoder-visible", "attention_decoder-query", "attention_decoder-padding", "attention_decoder-trained"}),
     "infinite_loop": (lambda: CH.solved({SDPA: "def scaled_dot_product_attention(q, k, v, mask=None):\n    while True:\n        pass\n"}),
                       CH.tests_of("scaled_dot_product_attention")),
     "tampered": (tampered, {"scaled_dot_product_attention-visible", "scaled_dot_product_attention-scale"}),
