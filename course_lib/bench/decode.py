@@ -109,6 +109,22 @@ def read_bandwidth(nbytes: int, repeats: int = 3, threads=(1, 2)) -> float:
     return max(read_bandwidths(nbytes, repeats, threads).values())
 
 
+def _check_arguments(shapes, known: dict, repeats: int, warmup: int, new_tokens: int) -> None:
+    """ValueError unless every shape is one of `known`, repeats >= 1, warmup >= 0 and new_tokens >= 1."""
+    unknown = sorted(set(shapes) - set(known))
+    if unknown:
+        raise ValueError(f"shapes must be among {sorted(known)}, got {unknown}")
+    if repeats < 1 or warmup < 0 or new_tokens < 1:
+        raise ValueError(f"need repeats >= 1, warmup >= 0, new_tokens >= 1; got {repeats}, {warmup}, {new_tokens}")
+
+
+def _seeded_pair(model_class, config, convert, seed: int) -> tuple:
+    """Our model of `config` with seeded random weights, in eval mode, and Hugging Face's copy of it (``convert``)."""
+    torch.manual_seed(seed)
+    ours = model_class(config).eval()
+    return ours, convert(ours)
+
+
 def _prompt(vocab_size: int, batch_size: int, prompt_len: int, seed: int):
     """The seeded random prompt of a batch size's rows, (B, prompt_len)."""
     return torch.randint(0, vocab_size, (batch_size, prompt_len), generator=torch.Generator().manual_seed(seed + batch_size))
@@ -140,19 +156,13 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
     """
     from ..hf import to_hf
 
-    unknown = sorted(set(shapes) - set(DECODE_SHAPES))
-    if unknown:
-        raise ValueError(f"shapes must be among {sorted(DECODE_SHAPES)}, got {unknown}")
-    if repeats < 1 or warmup < 0 or new_tokens < 1:
-        raise ValueError(f"need repeats >= 1, warmup >= 0, new_tokens >= 1; got {repeats}, {warmup}, {new_tokens}")
+    _check_arguments(shapes, DECODE_SHAPES, repeats, warmup, new_tokens)
     uncached_tokens = {**UNCACHED_TOKENS, **(uncached_tokens or {})}
     rows, bound = [], None
     with timing.threads(threads):
         for shape in shapes:
-            torch.manual_seed(seed)
             config = GPTConfig(**DECODE_SHAPES[shape])
-            ours = GPT(config).eval()
-            theirs = to_hf(ours)
+            ours, theirs = _seeded_pair(GPT, config, to_hf, seed)
             ours_int8, ours_bf16 = quantize_weights(ours, "int8"), quantize_weights(ours, "bfloat16")
             use_fastest_kernels(ours, rows=batch_sizes)  # float32: the faster kernel per weight, measured here
             n_uncached = min(uncached_tokens[shape], new_tokens)
@@ -256,18 +266,12 @@ def bench_llama_decode(shapes=("tiny", "llama-small"), batch_sizes=(1, 8), new_t
     from ..hf import llama_to_hf
     from ..llama import Llama, LlamaConfig, generate_llama
 
-    unknown = sorted(set(shapes) - set(LLAMA_DECODE_SHAPES))
-    if unknown:
-        raise ValueError(f"shapes must be among {sorted(LLAMA_DECODE_SHAPES)}, got {unknown}")
-    if repeats < 1 or warmup < 0 or new_tokens < 1:
-        raise ValueError(f"need repeats >= 1, warmup >= 0, new_tokens >= 1; got {repeats}, {warmup}, {new_tokens}")
+    _check_arguments(shapes, LLAMA_DECODE_SHAPES, repeats, warmup, new_tokens)
     rows = []
     with timing.threads(threads):
         for shape in shapes:
-            torch.manual_seed(seed)
             config = LlamaConfig(**LLAMA_DECODE_SHAPES[shape])
-            ours = Llama(config).eval()
-            theirs = llama_to_hf(ours)
+            ours, theirs = _seeded_pair(Llama, config, llama_to_hf, seed)
             use_fastest_kernels(ours, rows=batch_sizes)  # the faster kernel per weight, measured here
             for B in batch_sizes:
                 prompt = _prompt(config.vocab_size, B, prompt_len, seed)
