@@ -9,7 +9,6 @@ Face's ``generate`` with ``use_cache`` True and False; beside them the memory-ba
 from __future__ import annotations
 
 import math
-import statistics
 import time
 
 import torch
@@ -130,13 +129,12 @@ def _prompt(vocab_size: int, batch_size: int, prompt_len: int, seed: int):
     return torch.randint(0, vocab_size, (batch_size, prompt_len), generator=torch.Generator().manual_seed(seed + batch_size))
 
 
-def _time_runs(runs: dict, warmup: int, repeats: int, after_round=None) -> tuple[dict, dict]:
-    """Time each run {name: (run(n new tokens), n)} alternately after warmup runs of at most WARMUP_TOKENS tokens;
-    returns ({name: its seconds per round}, {name: the tokens of its last run})."""
-    timed = timing.alternate({name: (lambda run=run, n=n: run(n)) for name, (run, n) in runs.items()}, repeats, warmup,
-                             warm={name: (lambda run=run, n=n: run(min(n, WARMUP_TOKENS))) for name, (run, n) in runs.items()},
-                             after_round=after_round)
-    return {name: t.seconds for name, t in timed.items()}, {name: t.results[-1] for name, t in timed.items()}
+def _time_runs(runs: dict, warmup: int, repeats: int, after_round=None) -> dict:
+    """Time each run {name: (run(n new tokens), n)} alternately after warmup runs of at most WARMUP_TOKENS tokens
+    (``timing.alternate``); returns {name: its Runs}, whose last result holds its last run's tokens."""
+    return timing.alternate({name: (lambda run=run, n=n: run(n)) for name, (run, n) in runs.items()}, repeats, warmup,
+                            warm={name: (lambda run=run, n=n: run(min(n, WARMUP_TOKENS))) for name, (run, n) in runs.items()},
+                            after_round=after_round)
 
 
 def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: int = 256, prompt_len: int = 16,
@@ -183,12 +181,12 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
                     if measure_bound:
                         bandwidths.append(read_bandwidth(decode_weight_bytes(ours), threads=sorted({1, 2, threads})))
 
-                times, outputs = _time_runs(runs, warmup, repeats, after_round=measure)
-                same = torch.equal(outputs["ours, cached"], outputs["HF generate, use_cache=True"])
+                timed = _time_runs(runs, warmup, repeats, after_round=measure)
+                same = torch.equal(timed["ours, cached"].results[-1], timed["HF generate, use_cache=True"].results[-1])
                 for name, (_, n) in runs.items():
-                    seconds = statistics.median(times[name])
+                    seconds = timed[name].median
                     rows.append({"shape": shape, "batch_size": B, "impl": name, "new_tokens": n, "seconds": seconds,
-                                 "tokens_per_s": B * n / seconds, "times": times[name], "same_tokens_as_hf": same})
+                                 "tokens_per_s": B * n / seconds, "times": timed[name].seconds, "same_tokens_as_hf": same})
                 these = rows[-len(runs):]
                 for row in these:
                     cached = row["impl"].endswith((" cached", "True"))
@@ -277,10 +275,10 @@ def bench_llama_decode(shapes=("tiny", "llama-small"), batch_sizes=(1, 8), new_t
                 prompt = _prompt(config.vocab_size, B, prompt_len, seed)
                 runs = {"ours (generate_llama)": (lambda n: generate_llama(ours, prompt, n), new_tokens),
                         "HF LlamaForCausalLM generate": (lambda n: hf_generate(theirs, prompt, n, True), new_tokens)}
-                times, outputs = _time_runs(runs, warmup, repeats)
-                same = torch.equal(*outputs.values())
+                timed = _time_runs(runs, warmup, repeats)
+                same = torch.equal(*(t.results[-1] for t in timed.values()))
                 these = [{"shape": shape, "batch_size": B, "impl": name, "new_tokens": new_tokens,
-                          "seconds": statistics.median(times[name]), "times": times[name], "same_tokens_as_hf": same}
+                          "seconds": timed[name].median, "times": timed[name].seconds, "same_tokens_as_hf": same}
                          for name in runs]
                 for row in these:
                     row["tokens_per_s"] = B * new_tokens / row["seconds"]
