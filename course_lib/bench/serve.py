@@ -36,6 +36,11 @@ SERVE_REQUESTS = {"char-gpt": 32, "gpt2-small": 16}
 #: (max_num_seqs) and static batching reserving the model's context in every row
 SERVE_SYSTEMS = ("ours continuous + paged", "ours static batching", "HF continuous + paged", "ours continuous, capped",
                  "ours static, context")
+#: The settings every part of ``course bench serve`` runs by default (chapter 12's notebook's): tokens per KV block,
+#: tokens per engine step, requests per static batch (and the capped engine's max_num_seqs)
+BLOCK_SIZE, TOKEN_BUDGET, MAX_BATCH_SIZE = 8, 64, 8
+#: The sweeps' requests per trace and their seed (of the trace and of the Poisson arrival times)
+SWEEP_REQUESTS, SWEEP_SEED = 32, 3
 #: Timed repeats (rounds) by default
 REPEATS = 3
 #: Requests of a warm-up run (the first ones of the trace)
@@ -78,9 +83,9 @@ def _ours_run(results: dict, trace) -> dict:
             "allocated": sum(trace.allocated), "used": sum(trace.used), "errors": len(results) - len(served)}
 
 
-def bench_serve(models=SERVE_MODELS, n_requests: dict | int | None = None, block_size: int = 8, token_budget: int = 64,
-                max_batch_size: int = 8, mean_gap: float = 0.5, threads: int = 1, warmup: int = 1, repeats: int = REPEATS,
-                seed: int = 0) -> dict:
+def bench_serve(models=SERVE_MODELS, n_requests: dict | int | None = None, block_size: int = BLOCK_SIZE,
+                token_budget: int = TOKEN_BUDGET, max_batch_size: int = MAX_BATCH_SIZE, mean_gap: float = 0.5,
+                threads: int = 1, warmup: int = 1, repeats: int = REPEATS, seed: int = 0) -> dict:
     """Serving speed and KV memory of our continuous batching over a paged cache, our static batching and Hugging
     Face's continuous batching, on the same seeded trace and the same weights.
 
@@ -212,9 +217,9 @@ SWEEP_RATES = (0.2, 0.4, 0.8, 1.6)
 SWEEP_BUDGETS = (8, 16, 32, 64)
 
 
-def bench_serve_load(rates=SWEEP_RATES, budgets=SWEEP_BUDGETS, n_requests: int = 32, block_size: int = 8,
-                     token_budget: int = 64, max_batch_size: int = 8, threads: int = 1, repeats: int = REPEATS,
-                     seed: int = 3) -> dict:
+def bench_serve_load(rates=SWEEP_RATES, budgets=SWEEP_BUDGETS, n_requests: int = SWEEP_REQUESTS,
+                     block_size: int = BLOCK_SIZE, token_budget: int = TOKEN_BUDGET, max_batch_size: int = MAX_BATCH_SIZE,
+                     threads: int = 1, repeats: int = REPEATS, seed: int = SWEEP_SEED) -> dict:
     """Chapter 12's load sweep on the course model, timed: ``serving.load_sweep`` in seconds as well as steps.
 
     Traces: ``make_trace(n_requests, seed, mean_gap=1 / rate)`` per rate. Systems: static batching (batches of
@@ -241,8 +246,9 @@ def bench_serve_load(rates=SWEEP_RATES, budgets=SWEEP_BUDGETS, n_requests: int =
         }
         by_budget = {f"engine, budget {b}": Engine(model, pool, block_size, b).run for b in budgets}
         top = {max(rates): traces[max(rates)]}
+        first = {rates[0]: traces[rates[0]][:WARMUP_REQUESTS]}  # the warm-up's trace: allocator, first-call overheads
         timed = timing.alternate({"rates": lambda: load_sweep(systems, traces), "budgets": lambda: load_sweep(by_budget, top)},
-                                 repeats, warmup=1, warm={"rates": lambda: load_sweep(systems, {rates[0]: traces[rates[0]][:WARMUP_REQUESTS]})})
+                                 repeats, warmup=1, warm={"rates": lambda: load_sweep(systems, first)})
 
     def medians(runs):
         return [{k: (statistics.median(run[i][k] for run in runs) if isinstance(v, float) else v)
@@ -323,8 +329,9 @@ def _replay_static(model, requests: list, arrivals: list, max_batch_size: int) -
     return out
 
 
-def bench_serve_wall(rates=WALL_RATES, n_requests: int = 32, block_size: int = 8, token_budget: int = 64,
-                     max_batch_size: int = 8, threads: int = 1, warmup: int = 1, repeats: int = REPEATS, seed: int = 3) -> dict:
+def bench_serve_wall(rates=WALL_RATES, n_requests: int = SWEEP_REQUESTS, block_size: int = BLOCK_SIZE,
+                     token_budget: int = TOKEN_BUDGET, max_batch_size: int = MAX_BATCH_SIZE, threads: int = 1,
+                     warmup: int = 1, repeats: int = REPEATS, seed: int = SWEEP_SEED) -> dict:
     """The load sweep on the wall clock, Hugging Face included: the same requests arriving as a Poisson process at each
     rate (requests per second), replayed in real time against static batching, our engine and Hugging Face's.
 
@@ -424,7 +431,7 @@ def _decode_step_seconds(trace, batch_size: int) -> float:
 
 
 def bench_serve_speed(models=SERVE_MODELS, serve_result: dict | None = None, batch_size: int = 8, prompt_len: int = 32,
-                      new_tokens: int = 32, block_size: int = 8, token_budget: int = 64, mean_gap: float = 0.5,
+                      new_tokens: int = 32, block_size: int = BLOCK_SIZE, token_budget: int = TOKEN_BUDGET, mean_gap: float = 0.5,
                       n_requests: dict | int | None = None, threads: tuple = (1, 2), warmup: int = 1, repeats: int = REPEATS,
                       seed: int = 0) -> dict:
     """The engine's speed against its targets (``SERVE_TARGETS``); every ratio is the median of per-round ratios, the
