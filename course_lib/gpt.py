@@ -29,6 +29,7 @@ from .attention import masked_softmax
 from .validation import check_positive
 
 #: Targets equal to this value are padding and are left out of the loss (PyTorch's and Hugging Face's default).
+#: ``GPT.forward`` writes it out as -100: it is chapter 04's solution verbatim, where the learner writes PyTorch's idiom.
 IGNORE_INDEX = -100
 
 

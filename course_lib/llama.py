@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gpt import extend
+from .gpt import IGNORE_INDEX, extend
 from .kv_cache import KVCache, attention_allowed
 from .layers import RMSNorm, SwiGLU, swiglu_width
 from .positional import rope_cos_sin, rotate_half_layout, rotate_interleaved_layout
@@ -189,7 +189,7 @@ class Llama(nn.Module):
         logits = self.lm_head(llama_layers(self, x, lambda layer, attn, h: attn(h, cos, sin)))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
+            loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=IGNORE_INDEX)
         return logits, loss
 
 

@@ -24,12 +24,11 @@ A client that disconnects (streaming or not) aborts its request: its blocks go b
 (``Server.stop``, or Ctrl-C for ``course serve``) stops accepting connections and drains: running requests finish.
 
 ``Server`` runs it in a background thread (a notebook, a test); ``serve`` in the foreground (``course serve``);
-``bench_serve_http`` drives it with Poisson arrivals and reports time to first token and time per output token
+``course_lib.bench.serve_http`` drives it with Poisson arrivals and reports time to first token and time per output token
 from the streamed tokens, as vLLM's benchmarks/benchmark_serving.py does (``course bench serve-http``).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -42,7 +41,7 @@ from collections import deque
 from contextlib import asynccontextmanager
 
 from . import assets
-from .serving import SEED_RANGE, Engine, Request, Trace, _number, quantile
+from .serving import SEED_RANGE, Engine, Request, Trace, _number
 from .validation import is_count
 
 HOST = "127.0.0.1"  # loopback only: the course's server is for this machine's clients
@@ -517,112 +516,3 @@ def serve(model_name: str = "char-gpt", port: int = 8000, **engine) -> None:
     print(f"serving {model_name}'s OpenAI-compatible completions API at {where}; Ctrl-C stops it, letting running "
           f"requests finish", flush=True)
     uvicorn.run(make_app(model, tokenizer, model_name, **engine), host=HOST, port=port, log_level="info")
-
-
-# ----------------------------------------------------------------------------------------------------
-# a benchmark: Poisson arrivals, TTFT and TPOT from the streamed tokens
-
-
-async def _drive(url: str, model_name: str, prompts: list, max_tokens: list, rate: float, seed: int) -> list:
-    """Send each prompt as a streamed greedy request, the gaps between sends exponential with mean 1 / rate seconds
-    (Poisson arrivals; rate inf: all at once). Per request: (seconds to the first token, seconds between the
-    first and the last, tokens (the usage the server reports), seconds from send to the end)."""
-    import httpx
-
-    rng = random.Random(seed)
-
-    async def one(client, prompt: str, n: int) -> tuple:
-        body = {"model": model_name, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        sent, times, tokens = time.perf_counter(), [], 0
-        async with client.stream("POST", f"{url}/completions", json=body) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    event = json.loads(line[6:])
-                    if event["choices"] and event["choices"][0]["text"]:
-                        times.append(time.perf_counter())
-                    if event.get("usage"):
-                        tokens = event["usage"]["completion_tokens"]
-        return times[0] - sent, times[-1] - times[0], tokens, time.perf_counter() - sent
-
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
-        tasks = []
-        for prompt, n in zip(prompts, max_tokens):
-            tasks.append(asyncio.ensure_future(one(client, prompt, n)))
-            if rate != math.inf:
-                await asyncio.sleep(rng.expovariate(rate))
-        return await asyncio.gather(*tasks)
-
-
-def bench_serve_http(model_name: str = "char-gpt", *, rates: tuple = (4.0, 16.0, math.inf), n_requests: int = 48,
-                     seed: int = 0, threads: int = 1, **engine) -> list:
-    """Drive a ``Server`` with Poisson arrivals at each rate (requests per second): prompts are windows of the
-    default corpus, outputs log-normal (``serving.make_trace``'s lengths), greedy. Returns one dict per rate:
-    rate, requests, seconds, output tokens per second, TTFT and TPOT p50 and p95 in seconds (TPOT: (last token's
-    time - first's) / (tokens - 1), per request, as vLLM's benchmark reports it)."""
-    import torch
-
-    from .data import default_corpus
-    from .serving import make_trace
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        corpus = default_corpus()
-        context = assets.info(model_name)["config"]["block_size"]
-        trace = make_trace(n_requests, seed, context=context, prompt_range=(8, 64), output_median=24)
-        rng = random.Random(seed)
-        prompts = []
-        for r in trace:
-            start = rng.randrange(len(corpus) - len(r.prompt))
-            prompts.append(corpus[start:start + len(r.prompt)])
-        max_tokens = [r.max_new_tokens for r in trace]
-        rows = []
-        with Server(model_name, **engine) as server:
-            asyncio.run(_drive(server.url, model_name, prompts[:4], [4] * 4, math.inf, seed))  # warm-up
-            for rate in rates:
-                start = time.perf_counter()
-                got = asyncio.run(_drive(server.url, model_name, prompts, max_tokens, rate, seed))
-                seconds = time.perf_counter() - start
-                ttft = [g[0] for g in got]
-                tpot = [g[1] / (g[2] - 1) for g in got if g[2] > 1]
-                rows.append({"rate": rate, "requests": len(got), "seconds": seconds,
-                             "tokens_per_second": sum(g[2] for g in got) / seconds,
-                             "ttft_p50": quantile(ttft, 0.5), "ttft_p95": quantile(ttft, 0.95),
-                             "tpot_p50": quantile(tpot, 0.5), "tpot_p95": quantile(tpot, 0.95)})
-        return rows
-    finally:
-        torch.set_num_threads(previous)
-
-
-def format_serve_http(rows: list) -> str:
-    lines = ["the engine behind HTTP (course serve), streamed greedy requests, Poisson arrivals "
-             "(timings depend on the machine and its load)",
-             f"{'rate (req/s)':>12} {'requests':>8} {'seconds':>8} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p95':>9} "
-             f"{'TPOT p50':>9} {'TPOT p95':>9}"]
-    for r in rows:
-        lines.append(f"{r['rate']:>12} {r['requests']:>8} {r['seconds']:>8.2f} {r['tokens_per_second']:>9.0f} "
-                     f"{r['ttft_p50'] * 1e3:>7.1f}ms {r['ttft_p95'] * 1e3:>7.1f}ms "
-                     f"{r['tpot_p50'] * 1e3:>7.1f}ms {r['tpot_p95'] * 1e3:>7.1f}ms")
-    return "\n".join(lines)
-
-
-def bench_main(argv: list[str] | None = None) -> int:
-    """``course bench serve-http``."""
-    parser = argparse.ArgumentParser(prog="course bench serve-http",
-                                     description="drive `course serve` over HTTP with Poisson arrivals (as vLLM's "
-                                                 "benchmark_serving.py does): TTFT and TPOT from the streamed tokens")
-    parser.add_argument("--model", default="char-gpt", help="a language model of course_lib.assets with a tokenizer "
-                                                             "(char-gpt, bpe-gpt; default: %(default)s)")
-    parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 16.0, math.inf],
-                        help="requests per second, one run each (inf: all at once; default: 4 16 inf)")
-    parser.add_argument("--requests", type=int, default=48, help="requests per rate (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="the prompts, lengths and arrival gaps (default: %(default)s)")
-    args = parser.parse_args(argv)
-    if args.requests < 1 or any(not r > 0 for r in args.rates):
-        parser.error("--requests must be >= 1 and every --rates value > 0")
-    print(format_serve_http(bench_serve_http(args.model, rates=tuple(args.rates), n_requests=args.requests,
-                                             seed=args.seed, threads=args.threads)))
-    return 0

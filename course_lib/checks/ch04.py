@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..gpt import IGNORE_INDEX  # a constant (plain data, no reference solution)
 from .core import assert_close, assert_shape, assert_tensor, fail, passed, unpack_pair
 
 __all__ = ["assert_gpt2_init", "check_causal_self_attention", "check_gpt", "check_gpt_param_count", "causal_attention_oracle",
@@ -329,7 +330,7 @@ def check_gpt(GPT) -> None:
     assert_tensor(loss, "the loss")
     assert_shape(loss, (), "the loss (a scalar: the mean over every position)")
     expected = expected.double()
-    expected_loss = F.cross_entropy(expected.reshape(-1, 13), targets.reshape(-1), ignore_index=-100)
+    expected_loss = F.cross_entropy(expected.reshape(-1, 13), targets.reshape(-1), ignore_index=IGNORE_INDEX)
     wrong_losses = {
         "against the inputs idx, not the targets": F.cross_entropy(expected.reshape(-1, 13), idx.reshape(-1)),
         "with the targets shifted a second time (logits[:, :-1] against targets[:, 1:]); targets[b, t] is already "

@@ -254,3 +254,48 @@ def test_bench_serve_wall_tiny_run_has_every_row_and_every_request_generates_its
     table = format_serve_wall(result)
     for text in (*WALL_SYSTEMS, "wall-clock sweep", "TTFT ms", "TPOT ms", "differ from alone"):
         assert text in table, text
+
+
+def test_threads_sets_the_count_for_the_block_and_restores_it_even_on_an_error():
+    import pytest
+
+    from course_lib.bench import threads
+
+    before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
+    with pytest.raises(KeyError):
+        with threads(other):
+            assert torch.get_num_threads() == other
+            raise KeyError("inside")
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads must be an integer >= 1, got 0"):
+        with threads(0):
+            pass
+    assert torch.get_num_threads() == before
+
+
+def test_alternate_warms_up_then_runs_every_contender_once_per_round_in_the_order_given():
+    from course_lib.bench import alternate
+
+    calls = []
+    contenders = {name: (lambda name=name: calls.append(name) or len(calls)) for name in ("a", "b", "c")}
+    runs = alternate(contenders, repeats=2, warmup=2, warm={"w": lambda: calls.append("w")},
+                     order=lambda k: ["c", "a", "b"] if k else ["a", "b", "c"], after_round=lambda: calls.append("|"))
+    assert calls == ["w", "w", "a", "b", "c", "|", "c", "a", "b", "|"]
+    assert {name: r.results for name, r in runs.items()} == {"a": [3, 8], "b": [4, 9], "c": [5, 7]}
+    assert all(len(r.seconds) == 2 and min(r.seconds) >= 0 and r.median == sum(r.seconds) / 2 for r in runs.values())
+    calls.clear()
+    alternate(contenders, repeats=1, warmup=1)  # no warm dict: the contenders warm themselves up
+    assert calls == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_the_hugging_face_adapters_name_the_transformers_version_the_project_pins():
+    """hf_adapters reaches into transformers' internals: it must be read again when the pin moves."""
+    import re
+    from pathlib import Path
+
+    from course_lib.bench import TRANSFORMERS_VERSION
+
+    root = Path(__file__).resolve().parents[2]
+    for pins in ("pyproject.toml", "environment.yml"):
+        assert re.findall(r"transformers==([\w.]+)", (root / pins).read_text()) == [TRANSFORMERS_VERSION], pins

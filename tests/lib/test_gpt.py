@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib.gpt import (GPT, CausalSelfAttention, GPTConfig, attention_maps, count_parameters, estimate_loss,
+from course_lib.gpt import (GPT, IGNORE_INDEX, CausalSelfAttention, GPTConfig, attention_maps, count_parameters, estimate_loss,
                             gpt_layers, gpt_param_count, gpt_sample, previous_token_score)
 from tests.helpers import assert_parity
 
@@ -112,6 +112,13 @@ def test_gpt_loss_is_mean_cross_entropy_over_non_padding_targets(generator):
     keep = targets != -100
     per_token = -torch.log_softmax(logits.double(), -1).gather(-1, targets.clamp_min(0)[..., None])[..., 0]
     assert_parity(padded, per_token[keep].mean())
+
+
+def test_the_padding_target_is_pytorchs_ignore_index():
+    """IGNORE_INDEX, which Llama's loss and chapter 04's check use, is the -100 GPT.forward writes out: PyTorch's default."""
+    import inspect
+
+    assert IGNORE_INDEX == inspect.signature(F.cross_entropy).parameters["ignore_index"].default == -100
 
 
 def test_gpt_is_causal_end_to_end(generator):

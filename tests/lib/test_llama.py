@@ -169,3 +169,16 @@ def test_bad_configs_and_inputs_raise():
         model(torch.zeros(1, 49, dtype=torch.long))
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate_llama(model, torch.zeros(1, 2, dtype=torch.long), -1)
+
+
+def test_llama_loss_is_the_mean_cross_entropy_over_the_targets_that_are_not_padding():
+    """The same contract as GPT's: targets are the next tokens as given, -100 marks padding (left out of the mean)."""
+    torch.manual_seed(0)
+    model = Llama(small()).eval()
+    idx, targets = torch.randint(0, 61, (2, 9)), torch.randint(0, 61, (2, 9))
+    targets[1, 5:] = -100
+    with torch.no_grad():
+        logits, loss = model(idx, targets)
+    keep = targets != -100
+    per_token = -torch.log_softmax(logits.double(), -1).gather(-1, targets.clamp_min(0)[..., None])[..., 0]
+    torch.testing.assert_close(loss.double(), per_token[keep].mean(), **TOL)

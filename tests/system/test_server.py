@@ -25,8 +25,9 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from course_lib import assets, bench, cli  # noqa: E402
+from course_lib.bench import bench_serve_http, format_serve_http  # noqa: E402
 from course_lib.kv_cache import generate_cached  # noqa: E402
-from course_lib.server import Server, bench_serve_http, format_serve_http  # noqa: E402
+from course_lib.server import Server  # noqa: E402
 from course_lib.serving import Engine, Request  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,0 +1,166 @@
+"""``course bench``: the benchmarks, our code against Hugging Face's on the same weights (they print; they assert nothing).
+
+``course bench train``: a training step (``train``). ``course bench decode``: greedy decoding, cached and uncached,
+float32, int8 and bfloat16 weights, with the memory-bandwidth bound; then chapter 11's Llama-style model (``decode``).
+``course bench serve``: many requests at once, continuous batching over a paged cache against static batching and
+Hugging Face's continuous batching, the load sweeps and the engine's speed against its targets (``serve``).
+``course bench serve-http``: ``course serve`` under Poisson arrivals over HTTP (``serve_http``). ``course bench grade``:
+grading speed (``course_lib.grading.bench``, with the grading code it times).
+
+The modules: ``timing`` (a torch thread count for a block, contenders timed alternately after a warm-up),
+``hf_adapters`` (every use of transformers' internals, tied to the pinned version), and one per benchmark. Every
+contender of a benchmark is timed alternately with the others in one process, so that background load hits all alike.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .decode import (DECODE_SHAPES, LLAMA_DECODE_SHAPES, LLAMA_FOR_GPT_SHAPE, LLAMA_MAX_TOKENS, READ_WIDTHS,
+                     UNCACHED_TOKENS, bench_decode, bench_llama_decode, format_decode, format_kernels,
+                     format_llama_decode, greedy_uncached, read_bandwidth, read_bandwidths)
+from .hf_adapters import TRANSFORMERS_VERSION, hf_generate, hf_replay, hf_serve
+from .serve import (SERVE_MODELS, SERVE_REQUESTS, SERVE_SYSTEMS, SERVE_TARGETS, SWEEP_BUDGETS, SWEEP_RATES,
+                    WALL_RATES, WALL_SYSTEMS, bench_serve, bench_serve_load, bench_serve_speed, bench_serve_wall,
+                    format_serve, format_serve_load, format_serve_speed, format_serve_wall, poisson_arrivals,
+                    serve_model, serve_ratios)
+from .serve_http import bench_serve_http, format_serve_http
+from .timing import Runs, alternate, threads
+from .train import bench_train, format_train
+
+__all__ = [
+    "DECODE_SHAPES", "LLAMA_DECODE_SHAPES", "LLAMA_FOR_GPT_SHAPE", "READ_WIDTHS", "SERVE_MODELS", "SERVE_REQUESTS",
+    "SERVE_SYSTEMS", "SERVE_TARGETS", "SWEEP_BUDGETS", "SWEEP_RATES", "TRANSFORMERS_VERSION", "UNCACHED_TOKENS",
+    "WALL_RATES", "WALL_SYSTEMS", "Runs", "alternate", "bench_decode", "bench_llama_decode", "bench_serve",
+    "bench_serve_http", "bench_serve_load", "bench_serve_speed", "bench_serve_wall", "bench_train", "format_decode",
+    "format_kernels", "format_llama_decode", "format_serve", "format_serve_http", "format_serve_load",
+    "format_serve_speed", "format_serve_wall", "format_train", "greedy_uncached", "hf_generate", "hf_replay",
+    "hf_serve", "main", "poisson_arrivals", "read_bandwidth", "read_bandwidths", "serve_model", "serve_ratios",
+    "threads",
+]
+
+#: ``--quick`` (a smoke run): new tokens of the cached and of the uncached decode rows, requests per serve trace, new
+#: tokens per request of the engine's decode-step target; one run, no warm-up
+QUICK_TOKENS, QUICK_UNCACHED_TOKENS, QUICK_REQUESTS, QUICK_SPEED_TOKENS = 32, 8, 8, 8
+#: Timed repeats by default
+REPEATS = {"train": 7, "decode": 5, "serve": 3}
+#: Torch threads by default (serve: 1, see its --threads help)
+THREADS = {"train": 2, "decode": 2, "serve": 1}
+
+
+def _llama_rows(args) -> dict:
+    """bench_llama_decode with the command line's options (each GPT shape of --shapes stands for the Llama shape of its
+    width and depth, LLAMA_FOR_GPT_SHAPE)."""
+    shapes = tuple(LLAMA_FOR_GPT_SHAPE[s] for s in args.shapes)
+    if args.quick:
+        return bench_llama_decode(shapes=shapes, new_tokens=QUICK_TOKENS, threads=args.threads, warmup=0,
+                                  repeats=args.repeats or 1)
+    return bench_llama_decode(shapes=shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=min(args.tokens, LLAMA_MAX_TOKENS),
+                              threads=args.threads, repeats=args.repeats or REPEATS["decode"])
+
+
+def _serve(args) -> None:
+    """``course bench serve``: its table, the load sweep, the wall-clock sweep, the engine's speed against its targets.
+    The benchmarks are looked up here, in this module, at each call (tests shrink them by patching these names)."""
+    models, threads = args.shapes or list(SERVE_MODELS), args.threads or THREADS["serve"]
+    repeats = args.repeats or (1 if args.quick else REPEATS["serve"])
+    if args.quick:
+        result = bench_serve(models=models, n_requests=args.requests or QUICK_REQUESTS, threads=threads, warmup=0,
+                             repeats=repeats)
+    else:
+        result = bench_serve(models=models, n_requests=args.requests, threads=threads, repeats=repeats)
+    print(format_serve(result))
+    print()
+    if args.quick:
+        load = bench_serve_load(rates=SWEEP_RATES[-1:], budgets=SWEEP_BUDGETS[-1:], n_requests=args.requests or QUICK_REQUESTS,
+                                threads=threads, repeats=repeats)
+    else:
+        load = bench_serve_load(threads=threads, repeats=repeats)
+    print(format_serve_load(load))
+    print()
+    if args.quick:
+        wall = bench_serve_wall(rates=WALL_RATES[-1:], n_requests=args.requests or QUICK_REQUESTS, threads=threads, warmup=0,
+                                repeats=repeats)
+    else:
+        wall = bench_serve_wall(threads=threads, repeats=repeats)
+    print(format_serve_wall(wall))
+    print()
+    quick = dict(new_tokens=QUICK_SPEED_TOKENS, n_requests=args.requests or QUICK_REQUESTS, warmup=0, repeats=repeats) \
+        if args.quick else dict(n_requests=args.requests, repeats=repeats)
+    print(format_serve_speed(bench_serve_speed(models=models, serve_result=result, threads=(threads, 2 * threads), **quick)))
+
+
+def _decode(args) -> None:
+    """``course bench decode``: the GPT table, the Llama table, or both (--family)."""
+    args.shapes = args.shapes or list(DECODE_SHAPES)
+    if args.family == "llama":
+        print(format_llama_decode(_llama_rows(args)))
+        return
+    if args.quick:
+        result = bench_decode(shapes=args.shapes, new_tokens=QUICK_TOKENS,
+                              uncached_tokens={s: QUICK_UNCACHED_TOKENS for s in DECODE_SHAPES},
+                              threads=args.threads, warmup=0, repeats=args.repeats or 1)
+    else:
+        result = bench_decode(shapes=args.shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=args.tokens,
+                              threads=args.threads, repeats=args.repeats or REPEATS["decode"])
+    print(format_decode(result))
+    if args.family == "all":
+        print()
+        print(format_llama_decode(_llama_rows(args)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["grade"]:  # grading speed: its own options
+        from ..grading.bench import main as bench_grade_main
+
+        return bench_grade_main(argv[1:])
+    if argv[:1] == ["serve-http"]:  # the engine behind HTTP: its own options
+        from .serve_http import main as bench_serve_http_main
+
+        return bench_serve_http_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="course bench", description="benchmarks (they print; they assert nothing); "
+                                                                      "`course bench grade --help` for grading speed")
+    parser.add_argument("what", choices=["train", "decode", "serve"],
+                        help="train: a training step of our GPT vs Hugging Face's GPT-2; decode: greedy decoding speed, "
+                             "cached and uncached, vs Hugging Face's generate; serve: many requests at once, our continuous "
+                             "batching with a paged cache vs our static batching and Hugging Face's continuous batching")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed repeats; the median is reported (default: "
+                             + ", ".join(f"{n} for {what}" for what, n in REPEATS.items()) + ")")
+    parser.add_argument("--steps", type=int, default=10, help="train: training steps per repeat (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: 2; serve: 1, because a serving step is many small ops, and on a "
+                             "shared machine each 2-thread op can wait for a descheduled thread; the engine runs its small "
+                             "passes on one thread whatever this says: the 2-threads row compares)")
+    parser.add_argument("--tokens", type=int, default=256, help="decode: new tokens of the cached rows (default: %(default)s)")
+    shapes = sorted(set(DECODE_SHAPES) | set(SERVE_MODELS))
+    parser.add_argument("--shapes", nargs="+", default=None, choices=shapes,
+                        help=f"models: decode {list(DECODE_SHAPES)} (default: both), serve {list(SERVE_MODELS)} (default: both)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="decode: batch sizes (default: 1 8)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="serve: requests in the trace of every model (default: "
+                             + ", ".join(f"{m} {n}" for m, n in SERVE_REQUESTS.items()) + ")")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"decode: {QUICK_TOKENS} new tokens ({QUICK_UNCACHED_TOKENS} uncached), 1 run, no warm-up; "
+                             f"serve: {QUICK_REQUESTS} requests, 1 run, no warm-up (a smoke run)")
+    parser.add_argument("--family", choices=["all", "gpt", "llama"], default="all",
+                        help="decode: GPT-2-style rows (chapters 05 and 08), Llama-style rows (chapter 11), or both (default)")
+    args = parser.parse_args(argv)
+    allowed = {"decode": DECODE_SHAPES, "serve": SERVE_MODELS}.get(args.what, ())
+    if args.shapes and any(s not in allowed for s in args.shapes):
+        parser.error(f"--shapes for {args.what} must be among {list(allowed)}, got {args.shapes}")
+    if args.what == "serve":
+        _serve(args)
+        return 0
+    args.threads = args.threads or THREADS[args.what]
+    if args.what == "decode":
+        _decode(args)
+        return 0
+    repeats = args.repeats or REPEATS["train"]
+    print(format_train(bench_train(threads=args.threads, repeats=repeats, steps_per_repeat=args.steps), repeats, args.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Timing helpers of ``course bench``: torch's thread count for a block, contenders timed alternately after a warm-up,
+and a sleep to a point of a replay's clock."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from typing import Callable, Hashable, Iterable
+
+import torch
+
+from ..validation import check_positive
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Run the block with n torch threads (n >= 1), then restore the thread count it found, even on an error."""
+    check_positive("threads", n)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(previous)
+
+
+@dataclasses.dataclass
+class Runs:
+    """One contender's timed calls, a round each: what each returned and its seconds (``time.perf_counter``)."""
+    results: list
+    seconds: list[float]
+
+    @property
+    def median(self) -> float:
+        """The median seconds of a call."""
+        return statistics.median(self.seconds)
+
+
+def alternate(contenders: dict[Hashable, Callable[[], object]], repeats: int, warmup: int = 0,
+              warm: dict[Hashable, Callable[[], object]] | None = None,
+              order: Callable[[int], Iterable[Hashable]] | None = None,
+              after_round: Callable[[], object] | None = None) -> dict[Hashable, Runs]:
+    """Time `contenders` alternately, after a warm-up, so that background load hits them all alike.
+
+    Warm-up (allocator, first-call overheads): each callable of `warm` (default: the contenders themselves; a shorter
+    run, say) is called `warmup` times, untimed, in turn. Then `repeats` rounds: each calls every contender once,
+    timed, in the order ``order(round)`` (default: as given), then ``after_round()`` (a measurement that must see the
+    same machine as the round, say). Returns {contender: Runs}; ``Runs.median`` is its median seconds per call.
+    """
+    check_positive("repeats", repeats)
+    if warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    for call in (contenders if warm is None else warm).values():
+        for _ in range(warmup):
+            call()
+    runs = {name: Runs([], []) for name in contenders}
+    for k in range(repeats):
+        for name in (contenders if order is None else order(k)):
+            start = time.perf_counter()
+            result = contenders[name]()
+            runs[name].seconds.append(time.perf_counter() - start)
+            runs[name].results.append(result)
+        if after_round is not None:
+            after_round()
+    return runs
+
+
+def sleep_until(start: float, at: float) -> None:
+    """Wait until `at` seconds after the perf_counter reading `start`."""
+    delay = start + at - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
