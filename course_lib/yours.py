@@ -217,4 +217,5 @@ def _quiet_and_reproducible():
     finally:
         random.setstate(python_state)
         np.random.set_state(numpy_state)
-        torch.set_num_threads(threads)
+        if torch.get_num_threads() != threads:  # (setting it is not free: OpenMP's pool resizes)
+            torch.set_num_threads(threads)
