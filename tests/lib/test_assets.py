@@ -59,6 +59,17 @@ def test_checkpoint_loads_as_its_class_and_its_record_repeats_its_recipe(name):
     assert record["train"] == json.loads(json.dumps(recipe.train_args))  # (tuples are lists in json)
 
 
+def test_another_class_can_hold_the_shipped_weights():
+    class LearnersGPT(GPT):  # a class of the learner's, GPT-2's names (here the course's modules, under another class)
+        pass
+
+    model, course = assets.load("char-gpt-draft", LearnersGPT), assets.load("char-gpt-draft")
+    assert type(model) is LearnersGPT and not model.training and model.config == course.config
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), course.state_dict().values()))
+    with pytest.raises(RuntimeError, match="Missing key"):  # strict: a class without the checkpoint's names fails
+        assets.load("char-gpt-draft", lambda config: torch.nn.Linear(1, 1))
+
+
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_saving_the_shipped_weights_again_gives_the_shipped_file(name, tmp_path):
     """The .pt file is exactly what pretrain's save_checkpoint writes for these weights (nothing else in it)."""
