@@ -322,6 +322,36 @@ def _check_score(score: float, expected: float, n: int, prompt_len: int, name: s
              "generated tokens divided by their number ** length_penalty")
 
 
+def _diagnose_batch(beam_search, model, x, mask, row: int, eos: int) -> str:
+    """Which part of beam search makes `row` of the batch differ from Hugging Face: the row alone without padding
+    and without EOS (the search itself), alone with EOS (the finished hypotheses and the stopping rule), alone
+    with its padding (the attention mask), or only in the batch (rows that affect each other)."""
+    def differs(prompt, prompt_mask, **kwargs):
+        ours = beam_search(model, prompt, 10, 3, pad_token_id=12, attention_mask=prompt_mask, **kwargs)[0]
+        theirs = _hf_beams(model, prompt, torch.ones_like(prompt) if prompt_mask is None else prompt_mask, 10,
+                           num_beams=3, pad_token_id=12, **kwargs)[0]
+        return not (isinstance(ours, torch.Tensor) and ours.shape == theirs.shape and torch.equal(ours, theirs))
+
+    alone = x[row:row + 1, mask[row].bool()]  # the row's real tokens, no padding
+    if differs(alone, None):
+        return (f"The row alone ({alone[0].tolist()}, no padding) and without any EOS already differs: the search "
+                "itself. Each step must rank all K x V candidates of the row at once (one top-k over the flattened "
+                "K * V scores, not per beam), and each survivor must carry its own history: reorder the sequences and "
+                "the cache rows (cache.reorder(rows)) by the beam each kept candidate came from.")
+    if differs(alone, None, eos_token_id=eos):
+        return (f"The row alone ({alone[0].tolist()}, no padding) is right without EOS, wrong with eos_token_id={eos}: "
+                "the finished hypotheses. Only candidates among the best K of a step that end with EOS become "
+                "hypotheses, and they do not run on as beams; hypotheses are ranked by score / (generated tokens) ** "
+                "length_penalty; a row stops by the early_stopping rule and takes no hypotheses after it stopped.")
+    if differs(x[row:row + 1], mask[row:row + 1], eos_token_id=eos):
+        return ("The row alone is right without padding, wrong with its left padding and attention mask: pass the "
+                "mask to the model (cached_forward(model, idx, cache, mask), the mask growing by a 1 per step) so "
+                "that padding is not attended to and positions count real tokens only.")
+    return ("The row gets Hugging Face's result alone (padded or not), but not in a batch: the rows affect each "
+            "other. Each row keeps its own finished hypotheses and stops by its own early_stopping rule; a row that has "
+            "stopped takes no more hypotheses while the others go on, and the loop ends only when every row has stopped.")
+
+
 def check_beam_search(beam_search) -> None:
     """A trap greedy falls into (the best sequence known by brute force), the length penalty over the generated
     tokens only, and Hugging Face's generate(num_beams=3) on a random GPT with a left-padded batch and EOS."""
@@ -363,10 +393,7 @@ def check_beam_search(beam_search) -> None:
                                 name, 2)
     for row in range(2):
         if sequences.shape != theirs.shape or not torch.equal(sequences[row], theirs[row]):
-            hint = (" Row 0 is left-padded: pass the attention mask to the model (cached_forward(model, idx, cache, "
-                    "mask), the mask growing by a 1 per step) so that padding is not attended to."
-                    if row == 0 else "")
             fail(f"{name}: row {row} is {sequences[row].tolist()}, Hugging Face's generate gives "
-                 f"{theirs[row].tolist()}.{hint}")
+                 f"{theirs[row].tolist()}. {_diagnose_batch(beam_search, model, x, mask, row, eos)}")
     assert_close(scores, their_scores, f"the scores of {name} (Hugging Face's sequences_scores)", rtol=1e-4, atol=1e-4)
     passed("beam_search")

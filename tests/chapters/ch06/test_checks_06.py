@@ -160,6 +160,10 @@ def beam_variant(*replacements):
 beams_start_equal = beam_variant(("running_scores[:, 0] = 0.0", "running_scores[:, :] = 0.0"))
 prompt_in_length_penalty = beam_variant(("(cur_len + 1 - T0) ** length_penalty", "(cur_len + 1) ** length_penalty"))
 mask_ignored = beam_variant(("cached_forward(model, new, cache, mask)", "cached_forward(model, new, cache)"))
+cache_not_reordered = beam_variant(("        cache.reorder((source + rows * K).view(-1))\n", ""))
+ended_run_on = beam_variant(("alive = scores.masked_fill(ends, -inf)", "alive = scores.masked_fill(ends & (cur_len + 1 == max_len), -inf)"))
+first_row_done_stops_all = beam_variant(("if not searching.any():", "if not searching.all():"))
+stopped_rows_take_hypotheses = beam_variant(("ends & searching[:, None]", "ends"))
 
 
 @pytest.mark.parametrize("check, fn, message", [
@@ -187,7 +191,11 @@ mask_ignored = beam_variant(("cached_forward(model, new, cache, mask)", "cached_
     (checks.check_greedy_search, finished_rows_emit_eos, "is pad_token_id ignored?"),
     (checks.check_beam_search, beams_start_equal, "Your beams never left greedy's path"),
     (checks.check_beam_search, prompt_in_length_penalty, "the length penalty counts the prompt"),
-    (checks.check_beam_search, mask_ignored, "Row 0 is left-padded: pass the attention mask"),
+    (checks.check_beam_search, mask_ignored, "wrong with its left padding and attention mask: pass the mask"),
+    (checks.check_beam_search, cache_not_reordered, "without any EOS already differs: the search itself"),
+    (checks.check_beam_search, ended_run_on, "right without EOS, wrong with eos_token_id=10: the finished hypotheses"),
+    (checks.check_beam_search, first_row_done_stops_all, "but not in a batch: the rows affect each other"),
+    (checks.check_beam_search, stopped_rows_take_hypotheses, "but not in a batch: the rows affect each other"),
 ])
 def test_each_classic_bug_gets_a_specific_message(check, fn, message):
     with pytest.raises(checks.CheckFailed) as failure:

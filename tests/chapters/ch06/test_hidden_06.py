@@ -120,6 +120,9 @@ CASES = [
     (BEAM, "attention mask ignored", mutate(BEAM, ("cached_forward(model, new, cache, mask)",
                                                    "cached_forward(model, new, cache)")), failing(BEAM, "visible", "rows")),
     (BEAM, "early_stopping=True treated as False", mutate(BEAM, (EARLY_TRUE, "")), failing(BEAM, "hf")),
+    (BEAM, "pad_token_id=None pads with 0, not the EOS id", mutate(BEAM, (
+        "pad = pad_token_id if pad_token_id is not None else max(eos, 0)", "pad = pad_token_id if pad_token_id is not None else 0")),
+     failing(BEAM, "eos")),
     (BEAM, "returns every sequence at full length", mutate(BEAM, (
         "finished[:, 0, :int(finished_len[:, 0].max())]", "finished[:, 0]")), failing(BEAM, "hf", "eos")),
     (BEAM, "correct: no cache kept, the whole prefix recomputed each step", mutate(BEAM, (
