@@ -358,11 +358,12 @@ def generate_cached(model, idx, max_new_tokens: int, attention_mask=None):
 
 def kv_cache_bytes(n_layer: int, n_embd: int, n_head: int, seq_len: int, *, n_kv_head: int | None = None,
                    batch_size: int = 1, dtype=torch.float16) -> int:
-    """Bytes of a KV cache holding seq_len tokens, an int: 2 * L * B * T * H_kv * Dh * bytes per element.
+    """Bytes of the keys and values a KV cache holds for seq_len tokens (S) of each of batch_size sequences, an int.
 
-    2: a key and a value per token, head and layer. Dh = n_embd / n_head (the query heads set the head
-    size); n_kv_head (default n_head) key/value heads are cached. The bytes per element are the dtype's
-    (float16 and bfloat16 2, float32 4, float64 8); the size grows linearly with batch_size and seq_len.
+    Dh = n_embd // n_head (the query heads set the head size); n_kv_head key/value heads (default n_head) are
+    cached. The bytes per element are the dtype's (float16 and bfloat16 2, float32 4, float64 8). The tests
+    compare with the tensors of real caches (allocated on the meta device), and check that the size follows
+    n_kv_head, dtype, batch_size and seq_len.
     """
     H_kv = n_head if n_kv_head is None else n_kv_head
     head_dim = n_embd // n_head

@@ -114,12 +114,32 @@ def check_cached_attention_step(cached_attention_step) -> None:
              "inside a chunk, new token i (slot P + i) may attend to slots 0..P + i only, not to the new tokens after it. "
              "Is the causal mask missing?")
     if error[0] > 1e-4 and error[-1] > 1e-4:
+        _name_the_wrong_attention(y, q, k, v, past_k, past_v)
         fail(f"every new token is off (by up to {error.max().item():.3g}); new token i sits at slot P + i = {P} + i and "
              "may attend to every cached slot and to slots P..P + i of the chunk. Is the causal mask offset by the "
              "P cached tokens (tril(diagonal=P))? Is the scale 1/sqrt(Dh)?")
     assert_close(y, expected.float(), "y compared with causal F.scaled_dot_product_attention over all 7 tokens (float64)")
     _check_grouped_heads(cached_attention_step, g)
     passed("cached_attention_step")
+
+
+def _name_the_wrong_attention(y, q, k, v, past_k, past_v) -> None:
+    """Fails naming the mistake if y (B, H, T, Dh) is float64 attention over past + new with one of two classic
+    mistakes: the causal mask not offset by the P cached tokens (tril(diagonal=0) on the (T, P + T) scores), or
+    the scores not scaled by 1/sqrt(Dh). Returns if y is neither."""
+    P, T, Dh = past_k.shape[2], q.shape[2], q.shape[3]
+    keys, values = torch.cat([past_k, k], dim=2).double(), torch.cat([past_v, v], dim=2).double()
+    offset = torch.ones(T, P + T, dtype=torch.bool).tril(diagonal=P)
+    mistakes = [
+        (dict(attn_mask=torch.ones(T, P + T, dtype=torch.bool).tril()),
+         f"your output is attention with the causal mask not offset by the {P} cached tokens (tril(diagonal=0)): new "
+         f"token i sits at slot P + i and may attend to slots 0..P + i, tril(diagonal=P)"),
+        (dict(attn_mask=offset, scale=1.0),
+         f"your output is attention without the 1/sqrt(Dh) scale (Dh = {Dh}): divide the scores by sqrt(Dh)"),
+    ]
+    for wrong, message in mistakes:
+        if torch.allclose(y.double(), F.scaled_dot_product_attention(q.double(), keys, values, **wrong), rtol=1e-4, atol=1e-5):
+            fail(message)
 
 
 def _check_grouped_heads(cached_attention_step, g) -> None:
@@ -178,8 +198,12 @@ def _check_cache(cache_class) -> None:
                      f"but {past} + {T} tokens fit: the cache is full only when length + T > max_len")
             expected_k = torch.cat([kv[0] for kv in stored[layer]], dim=2)
             expected_v = torch.cat([kv[1] for kv in stored[layer]], dim=2)
-            assert_shape(keys, tuple(expected_k.shape), f"the keys update returns in layer {layer} with {past} cached and "
-                         f"{T} new tokens, (B, H_kv, length + T, Dh): the cached and the new ones only, not all max_len slots")
+            assert_tensor(keys, f"the keys update(layer={layer}, k, v) returns")
+            if keys.shape != expected_k.shape:
+                fail(f"update(layer={layer}, k, v) with {past} cached and {T} new tokens returned keys of shape "
+                     f"{tuple(keys.shape)}, expected {tuple(expected_k.shape)} = (B, H_kv, length + T, Dh): return the "
+                     "cached and the new slots only, not all max_len slots (the empty ones hold zeros, and attention "
+                     "would weigh them)")
             assert_close(keys, expected_k, f"the keys update returns in layer {layer} (the cached ones first, then the new ones)")
             assert_close(values, expected_v, f"the values update returns in layer {layer} (the cached ones first, then the new ones)")
         cache.advance(T)
@@ -292,7 +316,12 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
         if not isinstance(got, int):
             fail(f"kv_cache_bytes should return an int (bytes), got {type(got).__name__}")
         expected = kv_cache_bytes_oracle(*args, **kwargs)
+        dtype = kwargs["dtype"]
+        if got != expected and dtype != torch.float16 and kv_cache_bytes(*args, **{**kwargs, "dtype": torch.float16}) == got:
+            fail(f"for {name}: you computed {got:,} bytes, the cache holds {expected:,}; with dtype=torch.float16 you "
+                 f"compute the same {got:,}: the bytes per element come from dtype ({str(dtype).removeprefix('torch.')}: "
+                 f"{torch.empty((), dtype=dtype).element_size()}, float16: 2), torch.empty((), dtype=dtype).element_size()")
         if got != expected:
             fail(f"for {name}: you computed {got:,} bytes, the cache holds {expected:,} (ratio {got / expected:.4g}; "
-                 "a key AND a value per token, layer and key/value head, each of head size n_embd / n_head)")
+                 "a key AND a value per token, layer and key/value head, each of head size n_embd // n_head)")
     passed("kv_cache_bytes")

@@ -23,6 +23,13 @@ def step_unscaled(q, k, v, past_k, past_v):
     return masked_softmax(q @ keys.transpose(-2, -1), allowed) @ values, keys, values
 
 
+def step_mask_not_offset(q, k, v, past_k, past_v):
+    keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+    P, T = past_k.shape[2], q.shape[2]
+    allowed = torch.ones(T, P + T, dtype=torch.bool).tril()  # new token i sees slots 0..i, not 0..P + i
+    return masked_softmax(q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1]), allowed) @ values, keys, values
+
+
 def step_new_first(q, k, v, past_k, past_v):
     y, _, _ = cached_attention_step(q, k, v, past_k, past_v)
     return y, torch.cat([k, past_k], dim=2), torch.cat([v, past_v], dim=2)
@@ -121,12 +128,17 @@ class CacheNotAdvanced(StaticKVCache):
 @pytest.mark.parametrize("check,buggy,message", [
     (checks.check_cached_attention_step, step_without_mask,
      r"the last new token is right, but tokens 0 and 1 of the chunk are off by up to \d.*causal mask missing"),
-    (checks.check_cached_attention_step, step_unscaled, r"every new token is off .*offset by the P cached tokens"),
+    (checks.check_cached_attention_step, step_unscaled, r"^your output is attention without the 1/sqrt\(Dh\) scale \(Dh = 8\)"),
+    (checks.check_cached_attention_step, step_mask_not_offset,
+     r"^your output is attention with the causal mask not offset by the 4 cached tokens \(tril\(diagonal=0\)\)"),
+    (checks.check_cached_attention_step, lambda q, k, v, pk, pv: (cached_attention_step(q, k, v, pk, pv)[0] * 1.1,
+                                                                  *cached_attention_step(q, k, v, pk, pv)[1:]),
+     r"every new token is off .*offset by the P cached tokens"),
     (checks.check_cached_attention_step, step_new_first, r"the returned keys \(the cached ones first"),
     (checks.check_cached_attention_step, step_returns_repeated_cache,
      r"your returned keys have shape \(1, 4, 5, 8\): 4 heads, repeated for the queries. Return the cache with its 2"),
-    (checks.check_static_kv_cache, CacheUnsliced, r"the keys update returns in layer 0 with 0 cached and 3 new tokens.*has shape "
-     r"\(3, 2, 5, 4\), expected \(3, 2, 3, 4\)"),
+    (checks.check_static_kv_cache, CacheUnsliced, r"^update\(layer=0, k, v\) with 0 cached and 3 new tokens returned keys of "
+     r"shape \(3, 2, 5, 4\), expected \(3, 2, 3, 4\) = \(B, H_kv, length \+ T, Dh\): return the cached and the new slots only"),
     (checks.check_static_kv_cache, CacheFullTooEarly, r"update of 2 tokens with 3 cached and max_len = 5 raised ValueError"),
     (checks.check_static_kv_cache, CacheNeverFull, r"holding 5 tokens accepted a sixth"),
     (checks.check_static_kv_cache, CacheNotAdvanced, r"after advance\(3\) with 0 cached, length should be 3, got 0"),
@@ -152,6 +164,10 @@ class CacheNotAdvanced(StaticKVCache):
     (checks.check_kv_cache_bytes, lambda L, C, H, T, n_kv_head=None, batch_size=1, dtype=torch.float16:
         kv_cache_bytes(L, C, H, T, batch_size=batch_size, dtype=dtype),
      r"a GQA model .*you computed 16,777,216 bytes, the cache holds 4,194,304 \(ratio 4;"),
+    (checks.check_kv_cache_bytes, lambda L, C, H, T, n_kv_head=None, batch_size=1, dtype=torch.float16:
+        kv_cache_bytes(L, C, H, T, n_kv_head=n_kv_head, batch_size=batch_size),  # the dtype ignored: always 2 bytes
+     r"the course model .*you computed 262,144 bytes, the cache holds 524,288; with dtype=torch.float16 you compute the "
+     r"same 262,144: the bytes per element come from dtype \(float32: 4, float16: 2\)"),
     (checks.check_kv_cache_bytes, lambda *a, **k: float(kv_cache_bytes(*a, **k)), r"should return an int \(bytes\), got float"),
 ])
 def test_classic_bugs_get_specific_messages(check, buggy, message):

@@ -64,6 +64,6 @@ def test_failures_carry_the_checks_messages(graded):
     assert "Is the causal mask missing?" in messages["cached_attention_step-visible"]
     assert "(do the positions advance with the cache)?" in messages["generate_cached-visible"]
     messages = roundtrip.messages(graded, CH, "planted_b")
-    assert "offset by the P cached tokens" in messages["cached_attention_step-visible"]
+    assert "the causal mask not offset by the 4 cached tokens (tril(diagonal=0))" in messages["cached_attention_step-visible"]
     assert "but 3 + 2 tokens fit: the cache is full only when length + T > max_len" in messages["generate_cached-visible"]
     assert "(ratio 0.5;" in messages["kv_cache_bytes-visible"]
