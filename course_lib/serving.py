@@ -40,6 +40,7 @@ chapter 12's exercises (``tests/grading/test_solution_drift.py`` keeps them equa
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import numbers
 import random
@@ -52,8 +53,8 @@ from typing import Mapping
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from .attention import masked_softmax
 from .decoding import REPLACEABLE, process_logits
 from .gpt import gpt_layers
 from .kv_cache import KVCache, cached_forward
@@ -92,10 +93,9 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     blocks = block_tables.reshape(-1)  # (B * M,): every sequence's blocks, in order
     keys = key_pool.index_select(0, blocks).view(B, M * S, H, Dh)  # row b: its positions 0 .. M * S - 1
     values = value_pool.index_select(0, blocks).view(B, M * S, H, Dh)
-    scores = (keys * q[:, None]).sum(-1).transpose(1, 2) / math.sqrt(Dh)  # (B, H, M * S): q . k per position
     valid = torch.arange(M * S, device=q.device)[None, :] < context_lens[:, None]  # (B, M * S)
-    weights = masked_softmax(scores, valid[:, None, :])  # (B, H, M * S): zero past the context
-    return (weights.transpose(1, 2)[..., None] * values).sum(1)  # (B, H, Dh)
+    return F.scaled_dot_product_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+                                          attn_mask=valid[:, None, None, :])[:, :, 0]  # (B, H, Dh)
 
 
 def schedule_step(running: list, waiting: list, num_free_blocks: int, token_budget: int):
@@ -282,13 +282,19 @@ def validate(request: Request, block_size_ctx: int, num_blocks: int | None = Non
         raise ValueError(f"request {name}: seed must be an integer in [-2**63, 2**64), got {request.seed!r}")
 
 
-def _choose(logits: torch.Tensor, tokens: list, prompt_len: int, sampling: dict | None, generator) -> int:
-    """The next token from one row of logits (V,): the argmax, or a draw after chapter 06's processors."""
+def _choose(logits: torch.Tensor, greedy: int, tokens: list, prompt_len: int, sampling: dict | None, generator) -> int:
+    """The next token from one row of logits (V,): `greedy` (the row's argmax, ``_argmaxes``) when sampling is None,
+    else a draw after chapter 06's processors."""
     if sampling is None:
-        return int(logits.argmax())
+        return greedy
     ids = torch.tensor([tokens])
     scores = process_logits(logits[None].float(), ids, ids[:, prompt_len:], **sampling)
     return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
+
+
+def _argmaxes(logits: torch.Tensor) -> list:
+    """The argmax of every row of logits (n, V), in one operation: n ints (the greedy requests' tokens of a step)."""
+    return logits.argmax(-1).tolist()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -472,6 +478,11 @@ def _int64(values) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
+def _joined(rows: list) -> np.ndarray:
+    """Lists of ints or 1-D int64 tensors, end to end: one int64 array (no tensor made per row)."""
+    return np.concatenate([np.asarray(row, dtype=np.int64) for row in rows])
+
+
 def _layout(chunks: list, S: int, slots_of=slot_mapping) -> _Layout:
     """The `_Layout` of a forward pass over `chunks` ((block_table, start, tokens), as ``paged_forward`` takes them).
 
@@ -480,10 +491,11 @@ def _layout(chunks: list, S: int, slots_of=slot_mapping) -> _Layout:
     of every prefill chunk's keys, whatever the number of chunks; the decodes' tables, padded, are one gather from
     it. The index arithmetic is vectorised in NumPy (as vLLM prepares its inputs): a fixed number of operations
     per pass, none per sequence."""
-    table = torch.cat([t for t, _, _ in chunks])  # every block table, end to end
+    long_table = _joined([t for t, _, _ in chunks])  # every block table, end to end
+    table = torch.from_numpy(long_table)
     starts = np.array([start for _, start, _ in chunks], dtype=np.int64)
-    lengths = np.array([tokens.numel() for _, _, tokens in chunks], dtype=np.int64)
-    widths = np.array([t.numel() for t, _, _ in chunks], dtype=np.int64)
+    lengths = np.array([len(tokens) for _, _, tokens in chunks], dtype=np.int64)
+    widths = np.array([len(t) for t, _, _ in chunks], dtype=np.int64)
     offsets = np.cumsum(widths) - widths  # where each chunk's table begins in the long one, in blocks
     ends = np.cumsum(lengths)  # one past each chunk's last row
     first = ends - lengths  # each chunk's first row
@@ -492,9 +504,9 @@ def _layout(chunks: list, S: int, slots_of=slot_mapping) -> _Layout:
     decode, prefill = np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)
     M_d = int(widths[decode].max(initial=0))
     gather = np.minimum(offsets[decode, None] + np.arange(M_d), len(table) - 1)  # (B_d, M_d); padding: the next tables'
-    layout = _Layout(ids=torch.cat([tokens for _, _, tokens in chunks]), positions=_int64(positions),
+    layout = _Layout(ids=torch.from_numpy(_joined([tokens for _, _, tokens in chunks])), positions=_int64(positions),
                      slots=slots_of(table, _int64(offsets[chunk] * S + positions), S), last=_int64(ends - 1),
-                     decode_rows=_int64(first[decode]), decode_tables=table[_int64(gather)],
+                     decode_rows=_int64(first[decode]), decode_tables=_int64(long_table[gather]),
                      decode_lens=_int64(starts[decode] + 1))
     if len(prefill):
         t, k = np.arange(lengths[prefill].max()), np.arange((starts + lengths)[prefill].max())
@@ -513,11 +525,10 @@ def _prefill_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torc
     q (N, H, Dh): every token's query; key_pool, value_pool (N_blocks, S, H, Dh). Chunk p's query i (at position
     start + i) attends to its positions 0 .. start + i, gathered through its block table (``layout.prefill_slots``)."""
     H, Dh = q.shape[1:]
-    keys = key_pool.view(-1, H, Dh)[layout.prefill_slots].permute(0, 2, 3, 1)  # (P, H, Dh, K_p)
+    keys = key_pool.view(-1, H, Dh)[layout.prefill_slots].transpose(1, 2)  # (P, H, K_p, Dh)
     values = value_pool.view(-1, H, Dh)[layout.prefill_slots].transpose(1, 2)  # (P, H, K_p, Dh)
     queries = q[layout.prefill_rows].transpose(1, 2)  # (P, H, T_p, Dh)
-    weights = masked_softmax(queries @ keys / math.sqrt(Dh), layout.prefill_allowed)  # (P, H, T_p, K_p)
-    return (weights @ values).transpose(1, 2)  # (P, T_p, H, Dh)
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=layout.prefill_allowed).transpose(1, 2)
 
 
 #: Multiply-adds of one layer's linear products in a pass (tokens x 12 C^2) below which the pass runs on one thread.
@@ -543,8 +554,8 @@ def _threads(n: int):
 def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_attention, slots_of=slot_mapping) -> torch.Tensor:
     """Run a course_lib.gpt.GPT over the chunks of several sequences at once; logits of each chunk's last token.
 
-    chunks: list of (block_table (n,) int64, start, tokens (T,) int64): tokens at positions start..start+T-1,
-    their blocks already allocated. Every token goes through the linear layers in one (sum T, C) matrix. In each
+    chunks: list of (block_table (n,) int64, start, tokens (T,) int64), each table and tokens a tensor or a list of ints:
+    tokens at positions start..start+T-1, their blocks already allocated. Every token goes through the linear layers in one (sum T, C) matrix. In each
     layer, the new keys and values go to their slots in one copy; attention reads each sequence's keys and values
     through its block table: one ``attention`` (paged attention) for all the chunks of one token (decodes), their
     block tables padded into one tensor, and one masked attention for all the longer chunks (prefill), padded into
@@ -553,7 +564,7 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_a
     attention and slots_of: the functions used for paged attention and the slot mapping (the learner's, say), with
     the contracts of ``paged_attention`` and ``slot_mapping``.
     """
-    work = sum(tokens.numel() for _, _, tokens in chunks) * 12 * model.config.n_embd ** 2  # per layer
+    work = sum(len(tokens) for _, _, tokens in chunks) * 12 * model.config.n_embd ** 2  # per layer
     with _threads(1 if work < ONE_THREAD_WORK else torch.get_num_threads()):
         return _paged_forward(model, cache, chunks, attention, slots_of)
 
@@ -794,14 +805,14 @@ class Engine:
             self._make_room(cache, seq, n)
             if not (n == 1 and seq.prompt_len <= seq.n_cached == seq.n_tokens - 1):  # not a decode: a prompt chunk
                 prefill_tokens += n
-            chunks.append((torch.tensor(seq.blocks), seq.n_cached,
-                           torch.tensor(seq.tokens[seq.n_cached:seq.n_cached + n])))
+            chunks.append((seq.blocks, seq.n_cached, seq.tokens[seq.n_cached:seq.n_cached + n]))
         failed = {}  # index in scheduled -> the exception its chunk raised alone
         if chunks:
             try:
                 logits = paged_forward(self.model, cache, chunks, attention=attention, slots_of=slots_of)
             except Exception as error:  # noqa: BLE001 - whose error is it? each chunk again, alone
                 logits, failed = self._forward_alone(cache, chunks, error, step, attention, slots_of)
+            greedy = _argmaxes(logits)
         now = time.perf_counter() - start_time
         states = {s.request.name: "waiting" for s in waiting}
         for i, (seq, n) in enumerate(scheduled):
@@ -814,7 +825,7 @@ class Engine:
             self._register_full_blocks(cache, seq, seq.n_cached - n)
             if seq.n_cached == seq.n_tokens:  # the chunk reached the end: a new token
                 try:
-                    token = _choose(logits[i], seq.tokens, seq.prompt_len, seq.request.sampling, seq.generator)
+                    token = _choose(logits[i], greedy[i], seq.tokens, seq.prompt_len, seq.request.sampling, seq.generator)
                 except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone
                     self._fail(cache, seq, running, step, error)
                     output.finished.append(seq.request.name)
@@ -859,11 +870,11 @@ class Engine:
                 rows.append(paged_forward(self.model, cache, [chunk], attention=attention, slots_of=slots_of)[0])
             except Exception as alone:  # noqa: BLE001 - this chunk's own error
                 failed[i] = alone
-                rows.append(None)
+                rows.append(torch.zeros(self.model.config.vocab_size))  # never read: its request fails
         if not failed:
             raise RuntimeError(f"step {step}: the batched forward pass over {len(chunks)} chunks raised, but every "
                                f"chunk alone succeeded: an engine error, not a request's") from error
-        return rows, failed
+        return torch.stack(rows), failed
 
     @staticmethod
     def _fail(cache: PagedKVCache, seq: Sequence, running: list, step: int, error: Exception) -> None:
@@ -907,13 +918,13 @@ class Engine:
 
     @staticmethod
     def _used_slots(cache: PagedKVCache, running: list) -> int:
-        """Slots holding a cached token, each shared block counted once."""
-        filled: dict = {}
-        S = cache.block_size
-        for seq in running:
-            for i, b in enumerate(seq.blocks):
-                filled[b] = max(filled.get(b, 0), min(S, seq.n_cached - i * S))
-        return sum(max(0, f) for f in filled.values())
+        """Slots holding a cached token, each shared block counted once: the running sequences' cached tokens, less a
+        block's S slots for each reference to a block beyond its first (only full blocks are shared, found by prefix;
+        every table holds just the blocks its n_cached fill)."""
+        tables = [seq.blocks for seq in running]
+        shared = sum(map(len, tables)) - len(set(itertools.chain.from_iterable(tables)))  # references beyond the first
+        return sum(seq.n_cached for seq in running) - cache.block_size * shared
+
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -980,6 +991,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8, *, reserve: 
                 if r.arrival <= step:
                     states[r.name] = "waiting"
             logits = cached_forward(model, new, cache, mask)[:, -1]
+            greedy = _argmaxes(logits)
             now = time.perf_counter() - start_time
             column = torch.zeros(B, 1, dtype=torch.long)
             for row, r in enumerate(batch):
@@ -988,7 +1000,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8, *, reserve: 
                 if done:
                     continue
                 try:
-                    token = _choose(logits[row], tokens[row], len(r.prompt), r.sampling, generators[row])
+                    token = _choose(logits[row], greedy[row], tokens[row], len(r.prompt), r.sampling, generators[row])
                 except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone, its row idles
                     results[r.name].error = f"request {r.name}: failed at step {step}: {type(error).__name__}: {error}"
                     failed.add(row)
