@@ -232,13 +232,13 @@ def _arrival_error(request: Request) -> str | None:
     return None
 
 
-def validate(request: Request, block_size_ctx: int, num_blocks: int | None = None, block_size: int | None = None, *,
+def validate(request: Request, context: int, num_blocks: int | None = None, block_size: int | None = None, *,
              vocab_size: int | None = None) -> None:
     """Raise ValueError, naming the request, the argument and its allowed range, if `request` cannot be served.
 
     Checked: arrival (an integer >= 0); prompt (a non-empty list or tuple of integer token ids, each in
     [0, vocab_size) when vocab_size is given); max_new_tokens (an integer >= 1); prompt + max_new_tokens within
-    the model's context block_size_ctx; its blocks within a pool of num_blocks blocks of block_size tokens (when
+    the model's context length `context`; its blocks within a pool of num_blocks blocks of block_size tokens (when
     given); sampling (None or a dict of the settings in ``SAMPLING``, each in its range); seed (an integer that
     ``torch.Generator.manual_seed`` takes). Everything a request carries is checked here, once, on arrival: the
     engine's steps check nothing per token. See ``Engine``.
@@ -259,9 +259,9 @@ def validate(request: Request, block_size_ctx: int, num_blocks: int | None = Non
     if not is_count(request.max_new_tokens) or request.max_new_tokens < 1:
         raise ValueError(f"request {name}: max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
     total = len(prompt) + request.max_new_tokens
-    if total > block_size_ctx:
-        raise ValueError(f"request {name}: prompt length + max_new_tokens must be <= the model's context "
-                         f"block_size = {block_size_ctx}, got {len(prompt)} + {request.max_new_tokens}")
+    if total > context:
+        raise ValueError(f"request {name}: prompt length + max_new_tokens must be <= the model's context length, "
+                         f"context = {context}, got {len(prompt)} + {request.max_new_tokens}")
     if num_blocks is not None:
         need = math.ceil(total / block_size)
         if need > num_blocks:

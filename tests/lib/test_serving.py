@@ -386,7 +386,7 @@ def test_bad_requests_get_an_error_naming_the_argument_and_the_others_finish(sma
     bad = [Request("empty", [], 3), Request("long", [1] * 40, 9), Request("none", [1, 2], 0)]
     results, _ = Engine(small, num_blocks=40, block_size=4).run(good + bad)
     assert "prompt must hold at least 1 token" in results["empty"].error
-    assert "block_size = 48" in results["long"].error and "prompt length + max_new_tokens" in results["long"].error
+    assert "context = 48" in results["long"].error and "prompt length + max_new_tokens" in results["long"].error
     assert "max_new_tokens must be an integer >= 1" in results["none"].error
     for r in good:
         assert results[r.name].error is None and results[r.name].tokens == alone(small, r)
