@@ -535,38 +535,87 @@ def _prefill_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torc
 #: Intra-op threads pay only when an operation's work outweighs waking and joining them; a decode step of a small
 #: model is hundreds of operations of microseconds, and each parallel one waits for every thread, on a busy machine
 #: for a descheduled thread's time slice (measured here: the course model's engine 25 times slower at 2 threads
-#: than at 1 on a loaded 2-core machine). Above it (GPT-2 small's width from 3 tokens) the caller's threads are used.
+#: than at 1 on a loaded 2-core machine). Above it (GPT-2 small's width from 3 tokens) ``ThreadChoice`` measures.
 ONE_THREAD_WORK = 2 ** 24
+
+
+class ThreadChoice:
+    """Whether one thread or the caller's n runs a pass faster, measured on the passes as they run.
+
+    Which is faster depends on the pass's size and on the machine's load, which changes: on a machine shared with
+    other work every parallel operation waits for a descheduled thread (measured on a loaded 2-core machine: GPT-2
+    small's engine 3 times slower at 2 threads than at 1, and 3.5 times the CPU time), while on a quiet one the
+    second core may pay. So per kind of pass (the model's width and depth, its tokens rounded up to a power of two,
+    n) each thread count keeps a moving average of its passes' seconds, ``pick`` runs the faster, and the slower
+    one runs again once the faster has spent ``explore`` times the slower's estimate since it last ran: trying it
+    costs at most about 1 / explore of the time, and a change of load is noticed within that many passes."""
+
+    def __init__(self, explore: float = 20.0, weight: float = 0.5):
+        self.explore, self.weight = explore, weight
+        self.seconds: dict = {}  # (kind, threads) -> moving average of a pass's seconds
+        self.credit: dict = {}  # kind -> seconds the faster count ran since the slower one last ran
+
+    def pick(self, kind: tuple, n: int) -> int:
+        """The thread count to run this kind of pass on: 1 or n (each measured once first, then the faster)."""
+        one, many = self.seconds.get((kind, 1)), self.seconds.get((kind, n))
+        if one is None or many is None:
+            return 1 if one is None else n
+        faster, slower = (1, many) if one <= many else (n, one)
+        return faster if self.credit.get(kind, 0.0) < self.explore * slower else (n if faster == 1 else 1)
+
+    def record(self, kind: tuple, n: int, threads: int, seconds: float) -> None:
+        """A pass of this kind ran on `threads` threads (1 or n) in `seconds`."""
+        old = self.seconds.get((kind, threads))
+        self.seconds[(kind, threads)] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+        one, many = self.seconds.get((kind, 1)), self.seconds.get((kind, n))
+        if one is not None and many is not None:
+            faster = 1 if one <= many else n
+            self.credit[kind] = self.credit.get(kind, 0.0) + seconds if threads == faster else 0.0
+
+
+THREADS = ThreadChoice()  # the process's measurements (``paged_forward``'s)
 
 
 @contextmanager
 def _threads(n: int):
     """Run the block with n torch threads (at most the caller's), then restore the caller's count."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(min(n, previous))
+    if n < previous:
+        torch.set_num_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(previous)
+        if n < previous:
+            torch.set_num_threads(previous)
 
 
 @torch.inference_mode()
 def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_attention, slots_of=slot_mapping) -> torch.Tensor:
     """Run a course_lib.gpt.GPT over the chunks of several sequences at once; logits of each chunk's last token.
 
-    chunks: list of (block_table (n,) int64, start, tokens (T,) int64), each table and tokens a tensor or a list of ints:
-    tokens at positions start..start+T-1, their blocks already allocated. Every token goes through the linear layers in one (sum T, C) matrix. In each
-    layer, the new keys and values go to their slots in one copy; attention reads each sequence's keys and values
-    through its block table: one ``attention`` (paged attention) for all the chunks of one token (decodes), their
-    block tables padded into one tensor, and one masked attention for all the longer chunks (prefill), padded into
-    one batch. The slots come from slots_of, called twice per pass whatever the number of chunks (``_layout``).
-    A pass whose linear work is small runs on one thread (``ONE_THREAD_WORK``). Returns (len(chunks), V).
+    chunks: list of (block_table (n,) int64, start, tokens (T,) int64), each table and tokens a tensor or a list of
+    ints: tokens at positions start..start+T-1, their blocks already allocated. Every token goes through the linear
+    layers in one (sum T, C) matrix. In each layer, the new keys and values go to their slots in one copy; attention
+    reads each sequence's keys and values through its block table: one ``attention`` (paged attention) for all the
+    chunks of one token (decodes), their block tables padded into one tensor, and one masked attention for all the
+    longer chunks (prefill), padded into one batch. The slots come from slots_of, called twice per pass whatever the
+    number of chunks (``_layout``). A pass whose linear work is small runs on one thread (``ONE_THREAD_WORK``); a
+    larger one on one thread or the caller's, whichever ``THREADS`` measures faster now. Returns (len(chunks), V).
     attention and slots_of: the functions used for paged attention and the slot mapping (the learner's, say), with
     the contracts of ``paged_attention`` and ``slot_mapping``.
     """
-    work = sum(len(tokens) for _, _, tokens in chunks) * 12 * model.config.n_embd ** 2  # per layer
-    with _threads(1 if work < ONE_THREAD_WORK else torch.get_num_threads()):
-        return _paged_forward(model, cache, chunks, attention, slots_of)
+    tokens = sum(len(t) for _, _, t in chunks)
+    n = torch.get_num_threads()
+    if n == 1 or tokens * 12 * model.config.n_embd ** 2 < ONE_THREAD_WORK:  # per layer
+        with _threads(1):
+            return _paged_forward(model, cache, chunks, attention, slots_of)
+    kind = (model.config.n_embd, model.config.n_layer, 1 << (tokens - 1).bit_length())
+    threads = THREADS.pick(kind, n)
+    start = time.perf_counter()
+    with _threads(threads):
+        logits = _paged_forward(model, cache, chunks, attention, slots_of)
+    THREADS.record(kind, n, threads, time.perf_counter() - start)
+    return logits
 
 
 def _paged_forward(model, cache: PagedKVCache, chunks: list, attention, slots_of) -> torch.Tensor:

@@ -189,12 +189,37 @@ def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restore
         assert set(seen) == {1} and torch.get_num_threads() == 2
         seen.clear()
         monkeypatch.setattr(serving, "ONE_THREAD_WORK", 0)
+        monkeypatch.setattr(serving.THREADS, "pick", lambda kind, n: n)  # as if the caller's threads were measured faster
         two, _ = engine.run(requests, attention=attention)
         assert set(seen) == {2} and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)
     for r in requests:
         assert one[r.name].tokens == small_passes[r.name].tokens == two[r.name].tokens == alone(small, r), r.name
+
+
+def test_thread_choice_measures_both_counts_runs_the_faster_and_tries_the_slower_again_rarely():
+    from course_lib.serving import ThreadChoice
+    choice, kind, n = ThreadChoice(explore=10.0, weight=1.0), ("C", "L", 8), 2
+    seconds = {1: 0.010, 2: 0.030}  # one thread faster (a loaded machine)
+    picks = []
+    for _ in range(80):
+        threads = choice.pick(kind, n)
+        picks.append(threads)
+        choice.record(kind, n, threads, seconds[threads])
+    assert picks[:3] == [1, 2, 1]  # each measured once, then the faster
+    tried = [i for i, t in enumerate(picks) if t == 2]
+    # the slower again once the faster has spent explore x its 0.030 s: every 30 passes of 0.010 s
+    assert tried == [1, 32, 63], tried
+    seconds[1] = 0.100  # the load moves: now two threads are faster
+    picks = []
+    for _ in range(40):
+        threads = choice.pick(kind, n)
+        picks.append(threads)
+        choice.record(kind, n, threads, seconds[threads])
+    # one pass at 1 notices, then 2 until it has spent 10 x 0.100 s: 34 passes of 0.030 s
+    assert picks[0] == 1 and picks[1:35] == [2] * 34 and picks[35] == 1, picks
+    assert choice.pick(("C", "L", 16), n) == 1  # another kind of pass: measured afresh
 
 
 # ---------------------------------------------------------------------------------------------------- exactness
