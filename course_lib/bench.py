@@ -873,8 +873,9 @@ def bench_serve_speed(models=SERVE_MODELS, serve_result: dict | None = None, bat
             trace = make_trace(counts[name], seed=seed, context=context, vocab=list(range(V)), mean_gap=mean_gap)
             num_blocks = sum(math.ceil((len(r.prompt) + r.max_new_tokens) / block_size) for r in trace)
             engine = Engine(model, num_blocks=num_blocks, block_size=block_size, token_budget=token_budget)
-            for n in threads:  # warm-up (it measures the kernels a pass on n threads meets, see course_lib.kernels)
+            for n in threads:  # warm-up: the kernels of every row count at n threads (course_lib.kernels), and runs
                 torch.set_num_threads(n)
+                use_fastest_kernels(model, rows=[1 << i for i in range(7)])
                 for _ in range(warmup):
                     engine.run(trace[:4])
             ratios = []

@@ -548,15 +548,18 @@ class ThreadChoice:
     second core may pay. So per kind of pass (the model's width and depth, its tokens rounded up to a power of two,
     n) each thread count keeps a moving average of its passes' seconds, ``pick`` runs the faster, and the slower
     one runs again once the faster has spent ``explore`` times the slower's estimate since it last ran: trying it
-    costs at most about 1 / explore of the time, and a change of load is noticed within that many passes."""
+    costs at most about 1 / explore of the time, and a change of load is noticed within that many passes. The
+    first pass of each count is not counted (it pays one-off costs: the kernels measured for a new thread count,
+    see ``course_lib.kernels``)."""
 
     def __init__(self, explore: float = 20.0, weight: float = 0.5):
         self.explore, self.weight = explore, weight
         self.seconds: dict = {}  # (kind, threads) -> moving average of a pass's seconds
+        self.warm: set = set()  # (kind, threads) that ran once (their first pass, not counted)
         self.credit: dict = {}  # kind -> seconds the faster count ran since the slower one last ran
 
     def pick(self, kind: tuple, n: int) -> int:
-        """The thread count to run this kind of pass on: 1 or n (each measured once first, then the faster)."""
+        """The thread count to run this kind of pass on: 1 or n (each measured first, then the faster)."""
         one, many = self.seconds.get((kind, 1)), self.seconds.get((kind, n))
         if one is None or many is None:
             return 1 if one is None else n
@@ -565,6 +568,9 @@ class ThreadChoice:
 
     def record(self, kind: tuple, n: int, threads: int, seconds: float) -> None:
         """A pass of this kind ran on `threads` threads (1 or n) in `seconds`."""
+        if (kind, threads) not in self.warm:
+            self.warm.add((kind, threads))
+            return
         old = self.seconds.get((kind, threads))
         self.seconds[(kind, threads)] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
         one, many = self.seconds.get((kind, 1)), self.seconds.get((kind, n))

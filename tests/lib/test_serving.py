@@ -207,10 +207,10 @@ def test_thread_choice_measures_both_counts_runs_the_faster_and_tries_the_slower
         threads = choice.pick(kind, n)
         picks.append(threads)
         choice.record(kind, n, threads, seconds[threads])
-    assert picks[:3] == [1, 2, 1]  # each measured once, then the faster
+    assert picks[:5] == [1, 1, 2, 2, 1]  # each count's first pass not counted, its second measured, then the faster
     tried = [i for i, t in enumerate(picks) if t == 2]
     # the slower again once the faster has spent explore x its 0.030 s: every 30 passes of 0.010 s
-    assert tried == [1, 32, 63], tried
+    assert tried == [2, 3, 34, 65], tried
     seconds[1] = 0.100  # the load moves: now two threads are faster
     picks = []
     for _ in range(40):
