@@ -49,6 +49,7 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Mapping
 
 import numpy as np
@@ -540,43 +541,43 @@ ONE_THREAD_WORK = 2 ** 24
 
 
 class ThreadChoice:
-    """Whether one thread or the caller's n runs a pass faster, measured on the passes as they run.
+    """Whether one thread or the caller's n runs a kind of pass faster, measured on a probe now and again.
 
     Which is faster depends on the pass's size and on the machine's load, which changes: on a machine shared with
     other work every parallel operation waits for a descheduled thread (measured on a loaded 2-core machine: GPT-2
-    small's engine 3 times slower at 2 threads than at 1, and 3.5 times the CPU time), while on a quiet one the
-    second core may pay. So per kind of pass (the model's width and depth, its tokens rounded up to a power of two,
-    n) each thread count keeps a moving average of its passes' seconds, ``pick`` runs the faster, and the slower
-    one runs again once the faster has spent ``explore`` times the slower's estimate since it last ran: trying it
-    costs at most about 1 / explore of the time, and a change of load is noticed within that many passes. The
-    first pass of each count is not counted (it pays one-off costs: the kernels measured for a new thread count,
-    see ``course_lib.kernels``)."""
+    small's passes 5 to 10 times slower at 2 threads than at 1), while on a quiet one the second core may pay. A
+    pass on the slower count costs too much to try, so ``pick`` times a probe instead (``probe()``: a few of the
+    pass's operations, e.g. one block's MLP on its rows), ``calls`` times at each count in turn. n threads run this
+    kind of pass (the model's width and depth, its tokens rounded up to a power of two) only if their median probe
+    beats one thread's by ``margin`` (a pass's many small operations gain less from a second thread than the
+    probe's matrix products, and wait for it as often); the choice holds until the passes run since have taken
+    ``explore`` times what the probe took: then it probes again. So probing costs about 1 / explore of the time,
+    and a change of load is noticed within that."""
 
-    def __init__(self, explore: float = 20.0, weight: float = 0.5):
-        self.explore, self.weight = explore, weight
-        self.seconds: dict = {}  # (kind, threads) -> moving average of a pass's seconds
-        self.warm: set = set()  # (kind, threads) that ran once (their first pass, not counted)
-        self.credit: dict = {}  # kind -> seconds the faster count ran since the slower one last ran
+    def __init__(self, explore: float = 20.0, calls: int = 5, margin: float = 1.5):
+        self.explore, self.calls, self.margin = explore, calls, margin
+        self.choice: dict = {}  # kind -> the thread count its passes run on
+        self.probe_seconds: dict = {}  # kind -> what its last probe took
+        self.credit: dict = {}  # kind -> seconds its passes took since its last probe
 
-    def pick(self, kind: tuple, n: int) -> int:
-        """The thread count to run this kind of pass on: 1 or n (each measured first, then the faster)."""
-        one, many = self.seconds.get((kind, 1)), self.seconds.get((kind, n))
-        if one is None or many is None:
-            return 1 if one is None else n
-        faster, slower = (1, many) if one <= many else (n, one)
-        return faster if self.credit.get(kind, 0.0) < self.explore * slower else (n if faster == 1 else 1)
+    def pick(self, kind: tuple, n: int, probe) -> int:
+        """The thread count (1 or n) to run this kind of pass on, probed first if it is time."""
+        if kind not in self.choice or self.credit[kind] >= self.explore * self.probe_seconds[kind]:
+            start, seconds = time.perf_counter(), {1: [], n: []}
+            for _ in range(self.calls):
+                for threads, times in seconds.items():
+                    with _threads(threads):
+                        begin = time.perf_counter()
+                        probe()
+                        times.append(time.perf_counter() - begin)
+            faster = statistics.median(seconds[n]) * self.margin < statistics.median(seconds[1])
+            self.choice[kind] = n if faster else 1
+            self.probe_seconds[kind], self.credit[kind] = time.perf_counter() - start, 0.0
+        return self.choice[kind]
 
-    def record(self, kind: tuple, n: int, threads: int, seconds: float) -> None:
-        """A pass of this kind ran on `threads` threads (1 or n) in `seconds`."""
-        if (kind, threads) not in self.warm:
-            self.warm.add((kind, threads))
-            return
-        old = self.seconds.get((kind, threads))
-        self.seconds[(kind, threads)] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
-        one, many = self.seconds.get((kind, 1)), self.seconds.get((kind, n))
-        if one is not None and many is not None:
-            faster = 1 if one <= many else n
-            self.credit[kind] = self.credit.get(kind, 0.0) + seconds if threads == faster else 0.0
+    def record(self, kind: tuple, seconds: float) -> None:
+        """A pass of this kind took `seconds`."""
+        self.credit[kind] = self.credit.get(kind, 0.0) + seconds
 
 
 THREADS = ThreadChoice()  # the process's measurements (``paged_forward``'s)
@@ -615,12 +616,14 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_a
     if n == 1 or tokens * 12 * model.config.n_embd ** 2 < ONE_THREAD_WORK:  # per layer
         with _threads(1):
             return _paged_forward(model, cache, chunks, attention, slots_of)
-    kind = (model.config.n_embd, model.config.n_layer, 1 << (tokens - 1).bit_length())
-    threads = THREADS.pick(kind, n)
+    rows = 1 << (tokens - 1).bit_length()
+    kind = (model.config.n_embd, model.config.n_layer, rows)
+    probe = partial(model.transformer.h[0].mlp, torch.zeros(rows, model.config.n_embd))  # one block's MLP on its rows
+    threads = THREADS.pick(kind, n, probe)
     start = time.perf_counter()
     with _threads(threads):
         logits = _paged_forward(model, cache, chunks, attention, slots_of)
-    THREADS.record(kind, n, threads, time.perf_counter() - start)
+    THREADS.record(kind, time.perf_counter() - start)
     return logits
 
 
@@ -867,7 +870,8 @@ class Engine:
                 logits = paged_forward(self.model, cache, chunks, attention=attention, slots_of=slots_of)
             except Exception as error:  # noqa: BLE001 - whose error is it? each chunk again, alone
                 logits, failed = self._forward_alone(cache, chunks, error, step, attention, slots_of)
-            greedy = _argmaxes(logits)
+            with _threads(1):  # a small operation: on the caller's threads it would wait for each (see ONE_THREAD_WORK)
+                greedy = _argmaxes(logits)
         now = time.perf_counter() - start_time
         states = {s.request.name: "waiting" for s in waiting}
         for i, (seq, n) in enumerate(scheduled):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -189,7 +190,7 @@ def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restore
         assert set(seen) == {1} and torch.get_num_threads() == 2
         seen.clear()
         monkeypatch.setattr(serving, "ONE_THREAD_WORK", 0)
-        monkeypatch.setattr(serving.THREADS, "pick", lambda kind, n: n)  # as if the caller's threads were measured faster
+        monkeypatch.setattr(serving.THREADS, "pick", lambda kind, n, probe: n)  # as if the caller's threads were faster
         two, _ = engine.run(requests, attention=attention)
         assert set(seen) == {2} and torch.get_num_threads() == 2
     finally:
@@ -198,28 +199,30 @@ def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restore
         assert one[r.name].tokens == small_passes[r.name].tokens == two[r.name].tokens == alone(small, r), r.name
 
 
-def test_thread_choice_measures_both_counts_runs_the_faster_and_tries_the_slower_again_rarely():
+def test_thread_choice_probes_both_counts_keeps_the_faster_and_probes_again_after_explore_times_the_probe():
     from course_lib.serving import ThreadChoice
-    choice, kind, n = ThreadChoice(explore=10.0, weight=1.0), ("C", "L", 8), 2
-    seconds = {1: 0.010, 2: 0.030}  # one thread faster (a loaded machine)
-    picks = []
-    for _ in range(80):
-        threads = choice.pick(kind, n)
-        picks.append(threads)
-        choice.record(kind, n, threads, seconds[threads])
-    assert picks[:5] == [1, 1, 2, 2, 1]  # each count's first pass not counted, its second measured, then the faster
-    tried = [i for i, t in enumerate(picks) if t == 2]
-    # the slower again once the faster has spent explore x its 0.030 s: every 30 passes of 0.010 s
-    assert tried == [2, 3, 34, 65], tried
-    seconds[1] = 0.100  # the load moves: now two threads are faster
-    picks = []
-    for _ in range(40):
-        threads = choice.pick(kind, n)
-        picks.append(threads)
-        choice.record(kind, n, threads, seconds[threads])
-    # one pass at 1 notices, then 2 until it has spent 10 x 0.100 s: 34 passes of 0.030 s
-    assert picks[0] == 1 and picks[1:35] == [2] * 34 and picks[35] == 1, picks
-    assert choice.pick(("C", "L", 16), n) == 1  # another kind of pass: measured afresh
+    delay = {1: 0.001, 2: 0.010}  # one thread faster (as on a loaded machine)
+    probes = []
+
+    def probe():
+        probes.append(torch.get_num_threads())
+        time.sleep(delay[torch.get_num_threads()])
+
+    torch.set_num_threads(2)
+    try:
+        choice, kind = ThreadChoice(explore=5.0, calls=2, margin=1.25), ("C", "L", 8)
+        assert choice.pick(kind, 2, probe) == 1 and probes == [1, 2, 1, 2]  # each count twice, in turn
+        probed = choice.probe_seconds[kind]
+        assert 0.022 <= probed < 0.5
+        choice.record(kind, 4.9 * probed)
+        assert choice.pick(kind, 2, probe) == 1 and len(probes) == 4  # not yet: passes took < 5 x the probe
+        delay[1] = 0.030  # the load moves: now two threads are faster
+        choice.record(kind, 0.2 * probed)
+        assert choice.pick(kind, 2, probe) == 2 and len(probes) == 8  # probed again, and noticed
+        assert torch.get_num_threads() == 2  # the caller's count, restored
+        assert choice.pick(("C", "L", 16), 2, probe) == 2 and len(probes) == 12  # another kind: probed afresh
+    finally:
+        torch.set_num_threads(1)
 
 
 # ---------------------------------------------------------------------------------------------------- exactness
