@@ -335,6 +335,8 @@ class PagedKVCache:
             check_positive(name, value)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.storage = torch.zeros(n_layer, 2, num_blocks, block_size, n_head, head_dim, dtype=dtype)
+        #: per layer, views of its pool made once: (its slots (2, N * S, H * Dh), key pool, value pool (N, S, H, Dh))
+        self.layers = [(pool.view(2, -1, n_head * head_dim), pool[0], pool[1]) for pool in self.storage]
         self.free = OrderedDict.fromkeys(range(num_blocks))  # the free list, least recently freed first
         self.refs = [0] * num_blocks  # reference counts
         self.cached: dict = {}  # block hash -> the block remembered under it
@@ -638,9 +640,8 @@ def _paged_forward(model, cache: PagedKVCache, chunks: list, attention, slots_of
         H = attn.n_head
         qkv = attn.c_attn(h)  # (N, 3C): queries, keys, values
         q = qkv[:, :C].view(N, H, C // H)
-        pool = cache.storage[layer]  # (2, N_blocks, S, H, Dh): keys, values
-        pool.view(2, -1, C).index_copy_(1, layout.slots, qkv[:, C:].view(N, 2, C).transpose(0, 1))  # into their slots
-        key_pool, value_pool = pool[0], pool[1]
+        slots, key_pool, value_pool = cache.layers[layer]  # views of the layer's pool
+        slots.index_copy_(1, layout.slots, qkv[:, C:].view(N, 2, C).transpose(0, 1))  # the new keys, values: their slots
         if layout.prefill_rows is None:  # a decode-only step: every row is a decode, in order
             y = attention(q, key_pool, value_pool, layout.decode_tables, layout.decode_lens)
         else:
