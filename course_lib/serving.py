@@ -40,6 +40,7 @@ chapter 12's exercises (``tests/grading/test_solution_drift.py`` keeps them equa
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import numbers
 import random
@@ -48,12 +49,13 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Mapping
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from .attention import masked_softmax
 from .decoding import process_logits
 from .gpt import gpt_layers
 from .kv_cache import KVCache, cached_forward
@@ -92,10 +94,9 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     blocks = block_tables.reshape(-1)  # (B * M,): every sequence's blocks, in order
     keys = key_pool.index_select(0, blocks).view(B, M * S, H, Dh)  # row b: its positions 0 .. M * S - 1
     values = value_pool.index_select(0, blocks).view(B, M * S, H, Dh)
-    scores = (keys * q[:, None]).sum(-1).transpose(1, 2) / math.sqrt(Dh)  # (B, H, M * S): q . k per position
     valid = torch.arange(M * S, device=q.device)[None, :] < context_lens[:, None]  # (B, M * S)
-    weights = masked_softmax(scores, valid[:, None, :])  # (B, H, M * S): zero past the context
-    return (weights.transpose(1, 2)[..., None] * values).sum(1)  # (B, H, Dh)
+    return F.scaled_dot_product_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+                                          attn_mask=valid[:, None, None, :])[:, :, 0]  # (B, H, Dh)
 
 
 def schedule_step(running: list, waiting: list, num_free_blocks: int, token_budget: int):
@@ -233,13 +234,13 @@ def _arrival_error(request: Request) -> str | None:
     return None
 
 
-def validate(request: Request, block_size_ctx: int, num_blocks: int | None = None, block_size: int | None = None, *,
+def validate(request: Request, context: int, num_blocks: int | None = None, block_size: int | None = None, *,
              vocab_size: int | None = None) -> None:
     """Raise ValueError, naming the request, the argument and its allowed range, if `request` cannot be served.
 
     Checked: arrival (an integer >= 0); prompt (a non-empty list or tuple of integer token ids, each in
     [0, vocab_size) when vocab_size is given); max_new_tokens (an integer >= 1); prompt + max_new_tokens within
-    the model's context block_size_ctx; its blocks within a pool of num_blocks blocks of block_size tokens (when
+    the model's context length `context`; its blocks within a pool of num_blocks blocks of block_size tokens (when
     given); sampling (None or a dict of the settings in ``SAMPLING``, each in its range); seed (an integer that
     ``torch.Generator.manual_seed`` takes). Everything a request carries is checked here, once, on arrival: the
     engine's steps check nothing per token. See ``Engine``.
@@ -260,9 +261,9 @@ def validate(request: Request, block_size_ctx: int, num_blocks: int | None = Non
     if not is_count(request.max_new_tokens) or request.max_new_tokens < 1:
         raise ValueError(f"request {name}: max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
     total = len(prompt) + request.max_new_tokens
-    if total > block_size_ctx:
-        raise ValueError(f"request {name}: prompt length + max_new_tokens must be <= the model's context "
-                         f"block_size = {block_size_ctx}, got {len(prompt)} + {request.max_new_tokens}")
+    if total > context:
+        raise ValueError(f"request {name}: prompt length + max_new_tokens must be <= the model's context length, "
+                         f"context = {context}, got {len(prompt)} + {request.max_new_tokens}")
     if num_blocks is not None:
         need = math.ceil(total / block_size)
         if need > num_blocks:
@@ -283,13 +284,19 @@ def validate(request: Request, block_size_ctx: int, num_blocks: int | None = Non
         raise ValueError(f"request {name}: seed must be an integer in [-2**63, 2**64), got {request.seed!r}")
 
 
-def _choose(logits: torch.Tensor, tokens: list, prompt_len: int, sampling: dict | None, generator) -> int:
-    """The next token from one row of logits (V,): the argmax, or a draw after chapter 06's processors."""
+def _choose(logits: torch.Tensor, greedy: int, tokens: list, prompt_len: int, sampling: dict | None, generator) -> int:
+    """The next token from one row of logits (V,): `greedy` (the row's argmax, ``_argmaxes``) when sampling is None,
+    else a draw after chapter 06's processors."""
     if sampling is None:
-        return int(logits.argmax())
+        return greedy
     ids = torch.tensor([tokens])
     scores = process_logits(logits[None].float(), ids, ids[:, prompt_len:], **sampling)
     return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
+
+
+def _argmaxes(logits: torch.Tensor) -> list:
+    """The argmax of every row of logits (n, V), in one operation: n ints (the greedy requests' tokens of a step)."""
+    return logits.argmax(-1).tolist()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -329,6 +336,8 @@ class PagedKVCache:
             check_positive(name, value)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.storage = torch.zeros(n_layer, 2, num_blocks, block_size, n_head, head_dim, dtype=dtype)
+        #: per layer, views of its pool made once: (its slots (2, N * S, H * Dh), key pool, value pool (N, S, H, Dh))
+        self.layers = [(pool.view(2, -1, n_head * head_dim), pool[0], pool[1]) for pool in self.storage]
         self.free = OrderedDict.fromkeys(range(num_blocks))  # the free list, least recently freed first
         self.refs = [0] * num_blocks  # reference counts
         self.cached: dict = {}  # block hash -> the block remembered under it
@@ -473,6 +482,11 @@ def _int64(values) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
+def _joined(rows: list) -> np.ndarray:
+    """Lists of ints or 1-D int64 tensors, end to end: one int64 array (no tensor made per row)."""
+    return np.concatenate([np.asarray(row, dtype=np.int64) for row in rows])
+
+
 def _layout(chunks: list, S: int, slots_of=slot_mapping) -> _Layout:
     """The `_Layout` of a forward pass over `chunks` ((block_table, start, tokens), as ``paged_forward`` takes them).
 
@@ -481,10 +495,11 @@ def _layout(chunks: list, S: int, slots_of=slot_mapping) -> _Layout:
     of every prefill chunk's keys, whatever the number of chunks; the decodes' tables, padded, are one gather from
     it. The index arithmetic is vectorised in NumPy (as vLLM prepares its inputs): a fixed number of operations
     per pass, none per sequence."""
-    table = torch.cat([t for t, _, _ in chunks])  # every block table, end to end
+    long_table = _joined([t for t, _, _ in chunks])  # every block table, end to end
+    table = torch.from_numpy(long_table)
     starts = np.array([start for _, start, _ in chunks], dtype=np.int64)
-    lengths = np.array([tokens.numel() for _, _, tokens in chunks], dtype=np.int64)
-    widths = np.array([t.numel() for t, _, _ in chunks], dtype=np.int64)
+    lengths = np.array([len(tokens) for _, _, tokens in chunks], dtype=np.int64)
+    widths = np.array([len(t) for t, _, _ in chunks], dtype=np.int64)
     offsets = np.cumsum(widths) - widths  # where each chunk's table begins in the long one, in blocks
     ends = np.cumsum(lengths)  # one past each chunk's last row
     first = ends - lengths  # each chunk's first row
@@ -493,9 +508,9 @@ def _layout(chunks: list, S: int, slots_of=slot_mapping) -> _Layout:
     decode, prefill = np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)
     M_d = int(widths[decode].max(initial=0))
     gather = np.minimum(offsets[decode, None] + np.arange(M_d), len(table) - 1)  # (B_d, M_d); padding: the next tables'
-    layout = _Layout(ids=torch.cat([tokens for _, _, tokens in chunks]), positions=_int64(positions),
+    layout = _Layout(ids=torch.from_numpy(_joined([tokens for _, _, tokens in chunks])), positions=_int64(positions),
                      slots=slots_of(table, _int64(offsets[chunk] * S + positions), S), last=_int64(ends - 1),
-                     decode_rows=_int64(first[decode]), decode_tables=table[_int64(gather)],
+                     decode_rows=_int64(first[decode]), decode_tables=_int64(long_table[gather]),
                      decode_lens=_int64(starts[decode] + 1))
     if len(prefill):
         t, k = np.arange(lengths[prefill].max()), np.arange((starts + lengths)[prefill].max())
@@ -514,49 +529,105 @@ def _prefill_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torc
     q (N, H, Dh): every token's query; key_pool, value_pool (N_blocks, S, H, Dh). Chunk p's query i (at position
     start + i) attends to its positions 0 .. start + i, gathered through its block table (``layout.prefill_slots``)."""
     H, Dh = q.shape[1:]
-    keys = key_pool.view(-1, H, Dh)[layout.prefill_slots].permute(0, 2, 3, 1)  # (P, H, Dh, K_p)
+    keys = key_pool.view(-1, H, Dh)[layout.prefill_slots].transpose(1, 2)  # (P, H, K_p, Dh)
     values = value_pool.view(-1, H, Dh)[layout.prefill_slots].transpose(1, 2)  # (P, H, K_p, Dh)
     queries = q[layout.prefill_rows].transpose(1, 2)  # (P, H, T_p, Dh)
-    weights = masked_softmax(queries @ keys / math.sqrt(Dh), layout.prefill_allowed)  # (P, H, T_p, K_p)
-    return (weights @ values).transpose(1, 2)  # (P, T_p, H, Dh)
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=layout.prefill_allowed).transpose(1, 2)
 
 
 #: Multiply-adds of one layer's linear products in a pass (tokens x 12 C^2) below which the pass runs on one thread.
 #: Intra-op threads pay only when an operation's work outweighs waking and joining them; a decode step of a small
 #: model is hundreds of operations of microseconds, and each parallel one waits for every thread, on a busy machine
 #: for a descheduled thread's time slice (measured here: the course model's engine 25 times slower at 2 threads
-#: than at 1 on a loaded 2-core machine). Above it (GPT-2 small's width from 3 tokens) the caller's threads are used.
+#: than at 1 on a loaded 2-core machine). Above it (GPT-2 small's width from 3 tokens) ``ThreadChoice`` measures.
 ONE_THREAD_WORK = 2 ** 24
+
+
+class ThreadChoice:
+    """Whether one thread or the caller's n runs a kind of pass faster, measured on a probe now and again.
+
+    Which is faster depends on the pass's size and on the machine's load, which changes: on a machine shared with
+    other work every parallel operation waits for a descheduled thread (measured on a loaded 2-core machine: GPT-2
+    small's passes 5 to 10 times slower at 2 threads than at 1), while on a quiet one the second core may pay. A
+    pass on the slower count costs too much to try, so ``pick`` times a probe instead (``probe()``: a few of the
+    pass's operations, e.g. one block's MLP on its rows), ``calls`` times at each count in turn. n threads run this
+    kind of pass (the model's width and depth, its tokens rounded up to a power of two) only if their median probe
+    beats one thread's by ``margin`` (a pass's many small operations gain less from a second thread than the
+    probe's matrix products, and wait for it as often); the choice holds until the passes run since have taken
+    ``explore`` times what the probe took: then it probes again. So probing costs about 1 / explore of the time,
+    and a change of load is noticed within that."""
+
+    def __init__(self, explore: float = 20.0, calls: int = 5, margin: float = 1.5):
+        self.explore, self.calls, self.margin = explore, calls, margin
+        self.choice: dict = {}  # kind -> the thread count its passes run on
+        self.probe_seconds: dict = {}  # kind -> what its last probe took
+        self.credit: dict = {}  # kind -> seconds its passes took since its last probe
+
+    def pick(self, kind: tuple, n: int, probe) -> int:
+        """The thread count (1 or n) to run this kind of pass on, probed first if it is time."""
+        if kind not in self.choice or self.credit[kind] >= self.explore * self.probe_seconds[kind]:
+            start, seconds = time.perf_counter(), {1: [], n: []}
+            for _ in range(self.calls):
+                for threads, times in seconds.items():
+                    with _threads(threads):
+                        begin = time.perf_counter()
+                        probe()
+                        times.append(time.perf_counter() - begin)
+            faster = statistics.median(seconds[n]) * self.margin < statistics.median(seconds[1])
+            self.choice[kind] = n if faster else 1
+            self.probe_seconds[kind], self.credit[kind] = time.perf_counter() - start, 0.0
+        return self.choice[kind]
+
+    def record(self, kind: tuple, seconds: float) -> None:
+        """A pass of this kind took `seconds`."""
+        self.credit[kind] = self.credit.get(kind, 0.0) + seconds
+
+
+THREADS = ThreadChoice()  # the process's measurements (``paged_forward``'s)
 
 
 @contextmanager
 def _threads(n: int):
     """Run the block with n torch threads (at most the caller's), then restore the caller's count."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(min(n, previous))
+    if n < previous:
+        torch.set_num_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(previous)
+        if n < previous:
+            torch.set_num_threads(previous)
 
 
 @torch.inference_mode()
 def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_attention, slots_of=slot_mapping) -> torch.Tensor:
     """Run a course_lib.gpt.GPT over the chunks of several sequences at once; logits of each chunk's last token.
 
-    chunks: list of (block_table (n,) int64, start, tokens (T,) int64): tokens at positions start..start+T-1,
-    their blocks already allocated. Every token goes through the linear layers in one (sum T, C) matrix. In each
-    layer, the new keys and values go to their slots in one copy; attention reads each sequence's keys and values
-    through its block table: one ``attention`` (paged attention) for all the chunks of one token (decodes), their
-    block tables padded into one tensor, and one masked attention for all the longer chunks (prefill), padded into
-    one batch. The slots come from slots_of, called twice per pass whatever the number of chunks (``_layout``).
-    A pass whose linear work is small runs on one thread (``ONE_THREAD_WORK``). Returns (len(chunks), V).
+    chunks: list of (block_table (n,) int64, start, tokens (T,) int64), each table and tokens a tensor or a list of
+    ints: tokens at positions start..start+T-1, their blocks already allocated. Every token goes through the linear
+    layers in one (sum T, C) matrix. In each layer, the new keys and values go to their slots in one copy; attention
+    reads each sequence's keys and values through its block table: one ``attention`` (paged attention) for all the
+    chunks of one token (decodes), their block tables padded into one tensor, and one masked attention for all the
+    longer chunks (prefill), padded into one batch. The slots come from slots_of, called twice per pass whatever the
+    number of chunks (``_layout``). A pass whose linear work is small runs on one thread (``ONE_THREAD_WORK``); a
+    larger one on one thread or the caller's, whichever ``THREADS`` measures faster now. Returns (len(chunks), V).
     attention and slots_of: the functions used for paged attention and the slot mapping (the learner's, say), with
     the contracts of ``paged_attention`` and ``slot_mapping``.
     """
-    work = sum(tokens.numel() for _, _, tokens in chunks) * 12 * model.config.n_embd ** 2  # per layer
-    with _threads(1 if work < ONE_THREAD_WORK else torch.get_num_threads()):
-        return _paged_forward(model, cache, chunks, attention, slots_of)
+    tokens = sum(len(t) for _, _, t in chunks)
+    n = torch.get_num_threads()
+    if n == 1 or tokens * 12 * model.config.n_embd ** 2 < ONE_THREAD_WORK:  # per layer
+        with _threads(1):
+            return _paged_forward(model, cache, chunks, attention, slots_of)
+    rows = 1 << (tokens - 1).bit_length()
+    kind = (model.config.n_embd, model.config.n_layer, rows)
+    probe = partial(model.transformer.h[0].mlp, torch.zeros(rows, model.config.n_embd))  # one block's MLP on its rows
+    threads = THREADS.pick(kind, n, probe)
+    start = time.perf_counter()
+    with _threads(threads):
+        logits = _paged_forward(model, cache, chunks, attention, slots_of)
+    THREADS.record(kind, time.perf_counter() - start)
+    return logits
 
 
 def _paged_forward(model, cache: PagedKVCache, chunks: list, attention, slots_of) -> torch.Tensor:
@@ -570,9 +641,8 @@ def _paged_forward(model, cache: PagedKVCache, chunks: list, attention, slots_of
         H = attn.n_head
         qkv = attn.c_attn(h)  # (N, 3C): queries, keys, values
         q = qkv[:, :C].view(N, H, C // H)
-        pool = cache.storage[layer]  # (2, N_blocks, S, H, Dh): keys, values
-        pool.view(2, -1, C).index_copy_(1, layout.slots, qkv[:, C:].view(N, 2, C).transpose(0, 1))  # into their slots
-        key_pool, value_pool = pool[0], pool[1]
+        slots, key_pool, value_pool = cache.layers[layer]  # views of the layer's pool
+        slots.index_copy_(1, layout.slots, qkv[:, C:].view(N, 2, C).transpose(0, 1))  # the new keys, values: their slots
         if layout.prefill_rows is None:  # a decode-only step: every row is a decode, in order
             y = attention(q, key_pool, value_pool, layout.decode_tables, layout.decode_lens)
         else:
@@ -795,14 +865,15 @@ class Engine:
             self._make_room(cache, seq, n)
             if not (n == 1 and seq.prompt_len <= seq.n_cached == seq.n_tokens - 1):  # not a decode: a prompt chunk
                 prefill_tokens += n
-            chunks.append((torch.tensor(seq.blocks), seq.n_cached,
-                           torch.tensor(seq.tokens[seq.n_cached:seq.n_cached + n])))
+            chunks.append((seq.blocks, seq.n_cached, seq.tokens[seq.n_cached:seq.n_cached + n]))
         failed = {}  # index in scheduled -> the exception its chunk raised alone
         if chunks:
             try:
                 logits = paged_forward(self.model, cache, chunks, attention=attention, slots_of=slots_of)
             except Exception as error:  # noqa: BLE001 - whose error is it? each chunk again, alone
                 logits, failed = self._forward_alone(cache, chunks, error, step, attention, slots_of)
+            with _threads(1):  # a small operation: on the caller's threads it would wait for each (see ONE_THREAD_WORK)
+                greedy = _argmaxes(logits)
         now = time.perf_counter() - start_time
         states = {s.request.name: "waiting" for s in waiting}
         for i, (seq, n) in enumerate(scheduled):
@@ -815,7 +886,7 @@ class Engine:
             self._register_full_blocks(cache, seq, seq.n_cached - n)
             if seq.n_cached == seq.n_tokens:  # the chunk reached the end: a new token
                 try:
-                    token = _choose(logits[i], seq.tokens, seq.prompt_len, seq.request.sampling, seq.generator)
+                    token = _choose(logits[i], greedy[i], seq.tokens, seq.prompt_len, seq.request.sampling, seq.generator)
                 except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone
                     self._fail(cache, seq, running, step, error)
                     output.finished.append(seq.request.name)
@@ -860,11 +931,11 @@ class Engine:
                 rows.append(paged_forward(self.model, cache, [chunk], attention=attention, slots_of=slots_of)[0])
             except Exception as alone:  # noqa: BLE001 - this chunk's own error
                 failed[i] = alone
-                rows.append(None)
+                rows.append(torch.zeros(self.model.config.vocab_size))  # never read: its request fails
         if not failed:
             raise RuntimeError(f"step {step}: the batched forward pass over {len(chunks)} chunks raised, but every "
                                f"chunk alone succeeded: an engine error, not a request's") from error
-        return rows, failed
+        return torch.stack(rows), failed
 
     @staticmethod
     def _fail(cache: PagedKVCache, seq: Sequence, running: list, step: int, error: Exception) -> None:
@@ -908,13 +979,13 @@ class Engine:
 
     @staticmethod
     def _used_slots(cache: PagedKVCache, running: list) -> int:
-        """Slots holding a cached token, each shared block counted once."""
-        filled: dict = {}
-        S = cache.block_size
-        for seq in running:
-            for i, b in enumerate(seq.blocks):
-                filled[b] = max(filled.get(b, 0), min(S, seq.n_cached - i * S))
-        return sum(max(0, f) for f in filled.values())
+        """Slots holding a cached token, each shared block counted once: the running sequences' cached tokens, less a
+        block's S slots for each reference to a block beyond its first (only full blocks are shared, found by prefix;
+        every table holds just the blocks its n_cached fill)."""
+        tables = [seq.blocks for seq in running]
+        shared = sum(map(len, tables)) - len(set(itertools.chain.from_iterable(tables)))  # references beyond the first
+        return sum(seq.n_cached for seq in running) - cache.block_size * shared
+
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -981,6 +1052,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8, *, reserve: 
                 if r.arrival <= step:
                     states[r.name] = "waiting"
             logits = cached_forward(model, new, cache, mask)[:, -1]
+            greedy = _argmaxes(logits)
             now = time.perf_counter() - start_time
             column = torch.zeros(B, 1, dtype=torch.long)
             for row, r in enumerate(batch):
@@ -989,7 +1061,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8, *, reserve: 
                 if done:
                     continue
                 try:
-                    token = _choose(logits[row], tokens[row], len(r.prompt), r.sampling, generators[row])
+                    token = _choose(logits[row], greedy[row], tokens[row], len(r.prompt), r.sampling, generators[row])
                 except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone, its row idles
                     results[r.name].error = f"request {r.name}: failed at step {step}: {type(error).__name__}: {error}"
                     failed.add(row)

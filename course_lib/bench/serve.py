@@ -477,13 +477,18 @@ def bench_serve_speed(models=SERVE_MODELS, serve_result: dict | None = None, bat
             trace = make_trace(counts[name], seed=seed, context=context, vocab=list(range(V)), mean_gap=mean_gap)
             engine = Engine(model, num_blocks=_pool_blocks(trace, block_size), block_size=block_size, token_budget=token_budget)
 
-            def tokens_per_s(n, requests):  # the engine on n threads (warm-up: it measures the kernels a pass on n threads meets)
+            def tokens_per_s(n, requests):  # the engine on n threads
                 with timing.threads(n):
                     results, run = engine.run(requests)
                 return sum(len(r.tokens) for r in results.values()) / run.seconds
 
+            def warm_up(n):  # the kernels of every row count a pass on n threads meets (course_lib.kernels), then runs
+                with timing.threads(n):
+                    use_fastest_kernels(model, rows=[1 << i for i in range(7)])
+                return tokens_per_s(n, trace[:WARMUP_REQUESTS])
+
             timed = timing.alternate({n: (lambda n=n: tokens_per_s(n, trace)) for n in threads}, repeats, warmup,
-                                     warm={n: (lambda n=n: tokens_per_s(n, trace[:WARMUP_REQUESTS])) for n in threads})
+                                     warm={n: (lambda n=n: warm_up(n)) for n in threads})
             ratios = [more / fewer for more, fewer in zip(timed[threads[1]].results, timed[threads[0]].results)]
             rows.append({"model": name, "what": f"tokens/s of the engine on the trace, {threads[1]} threads / {threads[0]}",
                          "ratio": statistics.median(ratios), "runs": ratios, "target": (">=", SERVE_TARGETS["two_threads"])})

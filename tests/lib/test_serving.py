@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -189,12 +190,39 @@ def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restore
         assert set(seen) == {1} and torch.get_num_threads() == 2
         seen.clear()
         monkeypatch.setattr(serving, "ONE_THREAD_WORK", 0)
+        monkeypatch.setattr(serving.THREADS, "pick", lambda kind, n, probe: n)  # as if the caller's threads were faster
         two, _ = engine.run(requests, attention=attention)
         assert set(seen) == {2} and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)
     for r in requests:
         assert one[r.name].tokens == small_passes[r.name].tokens == two[r.name].tokens == alone(small, r), r.name
+
+
+def test_thread_choice_probes_both_counts_keeps_the_faster_and_probes_again_after_explore_times_the_probe():
+    from course_lib.serving import ThreadChoice
+    delay = {1: 0.001, 2: 0.010}  # one thread faster (as on a loaded machine)
+    probes = []
+
+    def probe():
+        probes.append(torch.get_num_threads())
+        time.sleep(delay[torch.get_num_threads()])
+
+    torch.set_num_threads(2)
+    try:
+        choice, kind = ThreadChoice(explore=5.0, calls=2, margin=1.25), ("C", "L", 8)
+        assert choice.pick(kind, 2, probe) == 1 and probes == [1, 2, 1, 2]  # each count twice, in turn
+        probed = choice.probe_seconds[kind]
+        assert 0.022 <= probed < 0.5
+        choice.record(kind, 4.9 * probed)
+        assert choice.pick(kind, 2, probe) == 1 and len(probes) == 4  # not yet: passes took < 5 x the probe
+        delay[1] = 0.030  # the load moves: now two threads are faster
+        choice.record(kind, 0.2 * probed)
+        assert choice.pick(kind, 2, probe) == 2 and len(probes) == 8  # probed again, and noticed
+        assert torch.get_num_threads() == 2  # the caller's count, restored
+        assert choice.pick(("C", "L", 16), 2, probe) == 2 and len(probes) == 12  # another kind: probed afresh
+    finally:
+        torch.set_num_threads(1)
 
 
 # ---------------------------------------------------------------------------------------------------- exactness
@@ -386,7 +414,7 @@ def test_bad_requests_get_an_error_naming_the_argument_and_the_others_finish(sma
     bad = [Request("empty", [], 3), Request("long", [1] * 40, 9), Request("none", [1, 2], 0)]
     results, _ = Engine(small, num_blocks=40, block_size=4).run(good + bad)
     assert "prompt must hold at least 1 token" in results["empty"].error
-    assert "block_size = 48" in results["long"].error and "prompt length + max_new_tokens" in results["long"].error
+    assert "context = 48" in results["long"].error and "prompt length + max_new_tokens" in results["long"].error
     assert "max_new_tokens must be an integer >= 1" in results["none"].error
     for r in good:
         assert results[r.name].error is None and results[r.name].tokens == alone(small, r)

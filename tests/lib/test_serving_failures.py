@@ -136,7 +136,7 @@ BAD = [  # (request, the words its error must contain: the field and its allowed
     (Request("float", [1, 2.0], 4), "prompt token ids must be integers in [0, vocab_size"),
     (Request("str", "abc", 4), "prompt must be a list of token ids, got str"),
     (Request("empty", [], 4), "prompt must hold at least 1 token"),
-    (Request("long", [1] * 40, 9), "prompt length + max_new_tokens must be <= the model's context block_size = 48"),
+    (Request("long", [1] * 40, 9), "prompt length + max_new_tokens must be <= the model's context length, context = 48"),
     (Request("bool", [1, 2], True), "max_new_tokens must be an integer >= 1"),
     (Request("zero", [1, 2], 0), "max_new_tokens must be an integer >= 1"),
 ]

@@ -25,8 +25,7 @@ SLOTS, ATTN, SCHED = "slot_mapping-solution", "paged_attention-solution", "sched
 def planted() -> dict:
     return CH.solved({
         SLOTS: CH.mutate(SLOTS, "return block * block_size + offset", "return block + offset"),
-        ATTN: CH.mutate(ATTN, "scores = (keys * q[:, None]).sum(-1).transpose(1, 2) / math.sqrt(Dh)",
-                        "scores = (keys * q[:, None]).sum(-1).transpose(1, 2)"),
+        ATTN: CH.mutate(ATTN, "attn_mask=valid[:, None, None, :])", "attn_mask=valid[:, None, None, :], scale=1.0)"),
         SCHED: CH.mutate(SCHED, "victim = candidates.pop()", "victim = candidates.pop(0)"),
     })
 

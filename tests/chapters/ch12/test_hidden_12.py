@@ -12,21 +12,21 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from course_lib import checks
-from course_lib.attention import masked_softmax
 from tests.cell_harness import TestCells
 from tests.helpers import ROOT
 
 SOURCE = ROOT / "solutions" / "12-serving" / "serving.ipynb"
-HARNESS = TestCells(SOURCE, {"torch": torch, "math": math, "checks": checks, "masked_softmax": masked_softmax})
+HARNESS = TestCells(SOURCE, {"torch": torch, "F": F, "math": math, "checks": checks})
 CELLS, REFERENCE = HARNESS.cells, HARNESS.reference
 cells_of, mutate, failing_tests = HARNESS.cells_of, HARNESS.mutate, HARNESS.failing_tests
 
 SLOTS, ATTN, SCHED = "slot_mapping", "paged_attention", "schedule_step"
 RETURN = "return block * block_size + offset"
 VALID = "valid = torch.arange(M * S, device=q.device)[None, :] < context_lens[:, None]"
-SCORES = "scores = (keys * q[:, None]).sum(-1).transpose(1, 2) / math.sqrt(Dh)"
+SCALED = "attn_mask=valid[:, None, None, :])"
 
 CASES = [
     (SLOTS, "the positions themselves", mutate(SLOTS, (RETURN, "return positions")),
@@ -40,7 +40,7 @@ def slot_mapping(block_table, positions, block_size):
 ''', set()),
     (ATTN, "no mask: whole blocks attended", mutate(ATTN, (VALID, "valid = torch.ones(B, M * S, dtype=torch.bool)")),
      {f"{ATTN}-visible", f"{ATTN}-partial", f"{ATTN}-batch"}),
-    (ATTN, "not scaled", mutate(ATTN, (SCORES, "scores = (keys * q[:, None]).sum(-1).transpose(1, 2)")),
+    (ATTN, "not scaled", mutate(ATTN, (SCALED, "attn_mask=valid[:, None, None, :], scale=1.0)")),
      {f"{ATTN}-visible", f"{ATTN}-partial", f"{ATTN}-batch"}),
     (ATTN, "off by one: the newest token left out", mutate(ATTN, (VALID, VALID.replace("< context_lens", "< context_lens - 1 + (context_lens == 1).long()"))),
      {f"{ATTN}-visible", f"{ATTN}-partial", f"{ATTN}-batch"}),
