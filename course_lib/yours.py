@@ -183,8 +183,14 @@ def _source(cell: dict) -> str:
 
 
 def _definitions(source: str) -> str:
-    from .grading.cleanroom import student_definitions  # what the clean room grades of an answer cell
+    """What the clean room grades of an answer cell: its definitions; of a cell that is not valid Python, a line
+    that raises a SyntaxError saying what and where in the cell (line 1 is the cell's first)."""
+    from .grading.cleanroom import student_definitions
 
+    try:
+        ast.parse(source)
+    except SyntaxError as error:
+        return f"raise SyntaxError({f'{error.msg}, line {error.lineno} of its answer cell'!r})"
     return student_definitions(source)
 
 

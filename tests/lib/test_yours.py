@@ -130,6 +130,14 @@ def test_an_unfinished_wrong_or_broken_answer_gives_way_to_the_course(course, ca
     assert out.endswith("runs below\n") and out.count("\n") == 1, out
 
 
+def test_a_syntax_error_says_what_and_where_in_the_answer_cell(course, capsys):
+    course(("answer", "def masked_softmax(scores, mask=None):\n    return torch.softmax(scores, dim=-1\n"))
+    assert from_01() is reference
+    assert capsys.readouterr().out == ("your masked_softmax in ../01-attention/attention.ipynb does not run (SyntaxError: "
+                                       "'(' was never closed, line 2 of its answer cell): the course's masked_softmax "
+                                       "runs below\n")
+
+
 def test_a_missing_notebook_or_answer_gives_the_course_and_says_why(course, capsys):
     assert from_01() is reference
     assert capsys.readouterr().out == ("no ../01-attention/attention.ipynb beside this notebook: "
