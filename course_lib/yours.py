@@ -156,7 +156,8 @@ class _EarlierNotebook:
                 try:
                     exec(compile(self.setup, f"{where}: set-up cell", "exec"), self.namespace)
                 except Exception as error:  # noqa: BLE001 - a failing set-up cell: nothing of the notebook is used
-                    self.setup_error = f"{where}'s set-up cell does not run ({type(error).__name__})"
+                    why = f"{error.msg}, line {error.lineno}" if isinstance(error, SyntaxError) else str(error)
+                    self.setup_error = f"{where}'s set-up cell does not run ({type(error).__name__}: {why})"
             if self.setup_error:
                 return self.setup_error
             for source, names in self.steps[self.done:last + 1]:
