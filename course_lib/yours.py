@@ -156,7 +156,8 @@ class _EarlierNotebook:
                 try:
                     exec(compile(self.setup, f"{where}: set-up cell", "exec"), self.namespace)
                 except Exception as error:  # noqa: BLE001 - a failing set-up cell: nothing of the notebook is used
-                    self.setup_error = f"{where}'s set-up cell does not run ({type(error).__name__})"
+                    why = f"{error.msg}, line {error.lineno}" if isinstance(error, SyntaxError) else str(error)
+                    self.setup_error = f"{where}'s set-up cell does not run ({type(error).__name__}: {why})"
             if self.setup_error:
                 return self.setup_error
             for source, names in self.steps[self.done:last + 1]:
@@ -183,8 +184,14 @@ def _source(cell: dict) -> str:
 
 
 def _definitions(source: str) -> str:
-    from .grading.cleanroom import student_definitions  # what the clean room grades of an answer cell
+    """What the clean room grades of an answer cell: its definitions; of a cell that is not valid Python, a line
+    that raises a SyntaxError saying what and where in the cell (line 1 is the cell's first)."""
+    from .grading.cleanroom import student_definitions
 
+    try:
+        ast.parse(source)
+    except SyntaxError as error:
+        return f"raise SyntaxError({f'{error.msg}, line {error.lineno} of its answer cell'!r})"
     return student_definitions(source)
 
 

@@ -5,6 +5,7 @@ import inspect
 import json
 import math
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -128,6 +129,26 @@ def test_an_unfinished_wrong_or_broken_answer_gives_way_to_the_course(course, ca
     out = capsys.readouterr().out
     assert out.startswith("your masked_softmax in ../01-attention/attention.ipynb " + why), out
     assert out.endswith("runs below\n") and out.count("\n") == 1, out
+
+
+def test_a_syntax_error_says_what_and_where_in_the_answer_cell(course, capsys):
+    course(("answer", "def masked_softmax(scores, mask=None):\n    return torch.softmax(scores, dim=-1\n"))
+    assert from_01() is reference
+    assert capsys.readouterr().out == ("your masked_softmax in ../01-attention/attention.ipynb does not run (SyntaxError: "
+                                       "'(' was never closed, line 2 of its answer cell): the course's masked_softmax "
+                                       "runs below\n")
+
+
+@pytest.mark.parametrize("setup, why", [("import math,\n", "(SyntaxError: "), ("raise RuntimeError('no data')\n", "(RuntimeError: no data)")])
+def test_a_set_up_cell_that_does_not_run_says_why(course, capsys, monkeypatch, setup, why):
+    monkeypatch.setattr(sys.modules[__name__], "SETUP", setup)
+    course(("answer", CORRECT))
+    assert from_01() is reference
+    out = capsys.readouterr().out
+    assert out.startswith(f"../01-attention/attention.ipynb's set-up cell does not run {why}"), out
+    assert out.endswith(": the course's masked_softmax runs below\n"), out
+    if "SyntaxError" in why:
+        assert out.endswith(", line 1): the course's masked_softmax runs below\n"), out
 
 
 def test_a_missing_notebook_or_answer_gives_the_course_and_says_why(course, capsys):
