@@ -184,8 +184,9 @@ def rope_to_half(weight, n_heads):
     """Rows of a query or key projection for interleaved RoPE -> the same model for half-split RoPE.
 
     weight: (n_heads * Dh, C), the nn.Linear weight of W_q (n_heads = H) or W_k (n_heads = H_kv), head after
-    head. Returns a new (n_heads * Dh, C) tensor: within each head, the rows 0, 2, 4, ..., Dh-2 first, then
-    1, 3, ..., Dh-1 (the permutation of Hugging Face's convert_llama_weights_to_hf.py). Queries and keys are
+    head. Returns a new (n_heads * Dh, C) tensor, its rows permuted within each head (never across heads) so
+    that feature pair (2i, 2i+1) of the interleaved layout becomes pair (i, i + Dh/2) of the half layout: the
+    permutation of Hugging Face's convert_llama_weights_to_hf.py. Queries and keys are
     both permuted the same way, so their dot products, and the model's outputs, do not change.
     """
     rows, columns = weight.shape
