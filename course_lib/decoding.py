@@ -27,7 +27,7 @@ PROCESSOR_ORDER = ("repetition_penalty", "frequency_presence_penalty", "temperat
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / temperature) is the sampling distribution: (B, V) -> (B, V).
+    """The logits at the given temperature, whose softmax is the distribution to sample from: (B, V) -> (B, V).
 
     temperature > 1 flattens it, < 1 sharpens it. temperature = 0 is the limit tau -> 0+: all the
     probability on the largest logit(s) (greedy), returned as 0 for the maxima and -inf elsewhere,
@@ -86,9 +86,9 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 def apply_repetition_penalty(logits: torch.Tensor, input_ids: torch.Tensor, penalty: float) -> torch.Tensor:
     """The repetition penalty on every token in input_ids, sign-aware as Hugging Face's: (B, V), (B, T) -> (B, V).
 
-    A token that already occurs (prompt included) becomes less likely: a positive logit is divided by
-    the penalty, a negative one multiplied by it. (CTRL's paper, Keskar et al., 2019, divides every
-    logit; dividing a negative logit would *raise* it.) A token is penalised once, however often it
+    A token that already occurs (prompt included) becomes less likely for penalty > 1, whatever the sign
+    of its logit, by Hugging Face's rule (the exercise's introduction), not CTRL's (Keskar et al., 2019),
+    which would *raise* a negative logit. A token is penalised once, however often it
     occurs; each row by its own history only; tokens not in input_ids keep their logits.
     penalty > 1 discourages repetition, 0 < penalty < 1 encourages it, 1 changes nothing; penalty <= 0
     (or NaN) raises ValueError.

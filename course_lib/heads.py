@@ -156,10 +156,9 @@ class AttentionOnly(nn.Module):
 def build_induction_model(vocab_size: int, max_len: int) -> AttentionOnly:
     """A two-layer attention-only model, weights set by hand, that completes [A][B] ... [A] with [B].
 
-    Layer 1 (one head) attends from each position to the one before it and writes that token's identity
-    into the residual stream; layer 2 (one head) attends from the current token A to the position whose
-    *previous* token is A (K-composition) and copies the token there, B, to the logits. On repeated random
-    tokens (heads.repeated_random_tokens) of any vocabulary and length up to max_len: layer 2's
+    Returns an AttentionOnly(vocab_size, max_len, d_model, n_layer=2, n_head=1), d_model of your choice,
+    whose layer 2 head is an induction head (chapter 13, section 3). Graded by behaviour only: on repeated
+    random tokens (heads.repeated_random_tokens) of any vocabulary and length up to max_len, layer 2's
     induction score above 0.9, loss on the second copy near 0, on the first copy no better than chance.
     """
     ### BEGIN SOLUTION

@@ -25,12 +25,12 @@ from torch import nn
 
 
 def sinusoidal_encoding(max_len: int, d_model: int) -> torch.Tensor:
-    """The Transformer's fixed sinusoidal table, (max_len, d_model), float32.
+    """The Transformer's fixed sinusoidal table (chapter 02, section 5), (max_len, d_model), float32.
 
-    Interleaved layout (Vaswani et al., 2017): column pair (2i, 2i+1) holds one frequency,
-        PE[pos, 2i]   = sin(pos / 10000^(2i / d_model))
-        PE[pos, 2i+1] = cos(pos / 10000^(2i / d_model)).
-    The first pair oscillates fastest (period 2*pi positions), the last slowest.
+    Interleaved layout (Vaswani et al., 2017): column pair (2i, 2i+1) holds frequency i, its sine in the
+    even column and its cosine in the odd one. The first pair oscillates fastest (period 2*pi positions),
+    the last slowest. Raises ValueError naming max_len if it is below 1, and naming d_model unless it is a
+    positive even number.
     """
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
@@ -75,8 +75,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None, base: flo
     default 0, 1, ..., T-1. Returns a tensor like x.
 
     Pairing convention: the *interleaved* pairs (2i, 2i+1), as in the RoFormer paper and Meta's original
-    LLaMA code, i.e. the complex number x[2i] + j x[2i+1] is multiplied by exp(j * pos * theta_i) with
-    theta_i = base^(-2i / Dh). (Hugging Face's ``rotate_half`` pairs i with i + Dh/2 instead: the same
+    LLaMA code; pair i turns counter-clockwise (from feature 2i towards 2i+1) by its angle of chapter 02,
+    section 7, with this base. (Hugging Face's ``rotate_half`` pairs i with i + Dh/2 instead: the same
     rotation after a fixed permutation of the features, but the two are not interchangeable for
     given weights.)
     """
@@ -184,8 +184,9 @@ def rope_to_half(weight, n_heads):
     """Rows of a query or key projection for interleaved RoPE -> the same model for half-split RoPE.
 
     weight: (n_heads * Dh, C), the nn.Linear weight of W_q (n_heads = H) or W_k (n_heads = H_kv), head after
-    head. Returns a new (n_heads * Dh, C) tensor: within each head, the rows 0, 2, 4, ..., Dh-2 first, then
-    1, 3, ..., Dh-1 (the permutation of Hugging Face's convert_llama_weights_to_hf.py). Queries and keys are
+    head. Returns a new (n_heads * Dh, C) tensor, its rows permuted within each head (never across heads) so
+    that feature pair (2i, 2i+1) of the interleaved layout becomes pair (i, i + Dh/2) of the half layout: the
+    permutation of Hugging Face's convert_llama_weights_to_hf.py. Queries and keys are
     both permuted the same way, so their dot products, and the model's outputs, do not change.
     """
     rows, columns = weight.shape

@@ -47,13 +47,12 @@ RESULTS = assets.FOLDER / "scaling-family.json"
 
 
 def training_flops(n_params, n_tokens):
-    """Floating-point operations to train a dense transformer of n_params parameters on n_tokens tokens: C = 6ND.
+    """Floating-point operations to train a dense transformer of n_params parameters on n_tokens tokens.
 
-    Per token and parameter: a multiply-add (2 FLOPs) in the forward pass and twice that in the backward pass
-    (gradients with respect to the activations and to the weights). Works on numbers and elementwise on numpy
-    arrays, int64 arrays of real sizes included: computed in floating point, since 6ND can far exceed the int64
-    limit 2^63 (Chinchilla's is 5.9e23), where integer arithmetic wraps around without a warning. Returns a
-    float, or a float64 array of the broadcast shape.
+    The estimate the scaling-law papers use (chapter 10, section 1), forward and backward passes together.
+    Works on numbers and elementwise on numpy arrays, int64 arrays of real sizes included: computed in
+    floating point, since the count can far exceed the int64 limit 2^63 (Chinchilla's is 5.9e23), where
+    integer arithmetic wraps around without a warning. Returns a float, or a float64 array of the broadcast shape.
     """
     return 6.0 * n_params * n_tokens  # 6.0 first: a float, so that int64 arrays cannot overflow (70e9 x 1.4e12 x 6 > 2^63)
 
@@ -105,9 +104,10 @@ def isoflop_analysis(budgets):
     budgets: {C: (n (P,), loss (P,))}, at least 2 budgets; C a positive number of training FLOPs, n the sizes
     trained with that budget (P >= 3 runs, each n > 0; lists or arrays), loss their final losses.
     Returns (a, b, optima): optima {C: (N_opt, D_opt)} as floats, in the order of budgets, where N_opt is the
-    minimum of a parabola fitted by least squares to loss against log n (not the best run's n) and
-    6 N_opt D_opt = C; a and b the exponents of N_opt ~ C^a and D_opt ~ C^b, least-squares lines in log space,
-    so a + b = 1. ValueError naming the budget if it has fewer than 3 runs or its parabola has no minimum
+    loss-optimal size at budget C, estimated from all of that budget's runs as the exercise's introduction
+    says (it falls between the sizes trained: not the best run's n), and 6 N_opt D_opt = C; a and b the
+    exponents of N_opt ~ C^a and D_opt ~ C^b, fitted as the introduction says, so a + b = 1.
+    ValueError naming the budget if it has fewer than 3 runs or its parabola has no minimum
     (opens downward), and for fewer than 2 budgets. The hidden tests check synthetic runs of a known loss surface,
     numpy.polyfit on the shipped runs, optima off a power law, 6ND = C and a + b = 1, and the errors.
     """
