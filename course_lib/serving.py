@@ -69,9 +69,10 @@ def slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, block_size:
     """Where the tokens at `positions` live in the pool: flat slots (T,) int64.
 
     block_table (n,) int64: the blocks of one sequence, in order (block_table[i] holds positions
-    i * block_size .. (i + 1) * block_size - 1); positions (T,) int64. Position p lives in block
-    block_table[p // block_size] at offset p % block_size, that is in slot
-    block_table[p // block_size] * block_size + p % block_size.
+    i * block_size .. (i + 1) * block_size - 1); positions (T,) int64, each in [0, n * block_size). A slot is an
+    index into the pool's token rows, viewed as (num_blocks * block_size, ...): block b's rows are
+    b * block_size .. (b + 1) * block_size - 1. The tests use scattered tables, block_size 1, a block
+    larger than the sequence and no positions at all.
     """
     block = block_table[positions // block_size]  # (T,): which block of the pool
     offset = positions % block_size  # (T,): where inside it
