@@ -377,12 +377,12 @@ class GQASelfAttention(nn.Module):
     n_kv_head = n_head is multi-head attention, 1 is multi-query attention. Each group of H / H_kv
     consecutive query heads shares one key/value head, so a KV cache holds H_kv heads per token and
     shrinks by H / H_kv. q_proj: C -> C, kv_proj: C -> 2 * H_kv * Dh, c_proj: C -> C.
-    ``attention_step`` (default ``cached_attention_step``) computes the attention itself, with the
-    signature and contract of ``cached_attention_step``; chapter 05 passes the learner's once it passes its check.
+    ``cached_attention_step`` (default: the course's) computes the attention itself, with the signature and
+    contract of the course's ``cached_attention_step``; chapter 05 passes the learner's once it passes its check.
     """
 
     def __init__(self, n_embd: int, n_head: int, n_kv_head: int, bias: bool = True, *,
-                 attention_step: Callable | None = None):
+                 cached_attention_step: Callable = cached_attention_step):
         super().__init__()
         if n_embd % n_head != 0:
             raise ValueError(f"n_embd must be divisible by n_head, got n_embd={n_embd} and n_head={n_head}")
@@ -392,7 +392,7 @@ class GQASelfAttention(nn.Module):
         self.q_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.kv_proj = nn.Linear(n_embd, 2 * n_kv_head * self.head_dim, bias=bias)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
-        self.attention_step = attention_step or cached_attention_step
+        self.cached_attention_step = cached_attention_step
 
     def forward(self, x, cache: KVCache | None = None, layer: int = 0):
         """x (B, T, C) -> (B, T, C). With a cache, x holds the T new tokens, their keys and values are
@@ -403,11 +403,11 @@ class GQASelfAttention(nn.Module):
         k, v = self.kv_proj(x).view(B, T, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H_kv, T, Dh) each
         if cache is None:
             past_k = past_v = k[:, :, :0]  # nothing cached
-            y, _, _ = self.attention_step(q, k, v, past_k, past_v)
+            y, _, _ = self.cached_attention_step(q, k, v, past_k, past_v)
         else:
             if cache.window is not None:
                 raise ValueError("GQASelfAttention supports a full cache only (window=None)")
             P = cache.length
             keys, values = cache.update(layer, k, v)  # (B, H_kv, P + T, Dh)
-            y, _, _ = self.attention_step(q, k, v, keys[:, :, :P], values[:, :, :P])
+            y, _, _ = self.cached_attention_step(q, k, v, keys[:, :, :P], values[:, :, :P])
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))

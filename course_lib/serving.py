@@ -488,11 +488,11 @@ def _joined(rows: list) -> np.ndarray:
     return np.concatenate([np.asarray(row, dtype=np.int64) for row in rows])
 
 
-def _layout(chunks: list, S: int, slots_of=slot_mapping) -> _Layout:
+def _layout(chunks: list, S: int, slot_mapping=slot_mapping) -> _Layout:
     """The `_Layout` of a forward pass over `chunks` ((block_table, start, tokens), as ``paged_forward`` takes them).
 
     The block tables laid end to end are one long table, in which position p of a chunk whose table begins at
-    block o is position o * S + p: so one call of slots_of gives the slots of every new token, and one more those
+    block o is position o * S + p: so one call of slot_mapping gives the slots of every new token, and one more those
     of every prefill chunk's keys, whatever the number of chunks; the decodes' tables, padded, are one gather from
     it. The index arithmetic is vectorised in NumPy (as vLLM prepares its inputs): a fixed number of operations
     per pass, none per sequence."""
@@ -510,7 +510,7 @@ def _layout(chunks: list, S: int, slots_of=slot_mapping) -> _Layout:
     M_d = int(widths[decode].max(initial=0))
     gather = np.minimum(offsets[decode, None] + np.arange(M_d), len(table) - 1)  # (B_d, M_d); padding: the next tables'
     layout = _Layout(ids=torch.from_numpy(_joined([tokens for _, _, tokens in chunks])), positions=_int64(positions),
-                     slots=slots_of(table, _int64(offsets[chunk] * S + positions), S), last=_int64(ends - 1),
+                     slots=slot_mapping(table, _int64(offsets[chunk] * S + positions), S), last=_int64(ends - 1),
                      decode_rows=_int64(first[decode]), decode_tables=_int64(long_table[gather]),
                      decode_lens=_int64(starts[decode] + 1))
     if len(prefill):
@@ -519,7 +519,7 @@ def _layout(chunks: list, S: int, slots_of=slot_mapping) -> _Layout:
         keys = np.minimum(k[None, :], start + length - 1)  # (P, K_p): padding repeats the last key
         layout.prefill_rows = _int64(first[prefill, None] + np.minimum(t[None, :], length - 1))
         layout.prefill_real = torch.from_numpy(t[None, :] < length)
-        layout.prefill_slots = slots_of(table, _int64(offsets[prefill, None] * S + keys).flatten(), S).view(keys.shape)
+        layout.prefill_slots = slot_mapping(table, _int64(offsets[prefill, None] * S + keys).flatten(), S).view(keys.shape)
         layout.prefill_allowed = torch.from_numpy(k[None, None, :] <= (start + t[None, :])[:, :, None])[:, None]
     return layout
 
@@ -601,40 +601,41 @@ def _threads(n: int):
 
 
 @torch.inference_mode()
-def paged_forward(model, cache: PagedKVCache, chunks: list, *, attention=paged_attention, slots_of=slot_mapping) -> torch.Tensor:
+def paged_forward(model, cache: PagedKVCache, chunks: list, *, paged_attention=paged_attention,
+                  slot_mapping=slot_mapping) -> torch.Tensor:
     """Run a course_lib.gpt.GPT over the chunks of several sequences at once; logits of each chunk's last token.
 
     chunks: list of (block_table (n,) int64, start, tokens (T,) int64), each table and tokens a tensor or a list of
     ints: tokens at positions start..start+T-1, their blocks already allocated. Every token goes through the linear
     layers in one (sum T, C) matrix. In each layer, the new keys and values go to their slots in one copy; attention
-    reads each sequence's keys and values through its block table: one ``attention`` (paged attention) for all the
+    reads each sequence's keys and values through its block table: one ``paged_attention`` for all the
     chunks of one token (decodes), their block tables padded into one tensor, and one masked attention for all the
-    longer chunks (prefill), padded into one batch. The slots come from slots_of, called twice per pass whatever the
+    longer chunks (prefill), padded into one batch. The slots come from slot_mapping, called twice per pass whatever the
     number of chunks (``_layout``). A pass whose linear work is small runs on one thread (``ONE_THREAD_WORK``); a
     larger one on one thread or the caller's, whichever ``THREADS`` measures faster now. Returns (len(chunks), V).
-    attention and slots_of: the functions used for paged attention and the slot mapping (the learner's, say), with
-    the contracts of ``paged_attention`` and ``slot_mapping``.
+    paged_attention and slot_mapping: the functions run for paged attention and the slot mapping (the learner's, say),
+    with the contracts of the course's ``paged_attention`` and ``slot_mapping``.
     """
     tokens = sum(len(t) for _, _, t in chunks)
     n = torch.get_num_threads()
     if n == 1 or tokens * 12 * model.config.n_embd ** 2 < ONE_THREAD_WORK:  # per layer
         with _threads(1):
-            return _paged_forward(model, cache, chunks, attention, slots_of)
+            return _paged_forward(model, cache, chunks, paged_attention, slot_mapping)
     rows = 1 << (tokens - 1).bit_length()
     kind = (model.config.n_embd, model.config.n_layer, rows)
     probe = partial(model.transformer.h[0].mlp, torch.zeros(rows, model.config.n_embd))  # one block's MLP on its rows
     threads = THREADS.pick(kind, n, probe)
     start = time.perf_counter()
     with _threads(threads):
-        logits = _paged_forward(model, cache, chunks, attention, slots_of)
+        logits = _paged_forward(model, cache, chunks, paged_attention, slot_mapping)
     THREADS.record(kind, time.perf_counter() - start)
     return logits
 
 
-def _paged_forward(model, cache: PagedKVCache, chunks: list, attention, slots_of) -> torch.Tensor:
+def _paged_forward(model, cache: PagedKVCache, chunks: list, paged_attention, slot_mapping) -> torch.Tensor:
     """``paged_forward``'s pass, on the threads it chose."""
     tr, S = model.transformer, cache.block_size
-    layout = _layout(chunks, S, slots_of)
+    layout = _layout(chunks, S, slot_mapping)
     x = tr.wte(layout.ids) + tr.wpe(layout.positions)  # (N, C)
     N, C = x.shape
 
@@ -645,11 +646,11 @@ def _paged_forward(model, cache: PagedKVCache, chunks: list, attention, slots_of
         slots, key_pool, value_pool = cache.layers[layer]  # views of the layer's pool
         slots.index_copy_(1, layout.slots, qkv[:, C:].view(N, 2, C).transpose(0, 1))  # the new keys, values: their slots
         if layout.prefill_rows is None:  # a decode-only step: every row is a decode, in order
-            y = attention(q, key_pool, value_pool, layout.decode_tables, layout.decode_lens)
+            y = paged_attention(q, key_pool, value_pool, layout.decode_tables, layout.decode_lens)
         else:
             y = torch.empty_like(q)
             if len(layout.decode_rows):
-                y[layout.decode_rows] = attention(q[layout.decode_rows], key_pool, value_pool, layout.decode_tables,
+                y[layout.decode_rows] = paged_attention(q[layout.decode_rows], key_pool, value_pool, layout.decode_tables,
                                                   layout.decode_lens)
             chunked = _prefill_attention(q, key_pool, value_pool, layout)  # (P, T_p, H, Dh), padding included
             y[layout.prefill_rows[layout.prefill_real]] = chunked[layout.prefill_real]
@@ -751,11 +752,11 @@ class Engine:
         self.share_prefixes, self.max_num_seqs = share_prefixes, max_num_seqs
         self.reset()
 
-    def reset(self, *, scheduler=schedule_step, attention=paged_attention, slots_of=slot_mapping) -> None:
+    def reset(self, *, schedule_step=schedule_step, paged_attention=paged_attention, slot_mapping=slot_mapping) -> None:
         """Start afresh: an empty pool, no requests, step 0, an empty ``trace``, the clock at 0 seconds.
 
-        scheduler, attention, slots_of: the functions the steps run on (the learner's, say)."""
-        self.scheduler, self.attention, self.slots_of = scheduler, attention, slots_of
+        schedule_step, paged_attention, slot_mapping: the functions the steps run on (the learner's, say)."""
+        self.schedule_step, self.paged_attention, self.slot_mapping = schedule_step, paged_attention, slot_mapping
         self.cache = PagedKVCache.for_model(self.model, self.num_blocks, self.block_size)
         self.results: dict = {}  # name -> Result: every request added since the reset
         self.waiting: list = []  # arrived, not running (new or preempted), first come first
@@ -764,13 +765,15 @@ class Engine:
         self.clock = 0  # the next step's number (a logical clock: a run jumps over steps where nothing happens)
         self.start_time = time.perf_counter()
 
-    def run(self, requests: list, *, scheduler=schedule_step, attention=paged_attention, slots_of=slot_mapping) -> tuple:
-        """Serve `requests`; returns ({name: Result}, Trace). scheduler, attention, slots_of: the functions it runs on.
+    def run(self, requests: list, *, schedule_step=schedule_step, paged_attention=paged_attention,
+            slot_mapping=slot_mapping) -> tuple:
+        """Serve `requests`; returns ({name: Result}, Trace). schedule_step, paged_attention, slot_mapping: the
+        functions it runs on.
 
         Offline serving of a trace: a fresh ``reset``, then each request arrives (``add_request``'s way) at its
         arrival step, and ``step`` runs until every request has left."""
         results, pending = _start(requests)
-        self.reset(scheduler=scheduler, attention=attention, slots_of=slots_of)
+        self.reset(schedule_step=schedule_step, paged_attention=paged_attention, slot_mapping=slot_mapping)
         self.results = results
         while pending or self.waiting or self.running:
             now = time.perf_counter() - self.start_time
@@ -834,7 +837,8 @@ class Engine:
         (all their tokens, or failed: their Result's error says why). With no request waiting or running it does
         nothing (the clock stays). Raises RuntimeError for the engine's own faults (see ``Engine``)."""
         cache, waiting, running, trace, step = self.cache, self.waiting, self.running, self.trace, self.clock
-        scheduler, attention, slots_of, start_time = self.scheduler, self.attention, self.slots_of, self.start_time
+        schedule_step, paged_attention, slot_mapping = self.schedule_step, self.paged_attention, self.slot_mapping
+        start_time = self.start_time
         S = self.block_size
         output = StepOutput()
         if not waiting and not running:
@@ -843,7 +847,7 @@ class Engine:
         for seq in waiting:
             seq.find_prefix(self.share_prefixes)
         admissible = waiting if self.max_num_seqs is None else waiting[:max(0, self.max_num_seqs - len(running))]
-        scheduled, preempted = scheduler(running, admissible, len(cache.free), self.token_budget)
+        scheduled, preempted = schedule_step(running, admissible, len(cache.free), self.token_budget)
         if not scheduled and not preempted:
             raise RuntimeError(self._no_progress(cache, running, waiting, step))
         for seq in preempted:  # give the blocks back (still cached); recompute later, keeping the tokens generated
@@ -870,9 +874,10 @@ class Engine:
         failed = {}  # index in scheduled -> the exception its chunk raised alone
         if chunks:
             try:
-                logits = paged_forward(self.model, cache, chunks, attention=attention, slots_of=slots_of)
+                logits = paged_forward(self.model, cache, chunks, paged_attention=paged_attention,
+                                       slot_mapping=slot_mapping)
             except Exception as error:  # noqa: BLE001 - whose error is it? each chunk again, alone
-                logits, failed = self._forward_alone(cache, chunks, error, step, attention, slots_of)
+                logits, failed = self._forward_alone(cache, chunks, error, step, paged_attention, slot_mapping)
             with _threads(1):  # a small operation: on the caller's threads it would wait for each (see ONE_THREAD_WORK)
                 greedy = _argmaxes(logits)
         now = time.perf_counter() - start_time
@@ -921,7 +926,8 @@ class Engine:
         self.clock += 1
         return output
 
-    def _forward_alone(self, cache: PagedKVCache, chunks: list, error: Exception, step: int, attention, slots_of):
+    def _forward_alone(self, cache: PagedKVCache, chunks: list, error: Exception, step: int, paged_attention,
+                      slot_mapping):
         """The batched pass raised `error`: run each chunk alone. Returns (logits, {chunk index: its exception}).
 
         A chunk's keys and values go to its own blocks (no sequence writes a block another holds), so
@@ -929,7 +935,8 @@ class Engine:
         rows, failed = [], {}
         for i, chunk in enumerate(chunks):
             try:
-                rows.append(paged_forward(self.model, cache, [chunk], attention=attention, slots_of=slots_of)[0])
+                rows.append(paged_forward(self.model, cache, [chunk], paged_attention=paged_attention,
+                                          slot_mapping=slot_mapping)[0])
             except Exception as alone:  # noqa: BLE001 - this chunk's own error
                 failed[i] = alone
                 rows.append(torch.zeros(self.model.config.vocab_size))  # never read: its request fails

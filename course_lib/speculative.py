@@ -151,23 +151,23 @@ def check_speculative_arguments(target, draft, input_ids, max_new_tokens, num_dr
 @torch.no_grad()
 def speculative_generate(target, draft, input_ids, max_new_tokens: int, *, num_draft_tokens: int = 4,
                          do_sample: bool = False, temperature: float = 1.0, generator: torch.Generator | None = None,
-                         accept=speculative_accept) -> SpeculativeOutput:
+                         speculative_accept=speculative_accept) -> SpeculativeOutput:
     """Extend input_ids (1, T) by exactly max_new_tokens tokens with speculative decoding.
 
     target, draft: chapter 04's GPT models, in eval mode, one vocabulary of V tokens. Rounds: the draft
     proposes up to K = num_draft_tokens tokens, the target judges them in one forward pass, and
-    ``accept(p, q, draft_tokens, u)`` (exercise 1's contract: p (k + 1, V), q (k, V), draft_tokens (k,),
-    u (k,) float64 uniform in [0, 1), k proposals) gives a, how many are kept, and next_probs (V,), the
-    distribution of the round's last token. The probabilities are those of probs_from_logits(logits,
-    do_sample, temperature) for both models.
+    ``speculative_accept(p, q, draft_tokens, u)`` (exercise 1's function, or the one passed in its place, with
+    its contract: p (k + 1, V), q (k, V), draft_tokens (k,), u (k,) float64 uniform in [0, 1), k proposals)
+    gives a, how many are kept, and next_probs (V,), the distribution of the round's last token. The
+    probabilities are those of probs_from_logits(logits, do_sample, temperature) for both models.
 
     What the tests check:
     * tokens (1, T + max_new_tokens), the prompt first: with do_sample=False exactly the target's greedy
       tokens; with do_sample=True they follow the target's distribution softmax(logits / temperature), and
       every random draw uses `generator` (the same seed gives the same tokens).
     * a round that starts with r tokens still to generate proposes k = min(K, r - 1) tokens (the last
-      round may propose none), calls ``accept`` once, and adds its a kept proposals and one token drawn
-      from next_probs.
+      round may propose none), calls ``speculative_accept`` once, and adds its a kept proposals and one token
+      drawn from next_probs.
     * each round makes ONE target forward pass (the first also reads the prompt), with chapter 05's KV
       caches: over the whole generation the target reads T + (proposals) + (rounds - 1) positions.
     * the result is SpeculativeOutput(tokens, K, proposed_per_round, accepted_per_round): k and a of
@@ -196,7 +196,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens: int, *, num_d
         p = probs_from_logits(logits[0, -(K + 1):], do_sample, temperature)  # (K + 1, V)
         # 3. accept a prefix of the drafts, then draw the correction (or bonus) token
         u = torch.rand(K, generator=generator, dtype=torch.float64)
-        a, next_probs = accept(p, torch.stack(q) if K else p[:0], drafts[0], u)
+        a, next_probs = speculative_accept(p, torch.stack(q) if K else p[:0], drafts[0], u)
         a = int(a)
         tokens = torch.cat([tokens, drafts[:, :a], draw_token(next_probs, generator)], dim=1)
         # 4. roll back both caches to the committed tokens but the newest (the next round feeds it)

@@ -126,12 +126,12 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 
 def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, splits: int, mask: torch.Tensor | None = None,
-                      attention: Callable = tiled_attention, merge: Callable = merge_partials):
+                      tiled_attention: Callable = tiled_attention, merge_partials: Callable = merge_partials):
     """Decoding attention split along the keys ("flash-decoding"): (out (..., Tq, Dv), lse (..., Tq)).
 
-    The Tk keys are cut into `splits` contiguous chunks; each chunk's attention, ``attention(q, k_c, v_c,
-    mask_c)`` -> (out_c, lse_c), is independent of the others (on a GPU, one thread block each); ``merge``
-    combines the partial results by their log-sum-exp. mask bool broadcastable to (..., Tq, Tk)."""
+    The Tk keys are cut into `splits` contiguous chunks; each chunk's attention, ``tiled_attention(q, k_c, v_c,
+    mask_c)`` -> (out_c, lse_c), is independent of the others (on a GPU, one thread block each);
+    ``merge_partials`` combines the partial results by their log-sum-exp. mask bool broadcastable to (..., Tq, Tk)."""
     if splits < 1:
         raise ValueError(f"splits must be at least 1, got {splits}")
     Tk = k.shape[-2]
@@ -140,20 +140,20 @@ def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, splits:
         mask = mask.expand(*q.shape[:-1], Tk)
     outs, lses = [], []
     for j in range(0, Tk, size):
-        out, lse = attention(q, k[..., j:j + size, :], v[..., j:j + size, :],
-                             None if mask is None else mask[..., j:j + size])
+        out, lse = tiled_attention(q, k[..., j:j + size, :], v[..., j:j + size, :],
+                                   None if mask is None else mask[..., j:j + size])
         outs.append(out)
         lses.append(lse)
-    return merge(torch.stack(outs), torch.stack(lses))
+    return merge_partials(torch.stack(outs), torch.stack(lses))
 
 
 def paged_attention_online(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, attention: Callable = tiled_attention,
-                           merge: Callable = merge_partials) -> torch.Tensor:
+                           context_lens: torch.Tensor, tiled_attention: Callable = tiled_attention,
+                           merge_partials: Callable = merge_partials) -> torch.Tensor:
     """Chapter 12's paged attention as an online softmax over blocks: (B, H, Dh), the same contract as
     ``course_lib.serving.paged_attention``. One block of the pool at a time (no contiguous copy of a sequence's
-    keys): the block's partial result (``attention`` over its S slots, those past context_lens masked) is merged
-    into the running one (``merge``), so the memory held is one block, whatever the context."""
+    keys): the block's partial result (``tiled_attention`` over its S slots, those past context_lens masked) is
+    merged into the running one (``merge_partials``), so the memory held is one block, whatever the context."""
     B, H, Dh = q.shape
     S = key_pool.shape[1]
     out = q.new_zeros(B, H, 1, value_pool.shape[-1])
@@ -165,8 +165,8 @@ def paged_attention_online(q: torch.Tensor, key_pool: torch.Tensor, value_pool: 
         keys = key_pool[blocks].transpose(1, 2)  # (B, H, S, Dh): this column's block of every sequence
         values = value_pool[blocks].transpose(1, 2)
         valid = (c * S + torch.arange(S, device=q.device))[None, :] < context_lens[:, None]  # (B, S)
-        part, part_lse = attention(q[:, :, None], keys, values, valid[:, None, None, :])
-        out, lse = merge(torch.stack([out, part]), torch.stack([lse, part_lse]))
+        part, part_lse = tiled_attention(q[:, :, None], keys, values, valid[:, None, None, :])
+        out, lse = merge_partials(torch.stack([out, part]), torch.stack([lse, part_lse]))
     return out[:, :, 0]
 
 

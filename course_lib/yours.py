@@ -17,8 +17,10 @@ after the course function it replaces, whose default is the course's own, in eve
     generate(model, idx, 50, do_sample=True, top_k=10, top_k_filter=top_k_filter)   # chapter 06
     generate(model, idx, 50, num_beams=4, beam_search=beam_search)
     mine = dict(top_k_filter=top_k_filter, beam_search=beam_search); generate(..., **mine)
+    engine.run(requests, slot_mapping=slot_mapping, paged_attention=paged_attention, schedule_step=schedule_step)
 
-and, for a class, the same keyword given to its constructor (``attention=``). No {name: function} mapping
+and, for a class, the same keyword given to its constructor
+(``GQASelfAttention(..., cached_attention_step=cached_attention_step)``). No {name: function} mapping
 is looked up by name anywhere.
 
 Later chapters run the learner's machines of earlier chapters the same way, found in the learner's notebook

@@ -4,8 +4,8 @@ Oracles: the acceptance rule written as one float64 vectorised formula (``specul
 plain greedy decoding by full forward passes of the model (no cache), the rounds of greedy speculative
 decoding run by full forward passes (``greedy_rounds_oracle``), and each model's distributions from one
 full forward pass; never course_lib.speculative's reference solutions. The learner's loop is observed
-through its documented interface only: the ``accept`` it is given (``AcceptSpy``, which records and checks
-every round) and the target's forward passes (``TargetPasses``, a hook on its LM head).
+through its documented interface only: the ``speculative_accept`` it is given (``AcceptSpy``, which records and
+checks every round) and the target's forward passes (``TargetPasses``, a hook on its LM head).
 """
 from __future__ import annotations
 
@@ -179,7 +179,8 @@ class TargetPasses:
 
 
 class AcceptSpy:
-    """An ``accept`` for the learner's loop: the course's rule (speculative_accept_oracle), recording every call.
+    """A ``speculative_accept`` for the learner's loop: the course's rule (speculative_accept_oracle), recording
+    every call.
 
     With ``models=(target, draft)``, ``prompt``, ``max_new_tokens``, ``K`` and the sampling settings, it also
     checks each call as it comes, against full forward passes of both models (no cache): the number of
@@ -200,7 +201,8 @@ class AcceptSpy:
         k = x.shape[0] if x.dim() == 1 else -1
         V = p.shape[-1]
         if x.dim() != 1 or tuple(u.shape) != (k,) or (k and tuple(q.shape) != (k, V)) or p.dim() != 2:
-            fail(f"{self.what}: accept must be called as accept(p (k + 1, V), q (k, V), draft_tokens (k,), u (k,)) for "
+            fail(f"{self.what}: speculative_accept must be called as speculative_accept(p (k + 1, V), q (k, V), "
+                 f"draft_tokens (k,), u (k,)) for "
                  f"k proposals; yours passed p {tuple(p.shape)}, q {tuple(q.shape)}, draft_tokens {tuple(x.shape)}, "
                  f"u {tuple(u.shape)}")
         if k and not ((u >= 0) & (u < 1)).all():
@@ -237,10 +239,10 @@ class AcceptSpy:
             want_q = self._probs(draft, context)[n - 1:n - 1 + k]  # (k, V)
             if not torch.allclose(q, want_q, atol=1e-4, rtol=0):
                 if self.do_sample and torch.allclose(q, self._probs(draft, context, 1.0)[n - 1:n - 1 + k], atol=1e-4, rtol=0):
-                    fail(f"{at}): the q you passed to accept ignores the temperature ({self.temperature:g}): q must be the "
-                         "distribution each proposal was drawn from, probs_from_logits(logits, do_sample, temperature)")
-                fail(f"{at}): the q you passed to accept is not the draft's distribution after the committed tokens and "
-                     f"the proposals before each one (full forward passes of the draft disagree by "
+                    fail(f"{at}): the q you passed to speculative_accept ignores the temperature ({self.temperature:g}): "
+                         "q must be the distribution each proposal was drawn from, probs_from_logits(logits, do_sample, temperature)")
+                fail(f"{at}): the q you passed to speculative_accept is not the draft's distribution after the committed "
+                     f"tokens and the proposals before each one (full forward passes of the draft disagree by "
                      f"{(q - want_q).abs().max():.3g})" + (": does the draft's cache still hold rejected proposals of an "
                      "earlier round? Roll it back too" if r else ""))
 
@@ -253,14 +255,14 @@ class AcceptSpy:
         n, xs = tokens.shape[1], x.view(1, -1).long()
         context = torch.cat([tokens, xs], dim=1)
         if want_p is not None and self.do_sample and self._matches_at_temperature_one(p, context, n - 1):
-            fail(f"{at}): the p you passed to accept ignores the temperature ({self.temperature:g}): the target's "
-                 "probabilities are probs_from_logits(logits, do_sample, temperature), as the draft's")
+            fail(f"{at}): the p you passed to speculative_accept ignores the temperature ({self.temperature:g}): "
+                 "the target's probabilities are probs_from_logits(logits, do_sample, temperature), as the draft's")
         for shift in (-1, 1) if want_p is not None else ():  # p one position early or late
             lo = n - 1 + shift
             rows = self._probs(self.models[0], context)
             if (lo >= 0 and lo + k + 1 <= rows.shape[0] and p.shape == rows[lo:lo + k + 1].shape
                     and torch.allclose(p, rows[lo:lo + k + 1], atol=1e-4, rtol=0)):
-                fail(f"{at}): the p you passed to accept is the target's distribution one position too "
+                fail(f"{at}): the p you passed to speculative_accept is the target's distribution one position too "
                      f"{'early' if shift < 0 else 'late'}: p[i] is the distribution of proposal i's position, from the "
                      "logits of the token before it (the last committed token for p[0]), and p[k] the one after the "
                      "last proposal: the last k + 1 positions of the verification pass")
@@ -279,8 +281,8 @@ class AcceptSpy:
             for y in range(p.shape[-1]):  # the previous round's last token was another one
                 if y != int(tokens[0, -1]) and self._matches(p, torch.cat([tokens[:, :-1], torch.tensor([[y]]), xs], 1), n - 1):
                     fail(f"{self.what}, round {r}: after the {pa} kept proposals you added token {y}, to which next_probs, "
-                         f"the distribution accept returned, gives probability {probs[y].item():.3g}: draw the round's "
-                         "last token from next_probs (after a rejection the residual, after k kept proposals the "
+                         f"the distribution speculative_accept returned, gives probability {probs[y].item():.3g}: "
+                         "draw the round's last token from next_probs (after a rejection the residual, after k kept proposals the "
                          "target's p[k]), not from the target's p[a] and not by an argmax")
             if self._matches(p, torch.cat([tokens[:, :-1], xs], 1), n - 2):
                 fail(f"{self.what}, round {r} (a = {pa} of k = {pk} kept) added only its kept proposals: the round ends "
@@ -294,8 +296,8 @@ class AcceptSpy:
                  f"committed tokens and the proposals ({self._gap(p, want_p)}): does the target's cache still hold "
                  "rejected proposals of an earlier round? After each round roll both caches back to the committed "
                  "tokens but the newest (KVCache.crop)")
-        fail(f"{at}): the p you passed to accept is not the target's distribution at each proposal's position and one "
-             f"beyond ({self._gap(p, want_p)}): p must be the last k + 1 positions of ONE target pass over what its "
+        fail(f"{at}): the p you passed to speculative_accept is not the target's distribution at each proposal's "
+             f"position and one beyond ({self._gap(p, want_p)}): p must be the last k + 1 positions of ONE target pass over what its "
              "cache lacks and the k proposals")
 
     def _matches_at_temperature_one(self, p, context, start):
@@ -314,7 +316,8 @@ class AcceptSpy:
 def _run_generate(speculative_generate, what, target, draft, prompt, max_new_tokens, K, spy, **kwargs):
     """The learner's result, or a failure that says what the exception most likely means."""
     try:
-        out = speculative_generate(target, draft, prompt, max_new_tokens, num_draft_tokens=K, accept=spy, **kwargs)
+        out = speculative_generate(target, draft, prompt, max_new_tokens, num_draft_tokens=K,
+                                   speculative_accept=spy, **kwargs)
     except (NotImplementedError, CheckFailed):
         raise  # not written yet, or a failure the spy already explained
     except Exception as error:  # noqa: BLE001 - the learner's code may raise anything; say what it means
@@ -329,7 +332,7 @@ def _run_generate(speculative_generate, what, target, draft, prompt, max_new_tok
                  "crop it to whichever is smaller")
         if k == 0:
             fail(f"{where}. The last round of a generation may have room for no proposal at all, k = 0: it must work "
-                 "too, with no draft pass, one target pass and accept called with empty q, draft_tokens and u")
+                 "too, with no draft pass, one target pass and speculative_accept called with empty q, draft_tokens and u")
         if any(c[4] < len(c[2]) for c in calls):
             fail(f"{where}. An earlier round rejected a proposal: do your caches still hold rejected proposals? A cache "
                  "ahead of the committed tokens leaves nothing (or the wrong tokens) to feed; after each round roll "
@@ -350,7 +353,8 @@ def _check_result(out, spy, what):
                  f"{tuple(want.shape)}: each round adds its kept proposals and exactly one more token (no extra "
                  "token after a rejection), and no round goes past max_new_tokens")
         fail(f"{what}: your tokens {tokens.tolist()} are not the committed tokens of your rounds {want.tolist()}: each "
-             "round adds its a kept proposals and then one token drawn from next_probs, the distribution accept returned")
+             "round adds its a kept proposals and then one token drawn from next_probs, the distribution "
+             "speculative_accept returned")
     k_a = ([len(c[2]) for c in spy.calls], [c[4] for c in spy.calls])
     if (list(out.proposed_per_round), list(out.accepted_per_round)) != k_a:
         fail(f"{what}: proposed_per_round {list(out.proposed_per_round)} and accepted_per_round "
@@ -374,7 +378,7 @@ def _check_drawn(speculative_generate, target, draft, prompt) -> None:
         ends.append((int(out.tokens[0, n + a]), probs))
         n += a + 1
     if any(probs[token] == 0 for token, probs in ends):
-        fail(f"{what}: a round ended with a token to which next_probs, the distribution accept returned, gives "
+        fail(f"{what}: a round ended with a token to which next_probs, the distribution speculative_accept returned, gives "
              "probability 0: draw the round's last token from next_probs")
     likelier = {int(probs.argmax()) for _, probs in ends}
     if all(token == int(probs.argmax()) for token, probs in ends):

@@ -158,7 +158,7 @@ def test_gqa_cache_shrinks_by_h_over_h_kv_and_cached_equals_full_equals_torch_gq
     assert cache.nbytes == kv_cache_bytes(1, 64, 8, 20, n_kv_head=n_kv_head, batch_size=2, dtype=torch.float32)
 
 
-def test_gqa_runs_the_attention_step_it_is_given_with_and_without_a_cache():
+def test_gqa_runs_the_cached_attention_step_it_is_given_with_and_without_a_cache():
     calls = []
 
     def recorded_step(q, k, v, past_k, past_v):
@@ -166,7 +166,7 @@ def test_gqa_runs_the_attention_step_it_is_given_with_and_without_a_cache():
         return cached_attention_step(q, k, v, past_k, past_v)
 
     torch.manual_seed(10)
-    attn = GQASelfAttention(64, 8, 2, attention_step=recorded_step).eval()
+    attn = GQASelfAttention(64, 8, 2, cached_attention_step=recorded_step).eval()
     torch.manual_seed(10)
     reference = GQASelfAttention(64, 8, 2).eval()
     x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(11))

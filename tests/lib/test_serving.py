@@ -140,8 +140,9 @@ def test_one_pass_mixing_decodes_of_different_lengths_and_prefill_chunks_equals_
 
 
 def test_a_pass_calls_paged_attention_once_per_layer_for_all_decodes_and_slot_mapping_twice(small):
-    # The learner's functions plug in: attention gets every decode of the pass at once, block tables padded into one
-    # (B, M) tensor, context lengths per row; slots_of is called once for the new tokens and once for the prefill keys.
+    # The learner's functions plug in: paged_attention gets every decode of the pass at once, block tables padded into
+    # one (B, M) tensor, context lengths per row; slot_mapping is called once for the new tokens and once for the
+    # prefill keys.
     S = 4
     cached, new = [9, 30, 3, 14], [1, 1, 6, 1]
     ids = torch.randint(0, 61, (4, 40), generator=torch.Generator().manual_seed(3))
@@ -149,22 +150,22 @@ def test_a_pass_calls_paged_attention_once_per_layer_for_all_decodes_and_slot_ma
     tables = scattered_tables([c + n for c, n in zip(cached, new)], S, 60, 3)
     for i, c in enumerate(cached):
         paged_forward(small, cache, [(tables[i], 0, ids[i, :c])])
-    calls = {"attention": [], "slots_of": 0}
+    calls = {"paged_attention": [], "slot_mapping": 0}
 
-    def attention(q, key_pool, value_pool, block_tables, context_lens):
-        calls["attention"].append((tuple(q.shape), tuple(block_tables.shape), context_lens.tolist()))
+    def recording_attention(q, key_pool, value_pool, block_tables, context_lens):
+        calls["paged_attention"].append((tuple(q.shape), tuple(block_tables.shape), context_lens.tolist()))
         return paged_attention(q, key_pool, value_pool, block_tables, context_lens)
 
-    def slots_of(block_table, positions, block_size):
-        calls["slots_of"] += 1
+    def counting_slots(block_table, positions, block_size):
+        calls["slot_mapping"] += 1
         return slot_mapping(block_table, positions, block_size)
 
     chunks = [(tables[i], cached[i], ids[i, cached[i]:cached[i] + new[i]]) for i in range(4)]
-    logits = paged_forward(small, cache, chunks, attention=attention, slots_of=slots_of)
+    logits = paged_forward(small, cache, chunks, paged_attention=recording_attention, slot_mapping=counting_slots)
     H, Dh = small.config.n_head, small.config.n_embd // small.config.n_head
     widest = max(len(tables[i]) for i in (0, 1, 3))  # the decodes' longest block table
-    assert calls["attention"] == [((3, H, Dh), (3, widest), [10, 31, 15])] * small.config.n_layer
-    assert calls["slots_of"] == 2
+    assert calls["paged_attention"] == [((3, H, Dh), (3, widest), [10, 31, 15])] * small.config.n_layer
+    assert calls["slot_mapping"] == 2
     with torch.no_grad():
         full = small(ids)[0]
     for i in range(4):
@@ -178,7 +179,7 @@ def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restore
     requests = trace(4, 11, gap=0.4)
     seen = []
 
-    def attention(*args):
+    def counting_threads(*args):
         seen.append(torch.get_num_threads())
         return paged_attention(*args)
 
@@ -186,12 +187,12 @@ def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restore
     one, _ = engine.run(requests)
     torch.set_num_threads(2)
     try:
-        small_passes, _ = engine.run(requests, attention=attention)
+        small_passes, _ = engine.run(requests, paged_attention=counting_threads)
         assert set(seen) == {1} and torch.get_num_threads() == 2
         seen.clear()
         monkeypatch.setattr(serving, "ONE_THREAD_WORK", 0)
         monkeypatch.setattr(serving.THREADS, "pick", lambda kind, n, probe: n)  # as if the caller's threads were faster
-        two, _ = engine.run(requests, attention=attention)
+        two, _ = engine.run(requests, paged_attention=counting_threads)
         assert set(seen) == {2} and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)
@@ -506,12 +507,12 @@ def test_no_write_lands_in_a_shared_block_when_a_whole_prompt_is_shared(small, b
 
 def counting(limit_seen: list):
     """schedule_step, recording how many sequences run after each step (running - preempted + admitted)."""
-    def scheduler(running, waiting, num_free_blocks, token_budget):
+    def counting_step(running, waiting, num_free_blocks, token_budget):
         scheduled, preempted = schedule_step(running, waiting, num_free_blocks, token_budget)
         admitted = sum(1 for s, _ in scheduled if s in waiting)
         limit_seen.append(len(running) - len(preempted) + admitted)
         return scheduled, preempted
-    return scheduler
+    return counting_step
 
 
 @pytest.mark.parametrize("cap,num_blocks", [(1, 200), (2, 200), (3, 200), (2, None)])
@@ -522,7 +523,7 @@ def test_max_num_seqs_caps_the_running_sequences_and_the_tokens_stay_exact(small
         num_blocks = max(math.ceil((len(r.prompt) + r.max_new_tokens) / S) for r in requests)
     seen = []
     results, run = Engine(small, num_blocks=num_blocks, block_size=S, token_budget=10, max_num_seqs=cap).run(
-        requests, scheduler=counting(seen))
+        requests, schedule_step=counting(seen))
     assert seen and max(seen) <= cap and max(run.batch) <= cap
     assert max(seen) == cap  # the cap binds on this trace (9 requests, 0.3 steps apart)
     for r in requests:

@@ -238,7 +238,7 @@ def test_a_request_whose_forward_pass_raises_mid_run_fails_alone_and_the_batch_i
             raised.append(len(chunks))
             raise
     monkeypatch.setattr(serving, "paged_forward", spy)
-    results, _ = serve(small, pools, requests, engine, attention=attention_failing_past(30))
+    results, _ = serve(small, pools, requests, engine, paged_attention=attention_failing_past(30))
     assert len(raised) == 2 and raised[1] == 1  # one pass raised, then, of its chunks alone, doomed's only
     if engine == "roomy":
         assert raised[0] > 1  # the pass that raised held other requests' chunks (in the tight pool doomed runs alone)
@@ -257,7 +257,7 @@ def test_a_batched_pass_that_raises_though_every_chunk_alone_succeeds_is_an_engi
             raise RuntimeError("planted: fails for batches only")
         return paged_attention(q, key_pool, value_pool, block_tables, context_lens)
     with pytest.raises(RuntimeError, match="every chunk alone succeeded: an engine error") as info:
-        Engine(small, num_blocks=80, block_size=4).run(batch(), attention=batch_only)
+        Engine(small, num_blocks=80, block_size=4).run(batch(), paged_attention=batch_only)
     assert "planted: fails for batches only" in str(info.value.__cause__)
 
 
@@ -282,7 +282,7 @@ def test_a_scheduler_that_schedules_nothing_stops_the_engine_with_an_error_inste
     requests = batch()
     fits = max(math.ceil((len(r.prompt) + r.max_new_tokens) / 4) for r in requests)
     with deadline(20), pytest.raises(RuntimeError, match="no block leaked: the scheduler returned nothing"):
-        Engine(small, num_blocks=fits, block_size=4, token_budget=64).run(requests, scheduler=strict)
+        Engine(small, num_blocks=fits, block_size=4, token_budget=64).run(requests, schedule_step=strict)
 
 
 def test_the_correct_engine_never_stalls_in_a_pool_that_holds_one_request(small, pools):

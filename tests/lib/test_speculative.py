@@ -223,9 +223,10 @@ def test_sampling_is_reproducible_with_a_generator_and_greedy_leaves_the_global_
 
 # --- whole generations: the target's distribution, rollback, bonus ----------------------------------------------
 
-def first_two(target, draft, prompt, K, generator, generate=speculative_generate, accept=speculative_accept):
+def first_two(target, draft, prompt, K, generator, generate=speculative_generate, speculative_accept=speculative_accept):
     """The first two tokens after prompt, from a generation of three."""
-    out = generate(target, draft, prompt, 3, num_draft_tokens=K, do_sample=True, generator=generator, accept=accept)
+    out = generate(target, draft, prompt, 3, num_draft_tokens=K, do_sample=True, generator=generator,
+                   speculative_accept=speculative_accept)
     return out.tokens[0, prompt.shape[1]:prompt.shape[1] + 2]
 
 
@@ -242,13 +243,13 @@ def joint_target_probs(target, prompt) -> torch.Tensor:
 N_GENERATIONS = 1000
 
 
-def generation_counts(accept=speculative_accept, K=2):
+def generation_counts(speculative_accept=speculative_accept, K=2):
     target, draft = tiny_gpt(11, n_layer=2, vocab_size=4, scale=0.6), tiny_gpt(12, vocab_size=4, scale=0.6)
     prompt = torch.tensor([[0, 3, 1, 2, 2, 0]])
     gen = torch.Generator().manual_seed(3)
     counts = torch.zeros(4, 4)
     for _ in range(N_GENERATIONS):
-        x1, x2 = first_two(target, draft, prompt, K, gen, accept=accept)
+        x1, x2 = first_two(target, draft, prompt, K, gen, speculative_accept=speculative_accept)
         counts[x1, x2] += 1
     return counts, joint_target_probs(target, prompt)
 
@@ -268,7 +269,7 @@ def test_the_generation_simulation_sees_a_missing_rollback(monkeypatch):
 
 
 def test_the_generation_simulation_sees_swapped_p_and_q():
-    counts, probs = generation_counts(accept=accept_swapped, K=2)
+    counts, probs = generation_counts(speculative_accept=accept_swapped, K=2)
     assert chi_square_pvalue(counts, probs) < 1e-6
 
 
@@ -283,7 +284,7 @@ def test_greedy_equality_fails_without_rollback(monkeypatch):
 
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_every_round_sees_what_full_forward_passes_see(do_sample):
-    """Each round's p and q (what accept is given) equal the target's and the draft's distributions from full forward
+    """Each round's p and q (what speculative_accept is given) equal the target's and the draft's distributions from full forward
     passes over the committed tokens and the proposals: both caches were rolled back to the committed tokens."""
     target, draft = tiny_gpt(1, n_layer=2), tiny_gpt(2)
     prompt = torch.tensor([[0, 1, 2]])
@@ -294,25 +295,25 @@ def test_every_round_sees_what_full_forward_passes_see(do_sample):
     spy = AcceptSpy((target, draft), prompt, 24, 4, do_sample=do_sample, temperature=1.3,
                     override=one_hot_next if do_sample else None, what="test")
     out = speculative_generate(target, draft, prompt, 24, num_draft_tokens=4, do_sample=do_sample, temperature=1.3,
-                               generator=torch.Generator().manual_seed(0), accept=spy)
+                               generator=torch.Generator().manual_seed(0), speculative_accept=spy)
     assert torch.equal(out.tokens, spy.tokens) and len(spy.calls) == out.rounds
     assert any(a < k for k, a in zip(out.proposed_per_round, out.accepted_per_round))  # some rounds rolled back
 
 
 # --- small helpers and argument checks ------------------------------------------------------------------------
 
-def test_speculative_generate_runs_the_accept_it_is_given():
+def test_speculative_generate_runs_the_speculative_accept_it_is_given():
     target, draft = tiny_gpt(0, 2), tiny_gpt(1, 1)
     prompt = torch.tensor([[1, 2, 3]])
-    calls = {"accept": 0}
+    calls = {"speculative_accept": 0}
 
     def counting_accept(*args):
-        calls["accept"] += 1
+        calls["speculative_accept"] += 1
         return speculative_accept(*args)
 
-    out = speculative_generate(target, draft, prompt, 12, num_draft_tokens=3, accept=counting_accept)
+    out = speculative_generate(target, draft, prompt, 12, num_draft_tokens=3, speculative_accept=counting_accept)
     assert torch.equal(out.tokens, speculative_generate(target, draft, prompt, 12, num_draft_tokens=3).tokens)
-    assert calls["accept"] == out.rounds >= 4
+    assert calls["speculative_accept"] == out.rounds >= 4
 
 
 def test_the_last_round_may_propose_nothing_and_is_one_plain_step_of_the_target():

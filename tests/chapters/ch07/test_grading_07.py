@@ -10,8 +10,8 @@ One `grading.grade` run grades three students: the reference (full marks), the u
   `distribution` (the stale caches run ahead of the tokens); `bonus` passes: with an identical draft
   nothing is ever rejected.
 
-The loop's tests pass the course's acceptance rule (checks.speculative_accept_oracle) as ``accept``, so
-the exercise-1 bug costs nothing in exercise 2. tests/chapters/ch07/test_hidden_07.py runs the same cells against more
+The loop's tests pass the course's acceptance rule (checks.speculative_accept_oracle) as ``speculative_accept``,
+so the exercise-1 bug costs nothing in exercise 2. tests/chapters/ch07/test_hidden_07.py runs the same cells against more
 bugs, one at a time and without nbgrader (the bonus token dropped, p one position off, ...).
 """
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Each exercise's visible and hidden test cells run in a namespace holding the reference solutions with
 ONE planted bug. Every bug must fail exactly the tests documented to target it (the comment at the top
 of each cell), and correct alternative implementations must pass everything. The loop's tests pass the
-course's acceptance rule (checks.speculative_accept_oracle) as ``accept``, so a bug in exercise 1 never
-costs points in exercise 2. tests/chapters/ch07/test_grading_07.py checks the same on whole notebooks through nbgrader.
+course's acceptance rule (checks.speculative_accept_oracle) as ``speculative_accept``, so a bug in exercise 1
+never costs points in exercise 2. tests/chapters/ch07/test_grading_07.py checks the same on whole notebooks through nbgrader.
 """
 from __future__ import annotations
 
