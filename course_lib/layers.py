@@ -59,8 +59,9 @@ def layer_norm(x, weight, bias, eps=1e-5):
     return (x - mean) / torch.sqrt(var + eps) * weight + bias
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm over the last axis with a learned gain (ones) and bias (zeros), like torch.nn.LayerNorm(d_model)."""
+class _GainNorm(nn.Module):
+    """What LayerNorm and RMSNorm share: d_model (an integer >= 1) and eps (>= 0) checked, eps kept, and a
+    learned gain ``weight`` of d_model ones."""
 
     def __init__(self, d_model: int, eps: float = 1e-5):
         super().__init__()
@@ -69,6 +70,13 @@ class LayerNorm(nn.Module):
             raise ValueError(f"eps must be >= 0, got {eps}")
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))
+
+
+class LayerNorm(_GainNorm):
+    """LayerNorm over the last axis with a learned gain (ones) and bias (zeros), like torch.nn.LayerNorm(d_model)."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5):
+        super().__init__(d_model, eps)
         self.bias = nn.Parameter(torch.zeros(d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,16 +98,8 @@ def rms_norm(x, weight, eps=1e-5):
     return x * torch.rsqrt(mean_square + eps) * weight
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(_GainNorm):
     """RMSNorm over the last axis with a learned gain (ones) and no bias, like Hugging Face's LlamaRMSNorm."""
-
-    def __init__(self, d_model: int, eps: float = 1e-5):
-        super().__init__()
-        check_positive("d_model", d_model)
-        if not eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., D) -> (..., D)."""

@@ -159,14 +159,12 @@ def apply_rope_half(x: torch.Tensor, positions: torch.Tensor | None = None, base
     Pair i turns by pos * theta_i with theta_i = base^(-2i / Dh), the same angles as ``apply_rope``'s pair
     (2i, 2i+1): apply_rope_half(x[..., p]) == apply_rope(x)[..., p] for p = ``rope_permutation(Dh)``.
     """
-    d_head, time = x.shape[-1], x.shape[-2]
-    if d_head % 2 != 0:
-        raise ValueError(f"the last dimension of x must be even (RoPE rotates pairs of features), got {d_head}")
+    time = x.shape[-2]
     if positions is None:
         positions = torch.arange(time, device=x.device)
     if positions.shape[-1] != time:
         raise ValueError(f"positions must have T={time} entries in its last dimension, got shape {tuple(positions.shape)}")
-    cos, sin = rope_cos_sin(positions, d_head, base, x.dtype)
+    cos, sin = rope_cos_sin(positions, x.shape[-1], base, x.dtype)  # raises for an odd Dh
     return rotate_half_layout(x, cos, sin)
 
 

@@ -175,17 +175,27 @@ def serve_ratios(rows: list) -> list:
     return ratios
 
 
+def _how_timed(r: dict, run: str) -> str:
+    """How a serving table's times were taken: the threads, and of how many runs (``run``: what one is called)."""
+    return (f"{r['threads']} thread(s); tokens/s: median of {r['repeats']} {run}s after {r['warmup']} warm-up {run}(s); "
+            f"TTFT, TPOT: every request of every {run}")
+
+
+def _static_batching(r: dict) -> str:
+    """What the serving tables' static batching is (``course_lib.serving.static_batching``, reserving by the oracle)."""
+    return (f"static: batches of {r['max_batch_size']}, each formed when the one before has ended, a cache preallocated "
+            "in every row for the batch's longest prompt + longest output (read from the true output lengths: an oracle)")
+
+
 def format_serve(result: dict) -> str:
     """The table `course bench serve` prints."""
     r = result
     lines = [f"serving a seeded request trace (course_lib.serving.make_trace: prompts 4..48 tokens, output lengths "
-             f"log-normal, median 12), greedy, float32, {r['threads']} threads; tokens/s: median of {r['repeats']} runs "
-             f"after {r['warmup']} warm-up run(s); TTFT, TPOT: every request of every run",
+             f"log-normal, median 12), greedy, float32, {_how_timed(r, 'run')}",
              f"ours continuous: Engine, blocks of {r['block_size']} tokens, a pool that holds every request at once (no "
              f"preemption), {r['token_budget']} tokens per step; capped: the same, at most {r['max_batch_size']} requests "
-             f"at once (max_num_seqs); static: batches of {r['max_batch_size']}, cache preallocated for the longest prompt "
-             f"+ longest output (read from the true output lengths: an oracle); static, context: the model's context "
-             f"in every row; HF: the same pool, page size and token budget",
+             f"at once (max_num_seqs); {_static_batching(r)}; static, context: the model's context in every row; HF: the "
+             "same pool, page size and token budget",
              f"{'model':10s} {'arrivals':8s}  {'system':24s} {'req':>3s} {'tokens':>6s} {'tokens/s':>8s} "
              f"{'TTFT ms med':>11s} {'p95':>6s} {'TPOT ms med':>11s} {'p95':>6s} {'KV alloc/used':>13s} {'same':>4s}"]
     for row in r["rows"]:
@@ -403,12 +413,10 @@ def format_serve_wall(result: dict) -> str:
     """The wall-clock sweep's table, as `course bench serve` prints it."""
     r = result
     lines = [f"wall-clock sweep: char-gpt, the same {r['n_requests']} requests arriving as a Poisson process at each rate "
-             f"(requests per second), replayed in real time; {r['threads']} thread(s); tokens/s: median of {r['repeats']} "
-             f"rounds after {r['warmup']} warm-up; TTFT (from arrival), TPOT: every request of every round",
-             f"static: batches of {r['max_batch_size']} formed when the previous one ends (rows sized by the true output "
-             f"lengths: an oracle); ours: Engine.add_request/step, blocks of {r['block_size']}, {r['token_budget']} tokens "
-             f"per step; HF: its continuous batching manager (generate_batch's), add_request at each arrival, the same pool "
-             f"and budget (attention {r['attn_implementation']}, torch threads in its generation thread {r['hf_threads']})",
+             "(requests per second), replayed in real time (TTFT from arrival); " + _how_timed(r, "round"),
+             f"{_static_batching(r)}; ours: Engine.add_request/step, blocks of {r['block_size']}, {r['token_budget']} "
+             "tokens per step; HF: its continuous batching manager (generate_batch's), add_request at each arrival, the "
+             f"same pool and budget (attention {r['attn_implementation']}, torch threads in its generation thread {r['hf_threads']})",
              f"{'req/s':>5s} {'system':24s} {'tokens':>6s} {'tokens/s':>8s} {'TTFT ms p50':>11s} {'p95':>6s} "
              f"{'TPOT ms p50':>11s} {'p95':>6s} {'differ from alone':>17s}"]
     for row in r["rows"]:

@@ -69,13 +69,14 @@ def randomize_parameters(module: nn.Module, seed: int, scale: float = 0.3) -> nn
     return module
 
 
-def torch_multihead_attention(module: nn.Module) -> nn.MultiheadAttention:
-    """A torch.nn.MultiheadAttention (batch_first) holding the weights of a module with W_q, W_k, W_v, W_o and n_heads.
+def torch_multihead_attention(module: nn.Module, dropout: float = 0.0) -> nn.MultiheadAttention:
+    """A torch.nn.MultiheadAttention (batch_first, in eval mode, with this dropout on its attention weights once put
+    in training mode) holding the weights of a module with W_q, W_k, W_v, W_o and n_heads.
 
     Beware its mask convention: a boolean attn_mask / key_padding_mask is True where attention is NOT allowed.
     """
     d_model, bias = module.W_q.in_features, module.W_q.bias is not None
-    oracle = nn.MultiheadAttention(d_model, module.n_heads, bias=bias, batch_first=True)
+    oracle = nn.MultiheadAttention(d_model, module.n_heads, dropout=dropout, bias=bias, batch_first=True)
     with torch.no_grad():
         oracle.in_proj_weight.copy_(torch.cat([module.W_q.weight, module.W_k.weight, module.W_v.weight]))
         oracle.out_proj.weight.copy_(module.W_o.weight)

@@ -56,6 +56,13 @@ def test_the_two_rope_layouts_are_one_rotation_after_a_permutation():
     assert not torch.allclose(apply_rope_half(x), apply_rope(x), atol=1e-3)  # the layouts differ on the same features
 
 
+def test_apply_rope_half_rejects_an_odd_head_size_and_positions_of_another_length():
+    with pytest.raises(ValueError, match=r"d_head must be a positive even number .* got 7"):
+        apply_rope_half(torch.zeros(2, 3, 7))
+    with pytest.raises(ValueError, match=r"positions must have T=3 entries .* got shape \(4,\)"):
+        apply_rope_half(torch.zeros(2, 3, 8), torch.arange(4))
+
+
 def test_rope_to_half_is_hugging_faces_permute_and_rope_to_interleaved_undoes_it():
     H, Dh, C = 3, 8, 10
     w = torch.randn(H * Dh, C)

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from course_lib.attention import MultiHeadAttention, merge_heads, split_heads
+from course_lib.checks import torch_multihead_attention
 from tests.helpers import assert_parity
 
 
@@ -18,19 +18,6 @@ def randomized(d_model, n_heads, generator, bias=True, dropout=0.0):
         for parameter in module.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
     return module
-
-
-def torch_copy(module, dropout=0.0):
-    """nn.MultiheadAttention (batch_first) with the module's weights, written out here independently of course_lib.checks."""
-    bias = module.W_q.bias is not None
-    oracle = nn.MultiheadAttention(module.d_model, module.n_heads, dropout=dropout, bias=bias, batch_first=True)
-    with torch.no_grad():
-        oracle.in_proj_weight.copy_(torch.cat([module.W_q.weight, module.W_k.weight, module.W_v.weight]))
-        oracle.out_proj.weight.copy_(module.W_o.weight)
-        if bias:
-            oracle.in_proj_bias.copy_(torch.cat([module.W_q.bias, module.W_k.bias, module.W_v.bias]))
-            oracle.out_proj.bias.copy_(module.W_o.bias)
-    return oracle
 
 
 # --- split / merge ----------------------------------------------------------------------------
@@ -87,7 +74,7 @@ def test_self_attention_matches_nn_multihead_attention(d_model, n_heads, bias, g
     module = randomized(d_model, n_heads, generator, bias=bias)
     x = torch.randn(3, 7, d_model, generator=generator)
     out, weights = module(x, x, x)
-    expected_out, expected_weights = torch_copy(module)(x, x, x, average_attn_weights=False)
+    expected_out, expected_weights = torch_multihead_attention(module)(x, x, x, average_attn_weights=False)
     assert weights.shape == (3, n_heads, 7, 7)
     assert_parity(out, expected_out)
     assert_parity(weights, expected_weights)
@@ -100,7 +87,7 @@ def test_cross_attention_with_padding_mask_matches_nn_multihead_attention(genera
     keep = torch.arange(6) < torch.tensor([[6], [4]])  # (B, Tk): batch 1 has 2 padding keys
     out, weights = module(query, key, value, keep.view(2, 1, 1, 6))
     # nn.MultiheadAttention's key_padding_mask is True where a key is padding: the opposite of ours
-    expected_out, expected_weights = torch_copy(module)(query, key, value, key_padding_mask=~keep, average_attn_weights=False)
+    expected_out, expected_weights = torch_multihead_attention(module)(query, key, value, key_padding_mask=~keep, average_attn_weights=False)
     assert weights.shape == (2, 4, 3, 6) and out.shape == (2, 3, 16)
     assert_parity(out, expected_out)
     assert_parity(weights, expected_weights)
@@ -113,11 +100,11 @@ def test_causal_mask_matches_nn_multihead_attention_with_the_inverted_mask(mask_
     x = torch.randn(2, 5, 16, generator=generator)
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
     out, weights = module(x, x, x, causal.view(mask_shape))
-    expected_out, expected_weights = torch_copy(module)(x, x, x, attn_mask=~causal, average_attn_weights=False)
+    expected_out, expected_weights = torch_multihead_attention(module)(x, x, x, attn_mask=~causal, average_attn_weights=False)
     assert_parity(out, expected_out)
     assert_parity(weights, expected_weights)
     # passing our mask unchanged would be the classic trap: the result is far off
-    trapped, _ = torch_copy(module)(x, x, x, attn_mask=causal)
+    trapped, _ = torch_multihead_attention(module)(x, x, x, attn_mask=causal)
     assert (trapped.nan_to_num(0) - out).abs().max() > 1e-2
 
 
@@ -142,7 +129,7 @@ def test_scale_is_one_over_sqrt_d_head(generator):
 
 def test_gradients_match_nn_multihead_attention(generator):
     module = randomized(16, 4, generator)
-    oracle = torch_copy(module)
+    oracle = torch_multihead_attention(module)
     x = torch.randn(2, 5, 16, generator=generator)
     upstream = torch.randn(2, 5, 16, generator=generator)
     (module(x, x, x)[0] * upstream).sum().backward()
@@ -165,10 +152,10 @@ def test_fully_masked_batch_element_gives_the_output_bias_and_finite_gradients(g
 
 def test_dropout_acts_on_the_weights_in_training_only_and_matches_pytorch(generator):
     module = randomized(16, 4, generator, dropout=0.5)
-    oracle = torch_copy(module, dropout=0.5)
+    oracle = torch_multihead_attention(module, dropout=0.5)
     x = torch.randn(2, 5, 16, generator=generator)
     module.eval()
-    assert_parity(module(x, x, x)[0], torch_copy(module)(x, x, x)[0])
+    assert_parity(module(x, x, x)[0], torch_multihead_attention(module)(x, x, x)[0])
     module.train(), oracle.train()
     torch.manual_seed(3)
     out, weights = module(x, x, x)
