@@ -27,6 +27,28 @@ def test_paged_attention_online_equals_the_gathered_one():
     assert torch.allclose(tiled.paged_attention_online(*args), serving.paged_attention(*args), atol=1e-5)
 
 
+def test_split_k_and_paged_online_run_the_tiled_attention_and_merge_partials_they_are_given():
+    calls = {"tiled_attention": 0, "merge_partials": 0}
+
+    def counted(name, function):
+        def run(*args):
+            calls[name] += 1
+            return function(*args)
+        return run
+
+    mine = dict(tiled_attention=counted("tiled_attention", tiled.tiled_attention),
+                merge_partials=counted("merge_partials", tiled.merge_partials))
+    q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8)
+    out, _ = tiled.split_k_attention(q, k, v, 3, **mine)
+    assert calls == {"tiled_attention": 3, "merge_partials": 1}  # one call per chunk of 10 keys, one merge
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-6)
+    args = ch12.paged_example(7, [1, 4, 5, 33, 16], block_size=4, n_blocks=40, garbage=30.0)
+    calls.update(tiled_attention=0, merge_partials=0)
+    out = tiled.paged_attention_online(*args, **mine)
+    assert calls == {"tiled_attention": 9, "merge_partials": 9}  # one of each per column of the widest block table
+    assert torch.allclose(out, serving.paged_attention(*args), atol=1e-5)
+
+
 @pytest.mark.parametrize("Tq,Tk,bq,bk", [(512, 512, 64, 64), (100, 100, 16, 7), (10, 30, 4, 4), (30, 10, 8, 3)])
 def test_causal_tile_counts_by_brute_force(Tq, Tk, bq, bk):
     visible = torch.ones(Tq, Tk, dtype=torch.bool).tril()
