@@ -544,44 +544,77 @@ def _prefill_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torc
 ONE_THREAD_WORK = 2 ** 24
 
 
+@dataclass
+class _Probe:
+    """One probe of ``ThreadChoice``: the thread count it chose for passes of its rows, and what it cost."""
+
+    rows: int
+    threads: int
+    one_thread: float  # the median seconds of a probe call on one thread
+    seconds: float  # what the whole probe took, both counts' calls
+    credit: float = 0.0  # seconds the model's passes have taken since
+
+
 class ThreadChoice:
-    """Whether one thread or the caller's n runs a kind of pass faster, measured on a probe now and again.
+    """Whether one thread or the caller's n runs a model's passes faster, measured on a probe now and again.
 
     Which is faster depends on the pass's size and on the machine's load, which changes: on a machine shared with
-    other work every parallel operation waits for a descheduled thread (measured on a loaded 2-core machine: GPT-2
-    small's passes 5 to 10 times slower at 2 threads than at 1), while on a quiet one the second core may pay. A
-    pass on the slower count costs too much to try, so ``pick`` times a probe instead (``probe()``: a few of the
-    pass's operations, e.g. one block's MLP on its rows), ``calls`` times at each count in turn. n threads run this
-    kind of pass (the model's width and depth, its tokens rounded up to a power of two) only if their median probe
-    beats one thread's by ``margin`` (a pass's many small operations gain less from a second thread than the
-    probe's matrix products, and wait for it as often); the choice holds until the passes run since have taken
-    ``explore`` times what the probe took: then it probes again. So probing costs about 1 / explore of the time,
-    and a change of load is noticed within that."""
+    other work every parallel operation waits for a descheduled thread (measured on a 2-core machine with both
+    cores kept busy: GPT-2 small's passes 3 to 4 times slower at 2 threads than at 1), while on a quiet one the
+    second core pays (1.6 times faster). A pass on the slower count costs too much to try, so ``pick`` times a
+    probe instead (``probe()``: one block of the model on the pass's rows, its tokens rounded up to a power of
+    two), at each count in turn, up to ``calls`` times: n threads win a call if they beat one thread's by
+    ``margin``, and the count that wins most of the calls is chosen (it stops as soon as one has).
 
-    def __init__(self, explore: float = 20.0, calls: int = 5, margin: float = 1.5):
-        self.explore, self.calls, self.margin = explore, calls, margin
-        self.choice: dict = {}  # kind -> the thread count its passes run on
-        self.probe_seconds: dict = {}  # kind -> what its last probe took
-        self.credit: dict = {}  # kind -> seconds its passes took since its last probe
+    A pass of more rows gains more from a second thread than one of fewer, so a probe speaks for other sizes too:
+    one that chose one thread holds for passes of as many rows or fewer, one that chose n for as many or more;
+    a pass probes only when no fresh probe speaks for it. Two things make probes stale:
 
-    def pick(self, kind: tuple, n: int, probe) -> int:
-        """The thread count (1 or n) to run this kind of pass on, probed first if it is time."""
-        if kind not in self.choice or self.credit[kind] >= self.explore * self.probe_seconds[kind]:
-            start, seconds = time.perf_counter(), {1: [], n: []}
-            for _ in range(self.calls):
-                for threads, times in seconds.items():
-                    with _threads(threads):
-                        begin = time.perf_counter()
-                        probe()
-                        times.append(time.perf_counter() - begin)
-            faster = statistics.median(seconds[n]) * self.margin < statistics.median(seconds[1])
-            self.choice[kind] = n if faster else 1
-            self.probe_seconds[kind], self.credit[kind] = time.perf_counter() - start, 0.0
-        return self.choice[kind]
+    * time: once the model's passes have taken ``explore`` times what a probe took, it is stale (so probing costs
+      about 1 / explore of the time, and a machine that has become quiet is noticed);
+    * a stall: a pass on n threads that took more than ``stall`` times what one thread would have taken by the
+      probe (the probe's one-thread seconds times the pass's work in probes: ``record``'s `probes`) means that
+      load has come: every probe of the model that chose n is stale.
+    """
 
-    def record(self, kind: tuple, seconds: float) -> None:
-        """A pass of this kind took `seconds`."""
-        self.credit[kind] = self.credit.get(kind, 0.0) + seconds
+    def __init__(self, explore: float = 20.0, calls: int = 5, margin: float = 1.2, stall: float = 2.0):
+        self.explore, self.calls, self.margin, self.stall = explore, calls, margin, stall
+        self.probes: dict = {}  # model -> {rows: its latest _Probe}
+
+    def _fresh(self, model: tuple) -> list:
+        return [p for p in self.probes.get(model, {}).values() if p.credit < self.explore * p.seconds]
+
+    def pick(self, model: tuple, rows: int, n: int, probe) -> _Probe:
+        """The probe that decides a pass of `rows` rows of `model` (its ``threads``: 1 or n), probed now if need be."""
+        fresh = self._fresh(model)
+        speaks = ([p for p in fresh if p.rows == rows] + [p for p in fresh if p.threads == 1 and p.rows >= rows]
+                  + [p for p in fresh if p.threads > 1 and p.rows <= rows])
+        if speaks:
+            return speaks[0]
+        start, wins, one_thread = time.perf_counter(), 0, []
+        for calls in range(1, self.calls + 1):
+            seconds = {}
+            for threads in (1, n):
+                with _threads(threads):
+                    begin = time.perf_counter()
+                    probe()
+                    seconds[threads] = time.perf_counter() - begin
+            one_thread.append(seconds[1])
+            wins += seconds[n] * self.margin < seconds[1]
+            if 2 * wins > self.calls or 2 * (calls - wins) >= self.calls:
+                break
+        chosen = _Probe(rows, n if 2 * wins > self.calls else 1, statistics.median(one_thread), time.perf_counter() - start)
+        self.probes.setdefault(model, {})[rows] = chosen
+        return chosen
+
+    def record(self, model: tuple, seconds: float, decided_by: _Probe, probes: float) -> None:
+        """A pass of `model` took `seconds` on the thread count `decided_by` chose; its work is `probes` probe calls'."""
+        for p in self.probes.get(model, {}).values():
+            p.credit += seconds
+        if decided_by.threads > 1 and seconds > self.stall * probes * decided_by.one_thread:
+            for p in self.probes[model].values():
+                if p.threads > 1:
+                    p.credit = math.inf
 
 
 THREADS = ThreadChoice()  # the process's measurements (``paged_forward``'s)
@@ -622,13 +655,13 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, paged_attention=p
         with _threads(1):
             return _paged_forward(model, cache, chunks, paged_attention, slot_mapping)
     rows = 1 << (tokens - 1).bit_length()
-    kind = (model.config.n_embd, model.config.n_layer, rows)
-    probe = partial(model.transformer.h[0].mlp, torch.zeros(rows, model.config.n_embd))  # one block's MLP on its rows
-    threads = THREADS.pick(kind, n, probe)
+    shape = (model.config.n_embd, model.config.n_layer)
+    probe = partial(model.transformer.h[0], torch.zeros(1, rows, model.config.n_embd))  # one block on the pass's rows
+    decided_by = THREADS.pick(shape, rows, n, probe)
     start = time.perf_counter()
-    with _threads(threads):
+    with _threads(decided_by.threads):
         logits = _paged_forward(model, cache, chunks, paged_attention, slot_mapping)
-    THREADS.record(kind, time.perf_counter() - start)
+    THREADS.record(shape, time.perf_counter() - start, decided_by, probes=model.config.n_layer * tokens / decided_by.rows)
     return logits
 
 

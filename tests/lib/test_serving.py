@@ -191,7 +191,7 @@ def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restore
         assert set(seen) == {1} and torch.get_num_threads() == 2
         seen.clear()
         monkeypatch.setattr(serving, "ONE_THREAD_WORK", 0)
-        monkeypatch.setattr(serving.THREADS, "pick", lambda kind, n, probe: n)  # as if the caller's threads were faster
+        monkeypatch.setattr(serving.THREADS, "pick", lambda model, rows, n, probe: serving._Probe(rows, n, 1.0, 1.0))  # n faster
         two, _ = engine.run(requests, paged_attention=counting_threads)
         assert set(seen) == {2} and torch.get_num_threads() == 2
     finally:
@@ -211,17 +211,43 @@ def test_thread_choice_probes_both_counts_keeps_the_faster_and_probes_again_afte
 
     torch.set_num_threads(2)
     try:
-        choice, kind = ThreadChoice(explore=5.0, calls=2, margin=1.25), ("C", "L", 8)
-        assert choice.pick(kind, 2, probe) == 1 and probes == [1, 2, 1, 2]  # each count twice, in turn
-        probed = choice.probe_seconds[kind]
-        assert 0.022 <= probed < 0.5
-        choice.record(kind, 4.9 * probed)
-        assert choice.pick(kind, 2, probe) == 1 and len(probes) == 4  # not yet: passes took < 5 x the probe
+        choice, model = ThreadChoice(explore=5.0, calls=3, margin=1.25), ("C", "L")
+        first = choice.pick(model, 8, 2, probe)
+        assert first.threads == 1 and probes == [1, 2, 1, 2]  # each count in turn, until one has won most of 3 calls
+        assert 0.022 <= first.seconds < 0.5 and 0.001 <= first.one_thread < 0.1
+        choice.record(model, 4.9 * first.seconds, first, probes=1.0)
+        assert choice.pick(model, 8, 2, probe) is first and len(probes) == 4  # not yet: passes took < 5 x the probe
+        assert choice.pick(model, 4, 2, probe) is first and len(probes) == 4  # one thread for 8 rows: for 4 too
         delay[1] = 0.030  # the load moves: now two threads are faster
-        choice.record(kind, 0.2 * probed)
-        assert choice.pick(kind, 2, probe) == 2 and len(probes) == 8  # probed again, and noticed
+        choice.record(model, 0.2 * first.seconds, first, probes=1.0)
+        second = choice.pick(model, 8, 2, probe)
+        assert second.threads == 2 and len(probes) == 8  # probed again, and noticed
         assert torch.get_num_threads() == 2  # the caller's count, restored
-        assert choice.pick(("C", "L", 16), 2, probe) == 2 and len(probes) == 12  # another kind: probed afresh
+        assert choice.pick(model, 16, 2, probe) is second and len(probes) == 8  # two threads for 8 rows: for 16 too
+        assert choice.pick(model, 4, 2, probe).rows == 4 and len(probes) == 12  # fewer rows: a probe of their own
+        assert choice.pick(("C2", "L"), 8, 2, probe).rows == 8 and len(probes) == 16  # another model: probed afresh
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_thread_choice_probes_again_at_once_when_a_pass_on_n_threads_stalls():
+    from course_lib.serving import ThreadChoice
+    delay = {1: 0.020, 2: 0.002}  # two threads faster (a quiet machine)
+
+    def probe():
+        time.sleep(delay[torch.get_num_threads()])
+
+    torch.set_num_threads(2)
+    try:
+        choice, model = ThreadChoice(explore=1000.0, calls=3, margin=1.25, stall=2.0), ("C", "L")
+        quiet = choice.pick(model, 8, 2, probe)
+        assert quiet.threads == 2 and 0.020 <= quiet.one_thread < 0.2
+        choice.record(model, 1.9 * 12 * quiet.one_thread, quiet, probes=12)  # slower than expected, not a stall
+        assert choice.pick(model, 8, 2, probe) is quiet
+        delay[2] = 0.100  # load comes: a pass on two threads takes more than twice what one thread would
+        choice.record(model, 2.1 * 12 * quiet.one_thread, quiet, probes=12)
+        loaded = choice.pick(model, 8, 2, probe)
+        assert loaded is not quiet and loaded.threads == 1  # probed again at once (explore is far off)
     finally:
         torch.set_num_threads(1)
 
