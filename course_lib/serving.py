@@ -550,9 +550,9 @@ class _Probe:
 
     rows: int
     threads: int
-    one_thread: float  # the median seconds of a probe call on one thread
     seconds: float  # what the whole probe took, both counts' calls
     credit: float = 0.0  # seconds the model's passes have taken since
+    fastest: dict = field(default_factory=dict)  # rows -> the fewest seconds per token of a pass it decided, since
 
 
 class ThreadChoice:
@@ -564,34 +564,36 @@ class ThreadChoice:
     second core pays (1.6 times faster). A pass on the slower count costs too much to try, so ``pick`` times a
     probe instead (``probe()``: one block of the model on the pass's rows, its tokens rounded up to a power of
     two), at each count in turn, up to ``calls`` times: n threads win a call if they beat one thread's by
-    ``margin``, and the count that wins most of the calls is chosen (it stops as soon as one has).
+    ``margin``. n threads are chosen if they win more than half of the calls, one thread otherwise; the probe
+    stops as soon as that is decided.
 
     A pass of more rows gains more from a second thread than one of fewer, so a probe speaks for other sizes too:
-    one that chose one thread holds for passes of as many rows or fewer, one that chose n for as many or more;
-    a pass probes only when no fresh probe speaks for it. Two things make probes stale:
+    one that chose one thread holds for passes of as many rows or fewer, one that chose n for as many or more
+    (the nearest in rows speaks); a pass probes only when no fresh probe speaks for it. Two things make probes
+    stale:
 
     * time: once the model's passes have taken ``explore`` times what a probe took, it is stale (so probing costs
       about 1 / explore of the time, and a machine that has become quiet is noticed);
-    * a stall: a pass on n threads that took more than ``stall`` times what one thread would have taken by the
-      probe (the probe's one-thread seconds times the pass's work in probes: ``record``'s `probes`) means that
-      load has come: every probe of the model that chose n is stale.
+    * a stall: a pass on n threads that took more than ``stall`` times the seconds per token of the fastest pass
+      of its rows that the same probe decided means that load has come: every probe of the model that chose n
+      is stale. (The pass is compared with passes, not with the probe: a pass also reads its sequences' cached
+      keys and values and runs the LM head, which a block on its rows does not.)
+
+    Probes are kept per model and caller's thread count (``pick``'s `model`, `n`).
     """
 
     def __init__(self, explore: float = 20.0, calls: int = 5, margin: float = 1.2, stall: float = 2.0):
         self.explore, self.calls, self.margin, self.stall = explore, calls, margin, stall
-        self.probes: dict = {}  # model -> {rows: its latest _Probe}
-
-    def _fresh(self, model: tuple) -> list:
-        return [p for p in self.probes.get(model, {}).values() if p.credit < self.explore * p.seconds]
+        self.probes: dict = {}  # (model, n) -> {rows: its latest _Probe}
 
     def pick(self, model: tuple, rows: int, n: int, probe) -> _Probe:
         """The probe that decides a pass of `rows` rows of `model` (its ``threads``: 1 or n), probed now if need be."""
-        fresh = self._fresh(model)
-        speaks = ([p for p in fresh if p.rows == rows] + [p for p in fresh if p.threads == 1 and p.rows >= rows]
-                  + [p for p in fresh if p.threads > 1 and p.rows <= rows])
+        kept = self.probes.setdefault((model, n), {})
+        speaks = [p for p in kept.values() if p.credit < self.explore * p.seconds
+                  and (p.rows == rows or (p.rows > rows and p.threads == 1) or (p.rows < rows and p.threads > 1))]
         if speaks:
-            return speaks[0]
-        start, wins, one_thread = time.perf_counter(), 0, []
+            return min(speaks, key=lambda p: abs(math.log2(p.rows / rows)))
+        start, wins = time.perf_counter(), 0
         for calls in range(1, self.calls + 1):
             seconds = {}
             for threads in (1, n):
@@ -599,22 +601,25 @@ class ThreadChoice:
                     begin = time.perf_counter()
                     probe()
                     seconds[threads] = time.perf_counter() - begin
-            one_thread.append(seconds[1])
             wins += seconds[n] * self.margin < seconds[1]
             if 2 * wins > self.calls or 2 * (calls - wins) >= self.calls:
                 break
-        chosen = _Probe(rows, n if 2 * wins > self.calls else 1, statistics.median(one_thread), time.perf_counter() - start)
-        self.probes.setdefault(model, {})[rows] = chosen
-        return chosen
+        kept[rows] = _Probe(rows, n if 2 * wins > self.calls else 1, time.perf_counter() - start)
+        return kept[rows]
 
-    def record(self, model: tuple, seconds: float, decided_by: _Probe, probes: float) -> None:
-        """A pass of `model` took `seconds` on the thread count `decided_by` chose; its work is `probes` probe calls'."""
-        for p in self.probes.get(model, {}).values():
+    def record(self, model: tuple, n: int, decided_by: _Probe, rows: int, tokens: int, seconds: float) -> None:
+        """A pass of `model` (caller's count n) of `tokens` tokens (`rows`: rounded up to a power of two) took
+        `seconds` on the thread count `decided_by` chose."""
+        kept = self.probes.get((model, n), {})
+        for p in kept.values():
             p.credit += seconds
-        if decided_by.threads > 1 and seconds > self.stall * probes * decided_by.one_thread:
-            for p in self.probes[model].values():
-                if p.threads > 1:
-                    p.credit = math.inf
+        if decided_by.threads > 1:
+            per_token, fastest = seconds / tokens, decided_by.fastest.get(rows, math.inf)
+            if per_token > self.stall * fastest:
+                for p in kept.values():
+                    if p.threads > 1:
+                        p.credit = math.inf
+            decided_by.fastest[rows] = min(fastest, per_token)
 
 
 THREADS = ThreadChoice()  # the process's measurements (``paged_forward``'s)
@@ -661,7 +666,7 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, paged_attention=p
     start = time.perf_counter()
     with _threads(decided_by.threads):
         logits = _paged_forward(model, cache, chunks, paged_attention, slot_mapping)
-    THREADS.record(shape, time.perf_counter() - start, decided_by, probes=model.config.n_layer * tokens / decided_by.rows)
+    THREADS.record(shape, n, decided_by, rows, tokens, time.perf_counter() - start)
     return logits
 
 

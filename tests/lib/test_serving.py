@@ -191,7 +191,7 @@ def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restore
         assert set(seen) == {1} and torch.get_num_threads() == 2
         seen.clear()
         monkeypatch.setattr(serving, "ONE_THREAD_WORK", 0)
-        monkeypatch.setattr(serving.THREADS, "pick", lambda model, rows, n, probe: serving._Probe(rows, n, 1.0, 1.0))  # n faster
+        monkeypatch.setattr(serving.THREADS, "pick", lambda model, rows, n, probe: serving._Probe(rows, n, 1.0))  # n faster
         two, _ = engine.run(requests, paged_attention=counting_threads)
         assert set(seen) == {2} and torch.get_num_threads() == 2
     finally:
@@ -214,25 +214,34 @@ def test_thread_choice_probes_both_counts_keeps_the_faster_and_probes_again_afte
         choice, model = ThreadChoice(explore=5.0, calls=3, margin=1.25), ("C", "L")
         first = choice.pick(model, 8, 2, probe)
         assert first.threads == 1 and probes == [1, 2, 1, 2]  # each count in turn, until one has won most of 3 calls
-        assert 0.022 <= first.seconds < 0.5 and 0.001 <= first.one_thread < 0.1
-        choice.record(model, 4.9 * first.seconds, first, probes=1.0)
+        assert 0.022 <= first.seconds < 0.5
+        choice.record(model, 2, first, 8, 8, 4.9 * first.seconds)
         assert choice.pick(model, 8, 2, probe) is first and len(probes) == 4  # not yet: passes took < 5 x the probe
         assert choice.pick(model, 4, 2, probe) is first and len(probes) == 4  # one thread for 8 rows: for 4 too
+        sixteen = choice.pick(model, 16, 2, probe)  # ... but not for more rows: probed
+        assert sixteen.rows == 16 and sixteen.threads == 1 and len(probes) == 8
         delay[1] = 0.030  # the load moves: now two threads are faster
-        choice.record(model, 0.2 * first.seconds, first, probes=1.0)
+        choice.record(model, 2, first, 8, 8, 0.2 * first.seconds)  # the 8-row probe is stale, the 16-row one not
+        assert choice.pick(model, 8, 2, probe) is sixteen and len(probes) == 8  # one thread for 16 rows: for 8 too
+        choice.record(model, 2, sixteen, 16, 16, 5 * sixteen.seconds)
         second = choice.pick(model, 8, 2, probe)
-        assert second.threads == 2 and len(probes) == 8  # probed again, and noticed
+        assert second.threads == 2 and len(probes) == 12  # probed again, and noticed
         assert torch.get_num_threads() == 2  # the caller's count, restored
-        assert choice.pick(model, 16, 2, probe) is second and len(probes) == 8  # two threads for 8 rows: for 16 too
-        assert choice.pick(model, 4, 2, probe).rows == 4 and len(probes) == 12  # fewer rows: a probe of their own
-        assert choice.pick(("C2", "L"), 8, 2, probe).rows == 8 and len(probes) == 16  # another model: probed afresh
+        assert choice.pick(model, 16, 2, probe) is second and len(probes) == 12  # two threads for 8 rows: for 16 too
+        assert choice.pick(model, 4, 2, probe).rows == 4 and len(probes) == 16  # fewer rows: a probe of their own
+        assert choice.pick(("C2", "L"), 8, 2, probe).rows == 8 and len(probes) == 20  # another model: probed afresh
+        assert choice.pick(model, 8, 3, probe).rows == 8 and len(probes) == 24  # another thread count: probed afresh
     finally:
         torch.set_num_threads(1)
 
 
 def test_thread_choice_probes_again_at_once_when_a_pass_on_n_threads_stalls():
+    # A stall: a pass on n threads more than `stall` times slower per token than the fastest pass of its rows that
+    # the same probe decided. It makes the probes that chose n stale, not those that chose one thread; a slow pass
+    # on one thread says nothing.
     from course_lib.serving import ThreadChoice
-    delay = {1: 0.020, 2: 0.002}  # two threads faster (a quiet machine)
+    quiet_delays = {1: 0.020, 2: 0.002}  # two threads faster (a quiet machine)
+    delay = dict(quiet_delays)
 
     def probe():
         time.sleep(delay[torch.get_num_threads()])
@@ -241,11 +250,19 @@ def test_thread_choice_probes_again_at_once_when_a_pass_on_n_threads_stalls():
     try:
         choice, model = ThreadChoice(explore=1000.0, calls=3, margin=1.25, stall=2.0), ("C", "L")
         quiet = choice.pick(model, 8, 2, probe)
-        assert quiet.threads == 2 and 0.020 <= quiet.one_thread < 0.2
-        choice.record(model, 1.9 * 12 * quiet.one_thread, quiet, probes=12)  # slower than expected, not a stall
-        assert choice.pick(model, 8, 2, probe) is quiet
-        delay[2] = 0.100  # load comes: a pass on two threads takes more than twice what one thread would
-        choice.record(model, 2.1 * 12 * quiet.one_thread, quiet, probes=12)
+        delay.update({1: 0.002, 2: 0.020})
+        one = choice.pick(model, 4, 2, probe)  # a one-thread probe for fewer rows
+        delay.update(quiet_delays)
+        assert quiet.threads == 2 and one.threads == 1
+        choice.record(model, 2, quiet, 8, 8, 0.080)  # the fastest pass so far: 0.01 s per token
+        choice.record(model, 2, quiet, 8, 4, 0.076)  # 1.9 times slower per token: not a stall
+        choice.record(model, 2, quiet, 16, 16, 1.000)  # another size's first pass: nothing to compare with
+        choice.record(model, 2, one, 4, 4, 0.004)
+        choice.record(model, 2, one, 4, 4, 10.0)  # 2,500 times slower per token, on one thread: not a stall
+        assert choice.pick(model, 8, 2, probe) is quiet and choice.pick(model, 4, 2, probe) is one
+        delay[2] = 0.100  # load comes
+        choice.record(model, 2, quiet, 8, 8, 0.170)  # 2.1 times slower per token than the fastest: a stall
+        assert choice.pick(model, 4, 2, probe) is one  # the one-thread probe still holds
         loaded = choice.pick(model, 8, 2, probe)
         assert loaded is not quiet and loaded.threads == 1  # probed again at once (explore is far off)
     finally:
