@@ -42,6 +42,7 @@ __all__ = [
 #: ``--quick`` (a smoke run): new tokens of the cached and of the uncached decode rows, requests per serve trace, new
 #: tokens per request of the engine's decode-step target; one run, no warm-up
 QUICK_TOKENS, QUICK_UNCACHED_TOKENS, QUICK_REQUESTS, QUICK_SPEED_TOKENS = 32, 8, 8, 8
+QUICK_RATIO_SECONDS = 2.0  # --quick: each of the engine's own speed ratios timed for about this long
 #: Timed repeats by default
 REPEATS = {"train": 7, "decode": 5, "serve": 3}
 #: Torch threads by default (serve: 1, see its --threads help)
@@ -85,7 +86,8 @@ def _serve(args) -> None:
         wall = bench_serve_wall(threads=threads, repeats=repeats)
     print(format_serve_wall(wall))
     print()
-    quick = dict(new_tokens=QUICK_SPEED_TOKENS, n_requests=args.requests or QUICK_REQUESTS, warmup=0, repeats=repeats) \
+    quick = dict(new_tokens=QUICK_SPEED_TOKENS, n_requests=args.requests or QUICK_REQUESTS, warmup=0, repeats=repeats,
+                 ratio_seconds=QUICK_RATIO_SECONDS) \
         if args.quick else dict(n_requests=args.requests, repeats=repeats)
     print(format_serve_speed(bench_serve_speed(models=models, serve_result=result, threads=(threads, 2 * threads), **quick)))
 

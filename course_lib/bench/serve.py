@@ -43,6 +43,10 @@ BLOCK_SIZE, TOKEN_BUDGET, MAX_BATCH_SIZE = 8, 64, 8
 SWEEP_REQUESTS, SWEEP_SEED = 32, 3
 #: Timed repeats (rounds) by default
 REPEATS = 3
+#: The least seconds each of ``bench_serve_speed``'s own ratios is timed for: a row whose round is short runs more
+#: rounds (the course model's runs take about a quarter of a second, and on a quiet machine runs of the same work
+#: were measured 0.2 to 0.34 s apart: a ratio of three such rounds is noise)
+RATIO_SECONDS = 10.0
 #: Requests of a warm-up run (the first ones of the trace)
 WARMUP_REQUESTS = 4
 #: The rows of the products whose kernels are measured before the timed runs (``use_fastest_kernels``; others are
@@ -438,12 +442,22 @@ def _decode_step_seconds(trace, batch_size: int) -> float:
     return statistics.median(s for s, p, b in zip(trace.step_seconds, trace.prefill, trace.batch) if p == 0 and b == batch_size)
 
 
+def _rounds(contenders: dict, repeats: int, seconds: float) -> int:
+    """Rounds of ``timing.alternate`` for a ratio: `repeats`, or as many as fill `seconds` if more; one call of each
+    contender, timed (a warm-up too), tells a round's length."""
+    start = time.perf_counter()
+    for call in contenders.values():
+        call()
+    return max(repeats, math.ceil(seconds / (time.perf_counter() - start)))
+
+
 def bench_serve_speed(models=SERVE_MODELS, serve_result: dict | None = None, batch_size: int = 8, prompt_len: int = 32,
                       new_tokens: int = 32, block_size: int = BLOCK_SIZE, token_budget: int = TOKEN_BUDGET, mean_gap: float = 0.5,
                       n_requests: dict | int | None = None, threads: tuple = (1, 2), warmup: int = 1, repeats: int = REPEATS,
-                      seed: int = 0) -> dict:
+                      ratio_seconds: float = RATIO_SECONDS, seed: int = 0) -> dict:
     """The engine's speed against its targets (``SERVE_TARGETS``); every ratio is the median of per-round ratios, the
-    contenders alternating within each round (so that background load hits both alike).
+    contenders alternating within each round (so that background load hits both alike). The decode-step and thread
+    rows run `repeats` rounds, or more: as many as fill about `ratio_seconds` (``_rounds``).
 
     * decode step: batch_size requests of prompt_len random tokens, new_tokens each, all at step 0, served by
       ``Engine`` (token budget batch_size * prompt_len: one prefill step, then decode-only steps of batch_size
@@ -467,8 +481,8 @@ def bench_serve_speed(models=SERVE_MODELS, serve_result: dict | None = None, bat
                     for i in range(batch_size)]
             blocks = batch_size * math.ceil((prompt_len + new_tokens) / block_size)
             engine = Engine(model, num_blocks=blocks, block_size=block_size, token_budget=batch_size * prompt_len)
-            timed = timing.alternate({"engine": lambda: engine.run(same)[1],
-                                      "static": lambda: static_batching(model, same, batch_size)[1]}, repeats, warmup)
+            contenders = {"engine": lambda: engine.run(same)[1], "static": lambda: static_batching(model, same, batch_size)[1]}
+            timed = timing.alternate(contenders, _rounds(contenders, repeats, ratio_seconds), warmup)
             ratios = [_decode_step_seconds(e, batch_size) / _decode_step_seconds(s, batch_size)
                       for e, s in zip(timed["engine"].results, timed["static"].results)]
             rows.append({"model": name, "what": f"decode-only step, engine / static batching (batch {batch_size}, "
@@ -495,7 +509,10 @@ def bench_serve_speed(models=SERVE_MODELS, serve_result: dict | None = None, bat
                     use_fastest_kernels(model, rows=[1 << i for i in range(7)])
                 return tokens_per_s(n, trace[:WARMUP_REQUESTS])
 
-            timed = timing.alternate({n: (lambda n=n: tokens_per_s(n, trace)) for n in threads}, repeats, warmup,
+            for n in threads:
+                warm_up(n)
+            contenders = {n: (lambda n=n: tokens_per_s(n, trace)) for n in threads}
+            timed = timing.alternate(contenders, _rounds(contenders, repeats, ratio_seconds), warmup,
                                      warm={n: (lambda n=n: warm_up(n)) for n in threads})
             ratios = [more / fewer for more, fewer in zip(timed[threads[1]].results, timed[threads[0]].results)]
             rows.append({"model": name, "what": f"tokens/s of the engine on the trace, {threads[1]} threads / {threads[0]}",
@@ -505,11 +522,13 @@ def bench_serve_speed(models=SERVE_MODELS, serve_result: dict | None = None, bat
 
 def format_serve_speed(result: dict) -> str:
     """The engine's speed against its targets, as `course bench serve` prints it after its table."""
-    lines = [f"the engine's speed against its targets (median of {result['repeats']} rounds' ratios, the contenders "
-             f"alternating in each round, after {result['warmup']} warm-up run(s)):"]
+    lines = [f"the engine's speed against its targets (the median of per-round ratios, the contenders alternating in "
+             f"each round, after {result['warmup']} warm-up run(s); at least {result['repeats']} rounds, more where a round "
+             f"is short; the middle half of the rounds' ratios beside it):"]
     for row in result["rows"]:
         op, target = row["target"]
         met = row["ratio"] <= target if op == "<=" else row["ratio"] >= target
+        low, high = (quantile(row["runs"], q) for q in (0.25, 0.75))
         lines.append(f"  {row['model']:10s} {row['what']:92s} {row['ratio']:5.2f}x  (target {op} {target}x: "
-                     f"{'met' if met else 'NOT met'}; rounds {', '.join(f'{r:.2f}' for r in row['runs'])})")
+                     f"{'met' if met else 'NOT met'}; rounds {len(row['runs'])}, their middle half {low:.2f} to {high:.2f})")
     return "\n".join(lines)

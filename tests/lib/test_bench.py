@@ -125,13 +125,15 @@ def test_bench_main_serve_quick_prints_the_table(capsys, monkeypatch):
     monkeypatch.setattr(bench, "bench_serve_wall", lambda **kw: wall(**{**kw, "n_requests": 3}))
     speed = bench.bench_serve_speed
     monkeypatch.setattr(bench, "bench_serve_speed",
-                        lambda **kw: speed(**{**kw, "n_requests": 3, "batch_size": 2, "prompt_len": 4, "new_tokens": 4}))
+                        lambda **kw: speed(**{**kw, "n_requests": 3, "batch_size": 2, "prompt_len": 4, "new_tokens": 4,
+                                              "ratio_seconds": 0}))
     assert main(["serve", "--quick", "--shapes", "char-gpt"]) == 0
     out = capsys.readouterr().out
     assert "char-gpt" in out and "HF continuous + paged" in out and "ours static batching" in out and "gpt2-small" not in out
     assert "wall-clock sweep" in out and "differ from alone" in out
     for row in ("decode-only step, engine / static batching", "ours continuous / HF generate_batch", "2 threads / 1"):
         assert row in out and "(target " in out, row  # the engine's speed against its targets: printed, never asserted
+    assert "rounds 1, their middle half" in out  # --quick's one round (ratio_seconds 0 here: no more rounds)
 
 
 def test_bench_main_serve_refuses_a_decode_shape(capsys):
