@@ -553,6 +553,7 @@ class _Probe:
     seconds: float  # what the whole probe took, both counts' calls
     credit: float = 0.0  # seconds the model's passes have taken since
     fastest: dict = field(default_factory=dict)  # rows -> the fewest seconds per token of a pass it decided, since
+    slow: int = 0  # the passes in a row it decided that were slow (see ThreadChoice's stall)
 
 
 class ThreadChoice:
@@ -574,16 +575,21 @@ class ThreadChoice:
 
     * time: once the model's passes have taken ``explore`` times what a probe took, it is stale (so probing costs
       about 1 / explore of the time, and a machine that has become quiet is noticed);
-    * a stall: a pass on n threads that took more than ``stall`` times the seconds per token of the fastest pass
-      of its rows that the same probe decided means that load has come: every probe of the model that chose n
-      is stale. (The pass is compared with passes, not with the probe: a pass also reads its sequences' cached
-      keys and values and runs the LM head, which a block on its rows does not.)
+    * a stall: ``stall_passes`` passes in a row on n threads, each more than ``stall`` times slower per token than
+      the fastest pass of its rows that the same probe decided, mean that load has come: every probe of the model
+      that chose n is stale. (Passes are compared with passes, not with the probe: a pass also reads its
+      sequences' cached keys and values and runs the LM head, which a block on its rows does not; and with more
+      than one, as one pass of a different mix of prompt chunks and decodes, or one burst, can be that slow.)
+
+    The probes that speak for a pass always agree (a probe is made only where none speaks); the nearest in rows
+    decides it, and its passes are the ones compared.
 
     Probes are kept per model and caller's thread count (``pick``'s `model`, `n`).
     """
 
-    def __init__(self, explore: float = 20.0, calls: int = 5, margin: float = 1.2, stall: float = 2.0):
-        self.explore, self.calls, self.margin, self.stall = explore, calls, margin, stall
+    def __init__(self, explore: float = 20.0, calls: int = 5, margin: float = 1.2, stall: float = 2.0,
+                 stall_passes: int = 2):
+        self.explore, self.calls, self.margin, self.stall, self.stall_passes = explore, calls, margin, stall, stall_passes
         self.probes: dict = {}  # (model, n) -> {rows: its latest _Probe}
 
     def pick(self, model: tuple, rows: int, n: int, probe) -> _Probe:
@@ -615,7 +621,8 @@ class ThreadChoice:
             p.credit += seconds
         if decided_by.threads > 1:
             per_token, fastest = seconds / tokens, decided_by.fastest.get(rows, math.inf)
-            if per_token > self.stall * fastest:
+            decided_by.slow = decided_by.slow + 1 if per_token > self.stall * fastest else 0
+            if decided_by.slow >= self.stall_passes:
                 for p in kept.values():
                     if p.threads > 1:
                         p.credit = math.inf

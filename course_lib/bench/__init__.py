@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                              + ", ".join(f"{m} {n}" for m, n in SERVE_REQUESTS.items()) + ")")
     parser.add_argument("--quick", action="store_true",
                         help=f"decode: {QUICK_TOKENS} new tokens ({QUICK_UNCACHED_TOKENS} uncached), 1 run, no warm-up; "
-                             f"serve: {QUICK_REQUESTS} requests, 1 run, no warm-up (a smoke run)")
+                             f"serve: {QUICK_REQUESTS} requests, 1 run, no warm-up, the engine's speed ratios timed for "
+                             f"{QUICK_RATIO_SECONDS:g} s each (a smoke run)")
     parser.add_argument("--family", choices=["all", "gpt", "llama"], default="all",
                         help="decode: GPT-2-style rows (chapters 05 and 08), Llama-style rows (chapter 11), or both (default)")
     args = parser.parse_args(argv)

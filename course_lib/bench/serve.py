@@ -442,22 +442,13 @@ def _decode_step_seconds(trace, batch_size: int) -> float:
     return statistics.median(s for s, p, b in zip(trace.step_seconds, trace.prefill, trace.batch) if p == 0 and b == batch_size)
 
 
-def _rounds(contenders: dict, repeats: int, seconds: float) -> int:
-    """Rounds of ``timing.alternate`` for a ratio: `repeats`, or as many as fill `seconds` if more; one call of each
-    contender, timed (a warm-up too), tells a round's length."""
-    start = time.perf_counter()
-    for call in contenders.values():
-        call()
-    return max(repeats, math.ceil(seconds / (time.perf_counter() - start)))
-
-
 def bench_serve_speed(models=SERVE_MODELS, serve_result: dict | None = None, batch_size: int = 8, prompt_len: int = 32,
                       new_tokens: int = 32, block_size: int = BLOCK_SIZE, token_budget: int = TOKEN_BUDGET, mean_gap: float = 0.5,
                       n_requests: dict | int | None = None, threads: tuple = (1, 2), warmup: int = 1, repeats: int = REPEATS,
                       ratio_seconds: float = RATIO_SECONDS, seed: int = 0) -> dict:
     """The engine's speed against its targets (``SERVE_TARGETS``); every ratio is the median of per-round ratios, the
     contenders alternating within each round (so that background load hits both alike). The decode-step and thread
-    rows run `repeats` rounds, or more: as many as fill about `ratio_seconds` (``_rounds``).
+    rows run `repeats` rounds, or more, until their rounds have taken `ratio_seconds` (``timing.alternate``).
 
     * decode step: batch_size requests of prompt_len random tokens, new_tokens each, all at step 0, served by
       ``Engine`` (token budget batch_size * prompt_len: one prefill step, then decode-only steps of batch_size
@@ -481,8 +472,9 @@ def bench_serve_speed(models=SERVE_MODELS, serve_result: dict | None = None, bat
                     for i in range(batch_size)]
             blocks = batch_size * math.ceil((prompt_len + new_tokens) / block_size)
             engine = Engine(model, num_blocks=blocks, block_size=block_size, token_budget=batch_size * prompt_len)
-            contenders = {"engine": lambda: engine.run(same)[1], "static": lambda: static_batching(model, same, batch_size)[1]}
-            timed = timing.alternate(contenders, _rounds(contenders, repeats, ratio_seconds), warmup)
+            timed = timing.alternate({"engine": lambda: engine.run(same)[1],
+                                      "static": lambda: static_batching(model, same, batch_size)[1]}, repeats, warmup,
+                                     seconds=ratio_seconds)
             ratios = [_decode_step_seconds(e, batch_size) / _decode_step_seconds(s, batch_size)
                       for e, s in zip(timed["engine"].results, timed["static"].results)]
             rows.append({"model": name, "what": f"decode-only step, engine / static batching (batch {batch_size}, "
@@ -509,11 +501,8 @@ def bench_serve_speed(models=SERVE_MODELS, serve_result: dict | None = None, bat
                     use_fastest_kernels(model, rows=[1 << i for i in range(7)])
                 return tokens_per_s(n, trace[:WARMUP_REQUESTS])
 
-            for n in threads:
-                warm_up(n)
-            contenders = {n: (lambda n=n: tokens_per_s(n, trace)) for n in threads}
-            timed = timing.alternate(contenders, _rounds(contenders, repeats, ratio_seconds), warmup,
-                                     warm={n: (lambda n=n: warm_up(n)) for n in threads})
+            timed = timing.alternate({n: (lambda n=n: tokens_per_s(n, trace)) for n in threads}, repeats, warmup,
+                                     warm={n: (lambda n=n: warm_up(n)) for n in threads}, seconds=ratio_seconds)
             ratios = [more / fewer for more, fewer in zip(timed[threads[1]].results, timed[threads[0]].results)]
             rows.append({"model": name, "what": f"tokens/s of the engine on the trace, {threads[1]} threads / {threads[0]}",
                          "ratio": statistics.median(ratios), "runs": ratios, "target": (">=", SERVE_TARGETS["two_threads"])})
@@ -528,7 +517,8 @@ def format_serve_speed(result: dict) -> str:
     for row in result["rows"]:
         op, target = row["target"]
         met = row["ratio"] <= target if op == "<=" else row["ratio"] >= target
-        low, high = (quantile(row["runs"], q) for q in (0.25, 0.75))
+        runs = row["runs"]
+        low, high = statistics.quantiles(runs, n=4, method="inclusive")[::2] if len(runs) > 1 else runs * 2
         lines.append(f"  {row['model']:10s} {row['what']:92s} {row['ratio']:5.2f}x  (target {op} {target}x: "
                      f"{'met' if met else 'NOT met'}; rounds {len(row['runs'])}, their middle half {low:.2f} to {high:.2f})")
     return "\n".join(lines)

@@ -40,11 +40,12 @@ class Runs:
 def alternate(contenders: dict[Hashable, Callable[[], object]], repeats: int, warmup: int = 0,
               warm: dict[Hashable, Callable[[], object]] | None = None,
               order: Callable[[int], Iterable[Hashable]] | None = None,
-              after_round: Callable[[], object] | None = None) -> dict[Hashable, Runs]:
+              after_round: Callable[[], object] | None = None, seconds: float = 0.0) -> dict[Hashable, Runs]:
     """Time `contenders` alternately, after a warm-up, so that background load hits them all alike.
 
     Warm-up (allocator, first-call overheads): each callable of `warm` (default: the contenders themselves; a shorter
-    run, say) is called `warmup` times, untimed, in turn. Then `repeats` rounds: each calls every contender once,
+    run, say) is called `warmup` times, untimed, in turn. Then `repeats` rounds, or more, until the rounds have taken
+    `seconds` (short contenders get more rounds; a ratio of a few short rounds is noise): each calls every contender once,
     timed, in the order ``order(round)`` (default: as given), then ``after_round()`` (a measurement that must see the
     same machine as the round, say). Returns {contender: Runs}; ``Runs.median`` is its median seconds per call.
     """
@@ -55,7 +56,8 @@ def alternate(contenders: dict[Hashable, Callable[[], object]], repeats: int, wa
         for _ in range(warmup):
             call()
     runs = {name: Runs([], []) for name in contenders}
-    for k in range(repeats):
+    first, k = time.perf_counter(), 0
+    while k < repeats or time.perf_counter() - first < seconds:
         for name in (contenders if order is None else order(k)):
             start = time.perf_counter()
             result = contenders[name]()
@@ -63,6 +65,7 @@ def alternate(contenders: dict[Hashable, Callable[[], object]], repeats: int, wa
             runs[name].results.append(result)
         if after_round is not None:
             after_round()
+        k += 1
     return runs
 
 

@@ -291,6 +291,17 @@ def test_alternate_warms_up_then_runs_every_contender_once_per_round_in_the_orde
     assert calls == ["a", "b", "c", "a", "b", "c"]
 
 
+def test_alternate_runs_more_rounds_than_repeats_until_its_rounds_have_taken_the_seconds_asked():
+    import time
+
+    from course_lib.bench import alternate
+
+    runs = alternate({"a": lambda: time.sleep(0.01), "b": lambda: time.sleep(0.01)}, repeats=1, seconds=0.3)
+    rounds = len(runs["a"].seconds)
+    assert rounds == len(runs["b"].seconds) and 2 <= rounds <= 16, rounds  # a round takes at least 20 ms: at most 15 + 1
+    assert len(alternate({"a": lambda: None}, repeats=3, seconds=0.0)["a"].seconds) == 3
+
+
 def test_the_hugging_face_adapters_name_the_transformers_version_the_project_pins():
     """hf_adapters reaches into transformers' internals: it must be read again when the pin moves."""
     import re

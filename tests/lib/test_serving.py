@@ -235,10 +235,30 @@ def test_thread_choice_probes_both_counts_keeps_the_faster_and_probes_again_afte
         torch.set_num_threads(1)
 
 
+def test_thread_choice_the_nearest_of_the_probes_that_speak_for_a_pass_decides_it():
+    from course_lib.serving import ThreadChoice
+    delay = {1: 0.001, 2: 0.010}  # one thread faster
+
+    def probe():
+        time.sleep(delay[torch.get_num_threads()])
+
+    torch.set_num_threads(2)
+    try:
+        choice, model = ThreadChoice(explore=5.0, calls=3, margin=1.25), ("C", "L")
+        old = choice.pick(model, 16, 2, probe)
+        choice.record(model, 2, old, 16, 16, 100 * old.seconds)  # stale
+        eight = choice.pick(model, 8, 2, probe)
+        sixteen = choice.pick(model, 16, 2, probe)  # probed again: kept before the 8-row probe
+        assert eight.threads == sixteen.threads == 1 and sixteen is not old
+        assert choice.pick(model, 4, 2, probe) is eight  # both speak for 4 rows; the nearest decides
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_thread_choice_probes_again_at_once_when_a_pass_on_n_threads_stalls():
-    # A stall: a pass on n threads more than `stall` times slower per token than the fastest pass of its rows that
-    # the same probe decided. It makes the probes that chose n stale, not those that chose one thread; a slow pass
-    # on one thread says nothing.
+    # A stall: two passes in a row on n threads, each more than `stall` times slower per token than the fastest
+    # pass of its rows that the same probe decided. It makes the probes that chose n stale, not those that chose one
+    # thread; slow passes on one thread say nothing.
     from course_lib.serving import ThreadChoice
     quiet_delays = {1: 0.020, 2: 0.002}  # two threads faster (a quiet machine)
     delay = dict(quiet_delays)
@@ -258,10 +278,16 @@ def test_thread_choice_probes_again_at_once_when_a_pass_on_n_threads_stalls():
         choice.record(model, 2, quiet, 8, 4, 0.076)  # 1.9 times slower per token: not a stall
         choice.record(model, 2, quiet, 16, 16, 1.000)  # another size's first pass: nothing to compare with
         choice.record(model, 2, one, 4, 4, 0.004)
-        choice.record(model, 2, one, 4, 4, 10.0)  # 2,500 times slower per token, on one thread: not a stall
+        for _ in range(3):
+            choice.record(model, 2, one, 4, 4, 3.0)  # 750 times slower per token, on one thread: not a stall
         assert choice.pick(model, 8, 2, probe) is quiet and choice.pick(model, 4, 2, probe) is one
         delay[2] = 0.100  # load comes
-        choice.record(model, 2, quiet, 8, 8, 0.170)  # 2.1 times slower per token than the fastest: a stall
+        choice.record(model, 2, quiet, 8, 8, 0.170)  # 2.1 times slower per token than the fastest: one slow pass
+        assert choice.pick(model, 8, 2, probe) is quiet  # one slow pass could be a burst, or another mix of chunks
+        choice.record(model, 2, quiet, 8, 8, 0.060)  # a fast one between: the count starts again
+        choice.record(model, 2, quiet, 8, 8, 0.170)
+        assert choice.pick(model, 8, 2, probe) is quiet
+        choice.record(model, 2, quiet, 8, 8, 0.170)  # two slow passes in a row: a stall
         assert choice.pick(model, 4, 2, probe) is one  # the one-thread probe still holds
         loaded = choice.pick(model, 8, 2, probe)
         assert loaded is not quiet and loaded.threads == 1  # probed again at once (explore is far off)
