@@ -520,5 +520,5 @@ def format_serve_speed(result: dict) -> str:
         runs = row["runs"]
         low, high = statistics.quantiles(runs, n=4, method="inclusive")[::2] if len(runs) > 1 else runs * 2
         lines.append(f"  {row['model']:10s} {row['what']:92s} {row['ratio']:5.2f}x  (target {op} {target}x: "
-                     f"{'met' if met else 'NOT met'}; rounds {len(row['runs'])}, their middle half {low:.2f} to {high:.2f})")
+                     f"{'met' if met else 'NOT met'}; rounds {len(runs)}, their middle half {low:.2f} to {high:.2f})")
     return "\n".join(lines)
