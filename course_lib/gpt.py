@@ -301,12 +301,20 @@ def attention_maps(model: GPT, idx) -> torch.Tensor:
     return torch.stack(maps)
 
 
+def check_maps(maps: torch.Tensor) -> None:
+    """ValueError naming maps unless it is every layer's and head's attention weights, (L, B, H, T, T)."""
+    if maps.dim() != 5 or maps.shape[-1] != maps.shape[-2]:
+        raise ValueError(f"maps must be (L, B, H, T, T), got shape {tuple(maps.shape)}")
+
+
 def previous_token_score(maps: torch.Tensor) -> torch.Tensor:
     """How much each head attends to the token just before the query: (L, B, H, T, T) -> (L, H).
 
     The mean, over the batch and the query positions t >= 1, of the weight on key t - 1.
     A perfect previous-token head scores 1; a head that attends uniformly over the context scores much less.
+    ValueError naming maps unless it is (L, B, H, T, T).
     """
+    check_maps(maps)
     previous = maps.diagonal(offset=-1, dim1=-2, dim2=-1)  # (L, B, H, T - 1): weight of query t on key t - 1
     return previous.mean(dim=(1, 3))
 
