@@ -4,12 +4,10 @@ the order in which xdist's workers get the files, measured by the last full run 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import pytest
 from nbval.plugin import IPyNbFile
 
-from tests.schedule import OTHER_CPU, DurationRecorder, LongestFirstPlugin, read_durations, round_trip_files, unit_of
+from tests.schedule import OTHER_CPU, DurationRecorder, LongestFirstPlugin, SkipSlowerThan
 
 #: Another CPU's float rounding, on any machine: ATen's generic kernels instead of AVX2/AVX-512, MKL's vendor-neutral
 #: path, oneDNN without AVX. With --other-cpu (`make test`), nbval runs every notebook a second time, in a kernel
@@ -34,39 +32,8 @@ def pytest_configure(config):
         config.pluginmanager.register(LongestFirstPlugin(), "longest-first")
     if config.option.record_durations and not hasattr(config, "workerinput"):  # the controller sees every report
         config.pluginmanager.register(DurationRecorder(config.rootpath), "record-durations")
-
-
-def slower_units(config) -> dict[str, float]:
-    """The recorded units slower than --skip-slower-than, under the paths this run was given."""
-    given = [Path(arg.split("::", 1)[0]).resolve() for arg in config.args] or [config.rootpath]
-
-    def under_given(unit: str) -> bool:
-        path = (config.rootpath / unit.split("::", 1)[0]).resolve()
-        return any(folder == path or folder in path.parents for folder in given)
-
-    return {unit: seconds for unit, seconds in read_durations().items()
-            if seconds > config.option.skip_slower_than and under_given(unit)}
-
-
-def pytest_collection_modifyitems(config, items):
-    """With --skip-slower-than: deselect the tests of the units that the last recorded run found slower."""
-    if config.option.skip_slower_than is None:
-        return
-    slow, round_trips = slower_units(config), round_trip_files(item.nodeid for item in items)
-    left_out = [item for item in items if unit_of(item.nodeid, round_trips) in slow]
-    if left_out:
-        config.hook.pytest_deselected(items=left_out)
-        items[:] = [item for item in items if unit_of(item.nodeid, round_trips) not in slow]
-
-
-def pytest_terminal_summary(terminalreporter, config):
-    if config.option.skip_slower_than is None or hasattr(config, "workerinput"):
-        return
-    slow = slower_units(config)
-    terminalreporter.write_line(f"--skip-slower-than {config.option.skip_slower_than:g}: left out {len(slow)} units of work "
-                                f"that took {sum(slow.values()) / 60:.0f} min in the recorded run (`make test` runs them):")
-    for unit, seconds in sorted(slow.items(), key=lambda item: -item[1]):
-        terminalreporter.write_line(f"  {seconds:5.0f} s  {unit}")
+    if config.option.skip_slower_than is not None:
+        config.pluginmanager.register(SkipSlowerThan(config.option.skip_slower_than), "skip-slower-than")
 
 
 def pytest_collect_file(file_path, parent):

@@ -113,6 +113,40 @@ class DurationRecorder:
         self.path.write_text(json.dumps({unit: s for unit, s in sorted(kept.items()) if s >= 1}, indent=1) + "\n")
 
 
+class SkipSlowerThan:
+    """``--skip-slower-than SECONDS`` (`make quick`): the tests of the units that took longer in the recorded run are
+    deselected, and the summary lists those units with their seconds."""
+
+    def __init__(self, seconds: float, path: Path = DURATIONS):
+        self.limit, self.path = seconds, path
+
+    def slower_units(self, config) -> dict[str, float]:
+        """The recorded units slower than the limit, under the paths this run was given."""
+        given = [Path(arg.split("::", 1)[0]).resolve() for arg in config.args] or [config.rootpath]
+
+        def under_given(unit: str) -> bool:
+            path = (config.rootpath / unit.split("::", 1)[0]).resolve()
+            return any(folder == path or folder in path.parents for folder in given)
+
+        return {unit: s for unit, s in read_durations(self.path).items() if s > self.limit and under_given(unit)}
+
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        slow, round_trips = self.slower_units(config), round_trip_files(item.nodeid for item in items)
+        left_out = [item for item in items if unit_of(item.nodeid, round_trips) in slow]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if unit_of(item.nodeid, round_trips) not in slow]
+
+    def pytest_terminal_summary(self, terminalreporter, config) -> None:
+        if hasattr(config, "workerinput"):
+            return
+        slow = self.slower_units(config)
+        terminalreporter.write_line(f"--skip-slower-than {self.limit:g}: left out {len(slow)} units of work that took "
+                                    f"{sum(slow.values()) / 60:.0f} min in the recorded run (`make test` runs them):")
+        for unit, seconds in sorted(slow.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"  {seconds:5.0f} s  {unit}")
+
+
 class LongestFirstPlugin:
     """Registered by conftest.py when xdist is loaded."""
 

@@ -96,6 +96,20 @@ def test_a_run_records_what_each_unit_took_for_the_next_run_to_read(pytester):
     assert read_durations(record) == {"test_other.py": 4, "test_slow.py": 2}
 
 
+def test_skip_slower_than_leaves_out_the_units_the_record_found_slower_and_says_so(pytester):
+    pytester.makepyfile(test_slow="def test_a():\n    pass\ndef test_b():\n    pass\n",
+                        test_quick="def test_c():\n    pass\n", test_new="def test_d():\n    pass\n")
+    record = pytester.path / "durations.json"
+    record.write_text('{"test_slow.py": 40, "test_quick.py": 3, "test_elsewhere.py": 99}')
+    from tests.schedule import SkipSlowerThan
+
+    result = pytester.runpytest_inprocess("-p", "no:xdist", "test_slow.py", "test_quick.py", "test_new.py",
+                                          plugins=[SkipSlowerThan(10, record)])
+    result.assert_outcomes(passed=2, deselected=2)  # test_new.py is not recorded: it runs
+    result.stdout.fnmatch_lines(["*left out 1 units of work*", "*40 s  test_slow.py"])
+    assert "test_elsewhere" not in result.stdout.str()  # not among the paths this run was given
+
+
 def test_the_record_names_units_that_exist():
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     durations = read_durations()
