@@ -7,7 +7,8 @@ import subprocess
 from types import SimpleNamespace
 
 from tests.helpers import ROOT
-from tests.schedule import DURATIONS, OTHER_CPU, ROUND_TRIP_TEST, ROUND_TRIPS, SPLIT, LongestFirst, read_durations
+from tests.schedule import (DURATIONS, OTHER_CPU, ROUND_TRIP_TEST, ROUND_TRIPS, SPLIT, DurationRecorder, LongestFirst, SkipSlowerThan,
+                            read_durations)
 
 
 pytest_plugins = ["pytester"]
@@ -88,8 +89,6 @@ def test_a_run_records_what_each_unit_took_for_the_next_run_to_read(pytester):
     record = pytester.path / "durations.json"
     record.write_text('{"test_gone.py": 9, "test_other.py": 4}')
     (pytester.path / "test_other.py").write_text("")
-    from tests.schedule import DurationRecorder
-
     result = pytester.runpytest_inprocess("-p", "no:xdist", "test_slow.py", "test_quick.py",
                                           plugins=[DurationRecorder(pytester.path, record)])
     result.assert_outcomes(passed=3)
@@ -101,8 +100,6 @@ def test_skip_slower_than_leaves_out_the_units_the_record_found_slower_and_says_
                         test_quick="def test_c():\n    pass\n", test_new="def test_d():\n    pass\n")
     record = pytester.path / "durations.json"
     record.write_text('{"test_slow.py": 40, "test_quick.py": 3, "test_elsewhere.py": 99}')
-    from tests.schedule import SkipSlowerThan
-
     result = pytester.runpytest_inprocess("-p", "no:xdist", "test_slow.py", "test_quick.py", "test_new.py",
                                           plugins=[SkipSlowerThan(10, record)])
     result.assert_outcomes(passed=2, deselected=2)  # test_new.py is not recorded: it runs
