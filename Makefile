@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 JOBS ?= 2
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup system-packages hub lab test busy check release clean
+.PHONY: setup system-packages hub lab test quick busy check release clean
 
 setup: $(VENV)/.installed
 
@@ -41,11 +41,18 @@ $(PROXY): docs/hub/package.json docs/hub/package-lock.json
 
 # nbval runs every notebook twice in the same session: as is, and as on another CPU (--other-cpu: its kernel gets ATen's
 # generic kernels, MKL's vendor-neutral path, oneDNN without AVX; see conftest.py). No stored output may show a number
-# that the CPU's rounding decides. The workers get the longest files first (tests/schedule.py); the 25 slowest tests
-# are listed at the end.
+# that the CPU's rounding decides. The workers get the longest units of work first, as the last run measured them: each
+# run rewrites tests/durations.json (tests/schedule.py; commit it when it changed); the 25 slowest tests are listed at the end.
 # Waiting OpenMP threads sleep rather than spin while two test processes share the cores (see tests/conftest.py).
 test: setup system-packages hub ## the whole suite: library tests, nbval on solutions/ (as is and as on another CPU), round trips, browser
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --other-cpu --durations=25
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --other-cpu --durations=25 --record-durations
+
+# Daily work: the tests under tests/ whose unit of work (a file, mostly) took at most QUICK seconds in the recorded run
+# (tests/durations.json): library tests, checks, hidden tests, most grading and system tests; no nbval of solutions/,
+# no grading round trip, no hub. The summary lists what it left out; `make test` runs everything.
+QUICK ?= 10
+quick: setup                   ## the tests/ units that took at most QUICK=10 s in the last full run (a few minutes)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --skip-slower-than $(QUICK) tests
 
 # The timed chapters' stored notebooks on a busy machine: two processes keep both cores busy (ended however nbval ends)
 # while nbval re-executes them, as is and as on another CPU. Their measured claims must hold there too. OpenMP's

@@ -1,12 +1,13 @@
 """Session-wide pytest settings, whatever is run (tests/ or solutions/): nbval as on another CPU (--other-cpu), and
-the order in which xdist's workers get the files (tests/schedule.py). The tests' fixtures are in tests/conftest.py."""
+the order in which xdist's workers get the files, measured by the last full run (tests/schedule.py,
+--record-durations). The tests' fixtures are in tests/conftest.py."""
 from __future__ import annotations
 
 import os
 
 from nbval.plugin import IPyNbFile
 
-from tests.schedule import OTHER_CPU, LongestFirstPlugin
+from tests.schedule import OTHER_CPU, DurationRecorder, LongestFirstPlugin, SkipSlowerThan
 
 #: Another CPU's float rounding, on any machine: ATen's generic kernels instead of AVX2/AVX-512, MKL's vendor-neutral
 #: path, oneDNN without AVX. With --other-cpu (`make test`), nbval runs every notebook a second time, in a kernel
@@ -18,11 +19,21 @@ OTHER_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ON
 def pytest_addoption(parser):
     parser.addoption("--other-cpu", action="store_true",
                      help="with --nbval: run every notebook once more, its kernel as on another CPU (conftest.py OTHER_CPU_ENV)")
+    parser.addoption("--record-durations", action="store_true",
+                     help="write the seconds each unit of work took into tests/durations.json, the order of the next "
+                          "runs (tests/schedule.py; `make test` does)")
+    parser.addoption("--skip-slower-than", type=float, metavar="SECONDS",
+                     help="leave out the units of work (tests/schedule.py) that took longer than SECONDS in the run "
+                          "recorded in tests/durations.json (`make quick`); the summary lists them")
 
 
 def pytest_configure(config):
     if config.pluginmanager.hasplugin("xdist"):  # its scheduler hook is unknown to pytest without xdist
         config.pluginmanager.register(LongestFirstPlugin(), "longest-first")
+    if config.option.record_durations and not hasattr(config, "workerinput"):  # the controller sees every report
+        config.pluginmanager.register(DurationRecorder(config.rootpath), "record-durations")
+    if config.option.skip_slower_than is not None:
+        config.pluginmanager.register(SkipSlowerThan(config.option.skip_slower_than), "skip-slower-than")
 
 
 def pytest_collect_file(file_path, parent):

@@ -26,3 +26,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def round_trips(request, tmp_path_factory):
+    """Every chapter round trip of the session, graded in one run: chapter name -> its results (tests/roundtrip.py)."""
+    from tests.roundtrip import grade_round_trips
+
+    return grade_round_trips(tmp_path_factory, request.session)

@@ -16,6 +16,7 @@ import pytest
 
 from course_lib import grading
 from tests.helpers import ROOT, load_notebook, nbgrader_cells, strip_solution_markers
+from tests.schedule import ROUND_TRIP_TEST
 
 
 @dataclass(frozen=True)
@@ -85,18 +86,8 @@ def assert_loses_exactly(result: grading.NotebookResult, chapter: Chapter, must_
         assert bool(test.message) == (not test.passed), f"{test.grade_id}: a failure must say why, a pass must not"
 
 
-def grade_students(tmp_path_factory, chapter: Chapter, students: dict, cell_timeout: int = 60):
-    """Grade ``{student: (make_notebook, must_fail)}`` in one run, without feedback HTML (chapter 01's round trip and
-    the grading attacks check the feedback); return (results by (student, chapter), digests before and after, workdir)."""
-    submissions = write_submissions(tmp_path_factory.mktemp("submissions"), chapter, {s: make() for s, (make, _) in students.items()})
-    before = digest(submissions)
-    workdir = tmp_path_factory.mktemp("grading")
-    results = grading.grade(submissions, workdir, cell_timeout=cell_timeout, feedback=False)
-    return {(r.student, r.chapter): r for r in results}, before, digest(submissions), workdir
-
-
 def assert_reference_full_untouched_zero(graded, chapter: Chapter, total: float) -> None:
-    """On a ``grade_students`` result: the reference scores ``total`` (the chapter's points), the untouched
+    """On a chapter's ``grade_round_trips`` result: the reference scores ``total`` (the chapter's points), the untouched
     release scores 0, and grading left every submission byte for byte as it was; without feedback, nbgrader's
     gradebook is written and no feedback HTML."""
     results, before, after, workdir = graded
@@ -113,19 +104,54 @@ def messages(graded, chapter: Chapter, student: str) -> dict[str, str]:
     return {t.grade_id: t.message for t in graded[0][(student, chapter.name)].tests}
 
 
+#: every ``round_trip`` of this session (one per chapter test file, registered when the file is imported):
+#: its ``graded`` fixture -> (chapter, students, cell_timeout)
+ROUND_TRIPS: dict = {}
+
+
+def grade_round_trips(tmp_path_factory, session) -> dict[str, tuple]:
+    """Grade the students of every round trip that has a test in this session, in one grading run per cell time
+    limit; chapter name -> (results by (student, chapter), digests of the submissions before and after, workdir).
+
+    A student's name stands for one clean room across chapters, as a learner's whole course is graded: chapter 05's
+    ``planted_a`` and chapter 09's are one student with a bug in each chapter, each chapter's tests run with the
+    reference versions of that chapter's other exercises. The clean room's start (Python, torch, the set-up cells'
+    imports) is most of a small chapter's grading: paid once per student, not once per student and chapter."""
+    fixtures = {id(fixture): fixture for fixture in ROUND_TRIPS}
+    modules = {item.module for item in session.items if getattr(item, "module", None) is not None}
+    wanted = sorted((ROUND_TRIPS[fixtures[id(value)]] for module in modules for value in vars(module).values() if id(value) in fixtures),
+                    key=lambda trip: trip[0].name)
+    graded = {}
+    for cell_timeout in sorted({timeout for _, _, timeout in wanted}):
+        chapters = [(chapter, students) for chapter, students, timeout in wanted if timeout == cell_timeout]
+        submissions = tmp_path_factory.mktemp("submissions")
+        for chapter, students in chapters:
+            write_submissions(submissions, chapter, {s: make() for s, (make, _) in students.items()})
+        before = digest(submissions)
+        workdir = tmp_path_factory.mktemp("grading")
+        results = grading.grade(submissions, workdir, cell_timeout=cell_timeout, feedback=False)
+        by_key = {(r.student, r.chapter): r for r in results}
+        graded.update({chapter.name: (by_key, before, digest(submissions), workdir) for chapter, _ in chapters})
+    return graded
+
+
 def round_trip(chapter: Chapter, students: dict, total: float, cell_timeout: int = 60):
     """The standard round trip of a chapter, for a test module to bind at top level:
 
         graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions = \\
             round_trip(CH, STUDENTS, total=13)
 
-    ``graded`` grades ``{student: (make_notebook, must_fail)}`` in one nbgrader run (a module fixture);
+    ``graded`` grades ``{student: (make_notebook, must_fail)}`` with nbgrader (a module fixture: the session's
+    ``round_trips``, one grading run for every chapter's round trip, ``grade_round_trips``);
     the first test checks each student loses exactly the points of ``must_fail``, the second that the
     reference scores ``total``, the untouched release 0, and that no submission was modified.
+    xdist hands the round trips' files to one worker as one unit of work (tests/schedule.py).
     """
     @pytest.fixture(scope="module")
-    def graded(tmp_path_factory):
-        return grade_students(tmp_path_factory, chapter, students, cell_timeout)
+    def graded(round_trips):
+        return round_trips[chapter.name]
+
+    ROUND_TRIPS[graded] = (chapter, students, cell_timeout)
 
     @pytest.mark.slow
     @pytest.mark.parametrize("student", list(students))
@@ -136,4 +162,5 @@ def round_trip(chapter: Chapter, students: dict, total: float, cell_timeout: int
     def test_reference_untouched_and_submissions(graded):
         assert_reference_full_untouched_zero(graded, chapter, total)
 
+    assert test_reference_untouched_and_submissions.__name__ == ROUND_TRIP_TEST  # the scheduler's sign of a round trip
     return graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions

@@ -21,7 +21,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from .course import CELL_TIMEOUT, SOURCE_DIR, config_text, configure
+from .course import SOURCE_DIR, configure
 
 # nbgrader's apps share loggers and os.environ: one at a time in this process
 _LOCK = threading.Lock()
@@ -96,12 +96,16 @@ def _checked(result: dict, what: str) -> None:
 
 
 def _template_key(root: Path, chapter: str) -> str:
-    """What a chapter's template depends on: its source notebooks, nbgrader's version and the course's settings."""
+    """What a chapter's template depends on: its source notebooks, nbgrader's version and the course's settings
+    (every value ``configure`` sets, its stubs included)."""
     import hashlib
 
     import nbgrader
+    from traitlets.config import Config
 
-    digest = hashlib.sha256(f"{nbgrader.__version__}\n{config_text(CELL_TIMEOUT)}".encode())
+    settings = Config()
+    configure(settings)
+    digest = hashlib.sha256(f"{nbgrader.__version__}\n{json.dumps(settings, sort_keys=True, default=repr)}".encode())
     for path in sorted((root / SOURCE_DIR / chapter).rglob("*")):
         if path.is_file():
             digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())

@@ -238,7 +238,11 @@ def test_a_killed_grading_run_completes_identically_when_rerun(graded, tmp_path)
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "course_lib.cli", "grade", str(few), "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    time.sleep(8)  # inside the first student's grading
+    # killed inside the student's grading: as soon as nbgrader starts writing its books (their folder appears)
+    books, deadline = out / "runs" / CH.name / "zeros", time.monotonic() + 300
+    while not books.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert books.exists() and proc.poll() is None, "the grading run was not caught while it wrote its books"
     import os
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

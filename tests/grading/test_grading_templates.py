@@ -31,3 +31,20 @@ def test_a_template_is_built_once_per_source_and_rebuilt_when_the_source_changes
     assert built == ["00-orientation", "00-orientation"], "a changed source gets a template of its own"
     assert json.loads((rebuilt / "solutions" / "00-orientation" / "orientation.ipynb").read_text()) == changed
     assert len(list((tmp_path / "cache" / "attention-to-decoding" / "grading-templates").iterdir())) == 2
+
+
+def test_a_changed_course_setting_gets_a_new_template(tmp_path, monkeypatch):
+    """The template's gradebook is nbgrader's reading of the source under the course's settings (its stubs among
+    them): a template kept from other settings must not be reused."""
+    from course_lib.grading import course
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    built = []
+    build = books._build_template
+    monkeypatch.setattr(books, "_build_template", lambda *args: built.append(args[1]) or build(*args))
+    root = tmp_path / "course"
+    shutil.copytree(ROOT / "solutions" / "00-orientation", root / "solutions" / "00-orientation")
+    books.prepare_template(root, tmp_path / "run1", "00-orientation")
+    monkeypatch.setattr(course, "CODE_STUB", "# YOUR CODE HERE\nraise NotImplementedError('write it')")
+    books.prepare_template(root, tmp_path / "run2", "00-orientation")
+    assert built == ["00-orientation", "00-orientation"], "a template built under the old code stub was reused"
