@@ -63,11 +63,14 @@ def test_another_class_can_hold_the_shipped_weights():
     class LearnersGPT(GPT):  # a class of the learner's, GPT-2's names (here the course's modules, under another class)
         pass
 
-    model, course = assets.load("char-gpt-draft", LearnersGPT), assets.load("char-gpt-draft")
+    model, course = assets.load("char-gpt-draft", gpt=LearnersGPT), assets.load("char-gpt-draft")
+    assert assets.load("char-gpt-draft", LearnersGPT).config == course.config  # as the notebooks pass it
     assert type(model) is LearnersGPT and not model.training and model.config == course.config
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), course.state_dict().values()))
     with pytest.raises(RuntimeError, match="Missing key"):  # strict: a class without the checkpoint's names fails
-        assets.load("char-gpt-draft", lambda config: torch.nn.Linear(1, 1))
+        assets.load("char-gpt-draft", gpt=lambda config: torch.nn.Linear(1, 1))
+    with pytest.raises(ValueError, match="gpt holds GPT checkpoints only, this one holds a Llama"):
+        assets.load("char-llama", gpt=LearnersGPT)
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
