@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from course_lib import checks
-from course_lib.data import BOS, DIGIT_VOCAB_SIZE, EOS, PAD, Seq2SeqBatch, reversal_batch
+from course_lib.data import BOS, DIGIT_VOCAB_SIZE, EOS, PAD, reversal_batch
 from course_lib.transformer import (DecoderLayer, EncoderLayer, Transformer, exact_match, make_causal_mask,
                                     make_padding_mask, make_target_mask, shift_right, train_transformer, transformer_loss)
 from tests.helpers import assert_parity
@@ -285,7 +285,3 @@ def test_train_transformer_rejects_bad_arguments():
         train_transformer(small_model(), lambda g: reversal_batch(2, generator=g), steps=1, lr=0.0)
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
         train_transformer(small_model(), lambda g: reversal_batch(2, generator=g), steps=0)
-
-
-def test_batch_type_is_the_chapter_01_one():
-    assert isinstance(reversal_batch(2), Seq2SeqBatch)
