@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import masked_softmax
+from .gpt import qkv_heads
 
 __all__ = ["AttentionOnly", "AttentionOnlyBlock", "HeadAttention", "ablate_head", "build_induction_model",
            "copy_losses", "first_token_score", "induction_figures", "induction_score", "induction_training_batch",
@@ -102,10 +103,9 @@ class HeadAttention(nn.Module):
     def forward(self, x):
         """x (B, T, C) -> (B, T, C)."""
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = qkv_heads(self, x)  # (B, H, T, Dh)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        weights = masked_softmax(q @ k.transpose(-2, -1) / math.sqrt(C // self.n_head), causal)  # (B, H, T, T)
+        weights = masked_softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), causal)  # (B, H, T, T)
         y = (weights @ v).transpose(1, 2).reshape(B, T, C)
         return self.c_proj(y)
 

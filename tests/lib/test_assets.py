@@ -164,7 +164,7 @@ def greedy_tokens(model, batch: Seq2SeqBatch) -> torch.Tensor:
     """Greedy output tokens (B, T) of either model class."""
     if isinstance(model, GRUSeq2Seq):
         return model.greedy_decode(batch.src, batch.src_lengths, max_len=batch.tgt.shape[1])[0]
-    return model.greedy_decode(batch.src, max_len=batch.tgt.shape[1])
+    return model.generate(batch.src, max_len=batch.tgt.shape[1])
 
 
 @pytest.mark.parametrize("name", sorted(REVERSAL_MODELS))

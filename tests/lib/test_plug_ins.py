@@ -31,7 +31,6 @@ KNOWN: dict[str, str] = {
     "course_lib.bpe.BPETokenizer.__init__(encode)": "fixed on the chapter 09 helper's branch",
     "course_lib.bpe.BPETokenizer.__init__(decode)": "fixed on the chapter 09 helper's branch",
     "course_lib.seq2seq.evaluate_reversal(decode)": "fixed on the chapter 01 helper's branch",
-    "course_lib.gpt.extend(choose)": "fixed by the next commit on this branch (code): one decode loop",
 }
 
 

@@ -17,7 +17,8 @@ import torch
 from course_lib.gpt import GPT, GPTConfig, gpt_sample
 from course_lib.kv_cache import KVCache
 from course_lib.checks import AcceptSpy
-from course_lib.speculative import (SpeculativeOutput, draw_token, expected_tokens_per_round, plain_cached_generate,
+from course_lib.decoding import generate
+from course_lib.speculative import (SpeculativeOutput, draw_token, expected_tokens_per_round,
                                     probs_from_logits, speculative_accept, speculative_generate)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks
@@ -185,7 +186,7 @@ def test_greedy_speculative_on_the_shipped_pair(shipped):
     for text, K in (("The for statement is used to", 4), ("Exceptions", 3), ("If the ", 7)):
         prompt = torch.tensor([tok.encode(text)])
         out = speculative_generate(target, draft, prompt, 61, num_draft_tokens=K)
-        assert torch.equal(out.tokens, plain_cached_generate(target, prompt, 61))
+        assert torch.equal(out.tokens, generate(target, prompt, 61))
         assert torch.equal(out.tokens, gpt_sample(target, prompt, 61, greedy=True))
         assert 0 < out.accepted < out.proposed  # the draft is useful but not perfect
 
