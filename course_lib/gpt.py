@@ -335,16 +335,6 @@ def attention_maps(model: GPT, idx) -> torch.Tensor:
     return torch.stack(maps)
 
 
-def previous_token_score(maps: torch.Tensor) -> torch.Tensor:
-    """How much each head attends to the token just before the query: (L, B, H, T, T) -> (L, H).
-
-    The mean, over the batch and the query positions t >= 1, of the weight on key t - 1.
-    A perfect previous-token head scores 1; a head that attends uniformly over the context scores much less.
-    """
-    previous = maps.diagonal(offset=-1, dim1=-2, dim2=-1)  # (L, B, H, T - 1): weight of query t on key t - 1
-    return previous.mean(dim=(1, 3))
-
-
 @torch.no_grad()
 def estimate_loss(model: GPT, batches) -> float:
     """Mean loss of the model (in eval mode) over a list of (x, y) batches."""

@@ -2,7 +2,7 @@
 
 Scores of attention heads after Olsson et al. (2022), "In-context Learning and Induction Heads":
 
-* previous-token score (course_lib.gpt.previous_token_score): the mean weight of query t on key t - 1;
+* previous-token score (``previous_token_score``, chapter 04 reads it too): the mean weight of query t on key t - 1;
 * first-token ("sink") score: the mean weight of query t >= 1 on key 0;
 * induction score, on the repeated-random-tokens test (a random sequence of `period` tokens, repeated): the
   mean weight of each query t >= period (a token of a later copy) on key t - period + 1, the token that came
@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import masked_softmax
-from .gpt import qkv_heads
+from .gpt import attention_maps, qkv_heads
 
 __all__ = ["AttentionOnly", "AttentionOnlyBlock", "HeadAttention", "ablate_head", "build_induction_model",
            "copy_losses", "first_token_score", "induction_figures", "induction_score", "induction_training_batch",
-           "repeated_random_tokens", "train_induction"]
+           "previous_token_score", "repeated_random_tokens", "train_induction"]
 
 
 def repeated_random_tokens(vocab_size: int, period: int, batch: int, generator=None, copies: int = 2) -> torch.Tensor:
@@ -43,6 +43,16 @@ def repeated_random_tokens(vocab_size: int, period: int, batch: int, generator=N
     else:
         rows = torch.randint(vocab_size, (batch, period), generator=generator)
     return rows.repeat(1, copies)
+
+
+def previous_token_score(maps: torch.Tensor) -> torch.Tensor:
+    """How much each head attends to the token just before the query: (L, B, H, T, T) -> (L, H).
+
+    The mean, over the batch and the query positions t >= 1, of the weight on key t - 1.
+    A perfect previous-token head scores 1; a head that attends uniformly over the context scores much less.
+    """
+    previous = maps.diagonal(offset=-1, dim1=-2, dim2=-1)  # (L, B, H, T - 1): weight of query t on key t - 1
+    return previous.mean(dim=(1, 3))
 
 
 def first_token_score(maps: torch.Tensor) -> torch.Tensor:
@@ -254,7 +264,6 @@ def induction_figures(model: nn.Module, periods, batch: int, seed: int) -> dict:
     batch rows drawn with torch.Generator().manual_seed(seed)), by period: every head's induction score,
     previous-token score and first-token score ([layer][head], 4 decimals), the mean loss on the first and on the
     second copy, and under "ablated" ("layer.head": with that head zero-ablated) the induction scores and losses again."""
-    from .gpt import attention_maps, previous_token_score
 
     def scores(tokens, period):
         maps = attention_maps(model, tokens)

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.gpt import (GPT, IGNORE_INDEX, CausalSelfAttention, GPTConfig, attention_maps, count_parameters, estimate_loss,
-                            gpt_layers, gpt_logits, gpt_param_count, gpt_sample, greedy_choice, previous_token_score,
-                            qkv_heads, sample_choice)
+                            gpt_layers, gpt_logits, gpt_param_count, gpt_sample, greedy_choice, qkv_heads,
+                            sample_choice)
 from tests.helpers import assert_parity
 
 
@@ -235,19 +235,6 @@ def test_attention_maps_are_causal_distributions_equal_to_sdpa_weights(generator
                                                                          model.transformer.h[0].attn.c_attn.bias.double()).split(16, -1))
         scores = (q @ k.transpose(-2, -1) / 2).masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), -math.inf)
     assert_parity(maps[0], scores.softmax(-1))
-
-
-def test_previous_token_score_of_ideal_and_uniform_heads():
-    T = 6
-    ideal = torch.zeros(T, T)
-    ideal[0, 0] = 1
-    ideal[torch.arange(1, T), torch.arange(T - 1)] = 1
-    uniform = torch.ones(T, T).tril() / torch.arange(1, T + 1)[:, None]
-    maps = torch.stack([ideal, uniform]).view(1, 1, 2, T, T)  # one layer, one batch element, two heads
-    scores = previous_token_score(maps)
-    assert scores.shape == (1, 2)
-    assert scores[0, 0].item() == 1.0
-    assert abs(scores[0, 1].item() - sum(1 / t for t in range(2, T + 1)) / (T - 1)) < 1e-6
 
 
 def test_estimate_loss_is_the_mean_over_batches_and_restores_the_mode(generator):

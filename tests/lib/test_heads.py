@@ -129,3 +129,16 @@ def test_training_never_draws_a_held_out_period():
     with pytest.raises(ValueError, match="held-out"):
         heads.train_induction(heads.AttentionOnly(8, 16, 8), steps=1, batch_size=2, lr=1e-3, init_std=0.1, seed=0,
                               periods=[3, 4], held_out_periods=[4], eval_batch=2, eval_seed=0, progress=False)
+
+
+def test_previous_token_score_of_ideal_and_uniform_heads():
+    T = 6
+    ideal = torch.zeros(T, T)
+    ideal[0, 0] = 1
+    ideal[torch.arange(1, T), torch.arange(T - 1)] = 1
+    uniform = torch.ones(T, T).tril() / torch.arange(1, T + 1)[:, None]
+    maps = torch.stack([ideal, uniform]).view(1, 1, 2, T, T)  # one layer, one batch element, two heads
+    scores = heads.previous_token_score(maps)
+    assert scores.shape == (1, 2)
+    assert scores[0, 0].item() == 1.0
+    assert abs(scores[0, 1].item() - sum(1 / t for t in range(2, T + 1)) / (T - 1)) < 1e-6
