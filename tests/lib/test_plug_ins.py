@@ -35,17 +35,18 @@ KNOWN: dict[str, str] = {
 
 
 def _functions(module: types.ModuleType):
-    """The functions and methods a module defines (not those it imports): (qualified name, function)."""
-    def walk(owner, prefix):
+    """The functions and methods a module defines (not those it imports or aliases): (qualified name, function)."""
+    def walk(owner, qualified: str):
         for name, value in vars(owner).items():
             if isinstance(value, (staticmethod, classmethod)):
                 value = value.__func__
-            if inspect.isfunction(value) and value.__module__ == module.__name__:
-                yield f"{prefix}{name}", value
-            elif inspect.isclass(value) and value.__module__ == module.__name__ and owner is module or \
-                    inspect.isclass(value) and value.__qualname__.startswith(prefix + name) and owner is not module:
-                yield from walk(value, f"{prefix}{name}.")
-    yield from walk(module, f"{module.__name__}.")
+            if getattr(value, "__module__", None) != module.__name__ or getattr(value, "__qualname__", None) != qualified + name:
+                continue
+            if inspect.isfunction(value):
+                yield f"{module.__name__}.{qualified}{name}", value
+            elif inspect.isclass(value):
+                yield from walk(value, f"{qualified}{name}.")
+    yield from walk(module, "")
 
 
 def _fallbacks(function) -> dict[str, str]:
