@@ -1,10 +1,11 @@
 """What the heads learned (chapter 13): head scores, a hand-built induction circuit, ablation.
 
-Scores of attention heads after Olsson et al. (2022), "In-context Learning and Induction Heads":
+Scores of attention heads: two simple conventions and the test of Olsson et al. (2022), "In-context Learning and
+Induction Heads":
 
 * previous-token score (``previous_token_score``, chapter 04 reads it too): the mean weight of query t on key t - 1;
-* first-token ("sink") score: the mean weight of query t >= 1 on key 0;
-* induction score, on the repeated-random-tokens test (a random sequence of `period` tokens, repeated): the
+* first-token ("sink") score: the mean weight of query t >= 1 on key 0 (the "attention sink" of Xiao et al. 2023);
+* induction score, Olsson et al.'s, on the repeated-random-tokens test (a random sequence of `period` tokens, repeated): the
   mean weight of each query t >= period (a token of a later copy) on key t - period + 1, the token that came
   *after* the same token's earlier occurrence.
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from .attention import masked_softmax
 from .gpt import attention_maps, qkv_heads
+from .validation import check_positive
 
 __all__ = ["AttentionOnly", "AttentionOnlyBlock", "HeadAttention", "ablate_head", "build_induction_model",
            "copy_losses", "first_token_score", "induction_figures", "induction_score", "induction_training_batch",
@@ -45,12 +47,20 @@ def repeated_random_tokens(vocab_size: int, period: int, batch: int, generator=N
     return rows.repeat(1, copies)
 
 
+def check_maps(maps: torch.Tensor) -> None:
+    """ValueError naming maps unless it is every layer's and head's attention weights, (L, B, H, T, T)."""
+    if maps.dim() != 5 or maps.shape[-1] != maps.shape[-2]:
+        raise ValueError(f"maps must be (L, B, H, T, T), got shape {tuple(maps.shape)}")
+
+
 def previous_token_score(maps: torch.Tensor) -> torch.Tensor:
     """How much each head attends to the token just before the query: (L, B, H, T, T) -> (L, H).
 
     The mean, over the batch and the query positions t >= 1, of the weight on key t - 1.
     A perfect previous-token head scores 1; a head that attends uniformly over the context scores much less.
+    ValueError naming maps unless it is (L, B, H, T, T).
     """
+    check_maps(maps)
     previous = maps.diagonal(offset=-1, dim1=-2, dim2=-1)  # (L, B, H, T - 1): weight of query t on key t - 1
     return previous.mean(dim=(1, 3))
 
@@ -59,7 +69,9 @@ def first_token_score(maps: torch.Tensor) -> torch.Tensor:
     """How much each head attends to the first token (an "attention sink"): (L, B, H, T, T) -> (L, H).
 
     The mean, over the batch and the query positions t >= 1, of the weight on key 0 (query 0 has no choice).
+    ValueError naming maps unless it is (L, B, H, T, T).
     """
+    check_maps(maps)
     return maps[..., 1:, 0].mean(dim=(1, 3))
 
 
@@ -70,9 +82,11 @@ def induction_score(maps: torch.Tensor, period: int) -> torch.Tensor:
     sequences that repeat with the given period (token t == token t - period for t >= period). The score is
     the mean, over the batch and every query t >= period, of the weight on key t - period + 1: the token that
     followed the query's token when it occurred one period earlier. A perfect induction head scores 1.
-    ValueError unless 1 <= period < T.
+    ValueError naming maps unless it is (L, B, H, T, T), naming period unless 1 <= period < T.
     """
     ### BEGIN SOLUTION
+    if maps.dim() != 5 or maps.shape[-1] != maps.shape[-2]:
+        raise ValueError(f"maps must be (L, B, H, T, T), got shape {tuple(maps.shape)}")
     T = maps.shape[-1]
     if not 1 <= period < T:
         raise ValueError(f"period must be in [1, T) = [1, {T}), got {period}")
@@ -135,11 +149,14 @@ class AttentionOnly(nn.Module):
     """An attention-only transformer: token + position embeddings, n_layer attention blocks, an untied head.
 
     forward(idx (B, T)) -> (logits (B, T, V), None), the GPT's return convention. All weights start at zero:
-    whoever builds one sets them.
+    whoever builds one sets them. ValueError naming the size for any size below 1.
     """
 
     def __init__(self, vocab_size: int, max_len: int, d_model: int, n_layer: int = 2, n_head: int = 1):
         super().__init__()
+        for name, size in (("vocab_size", vocab_size), ("max_len", max_len), ("d_model", d_model), ("n_layer", n_layer),
+                           ("n_head", n_head)):
+            check_positive(name, size)
         self.vocab_size, self.max_len, self.d_model = vocab_size, max_len, d_model
         self.transformer = nn.ModuleDict({
             "wte": nn.Embedding(vocab_size, d_model),  # weight (V, C): row v is token v's vector
@@ -167,9 +184,12 @@ def build_induction_model(vocab_size: int, max_len: int) -> AttentionOnly:
     """A two-layer attention-only model, weights set by hand, that completes [A][B] ... [A] with [B].
 
     Returns an AttentionOnly(vocab_size, max_len, d_model, n_layer=2, n_head=1), d_model of your choice,
-    whose layer 2 head is an induction head (chapter 13, section 3). Graded by behaviour only: on repeated
-    random tokens (heads.repeated_random_tokens) of any vocabulary and length up to max_len, layer 2's
-    induction score above 0.9, loss on the second copy near 0, on the first copy no better than chance.
+    whose layer 2 head is an induction head (chapter 13, section 3). Graded by behaviour only, on repeated
+    random tokens (heads.repeated_random_tokens, two copies) at every period p with 2 <= p <= vocab_size (each
+    copy's tokens distinct) and 2p <= max_len: layer 1's previous-token score and layer 2's induction score above
+    0.9, the loss on the second copy below 0.1, on the first copy above ln(vocab_size) / 2 (random tokens cannot
+    be predicted before they repeat: a lower loss means the model sees the future). AttentionOnly refuses a
+    vocab_size or max_len below 1 with a ValueError.
     """
     ### BEGIN SOLUTION
     V, P = vocab_size, max_len
@@ -290,14 +310,18 @@ def induction_figures(model: nn.Module, periods, batch: int, seed: int) -> dict:
 
 
 def train_induction(model: nn.Module, steps: int, batch_size: int, lr: float, init_std: float, seed: int, periods,
-                    held_out_periods, eval_batch: int, eval_seed: int, progress: bool = True) -> dict:
+                    held_out_periods, eval_batch: int, eval_seed: int, progress: bool = True, score_every: int = 50) -> dict:
     """Train an AttentionOnly model on induction_training_batch rows (periods drawn from `periods`), then score it
     on held_out_periods, which training never drew.
 
     Weights: normal(0, init_std) from the global generator (the caller seeds it); Adam(lr), constant; every step
     a fresh batch from torch.Generator().manual_seed(seed); the loss: next-token cross-entropy at every position.
     Returns {"losses": per-step losses (4 decimals), "held_out": {"periods", "batch", "seed", "by_period":
-    induction_figures(model, held_out_periods, eval_batch, eval_seed)}}.
+    induction_figures(model, held_out_periods, eval_batch, eval_seed)}, "during_training": {"period", "batch", "seed",
+    "steps", "induction", "previous_token"}}: every score_every steps (and before the first), the largest induction score
+    of the last layer's heads and the largest previous-token score of the first layer's, on eval_batch rows of the
+    longest held-out period (repeated_random_tokens, torch.Generator().manual_seed(eval_seed)). Measuring reads the
+    model under no_grad and draws from its own generator: the training is the same with or without it.
     """
     if set(periods) & set(held_out_periods):
         raise ValueError(f"held-out periods {sorted(held_out_periods)} must not be trained on: {sorted(periods)}")
@@ -307,6 +331,18 @@ def train_induction(model: nn.Module, steps: int, batch_size: int, lr: float, in
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed)
     losses = []
+    probe_period = max(held_out_periods)
+    probe = repeated_random_tokens(model.vocab_size, probe_period, eval_batch, torch.Generator().manual_seed(eval_seed))
+    during = {"period": probe_period, "batch": eval_batch, "seed": eval_seed, "steps": [], "induction": [], "previous_token": []}
+
+    def record_scores(step):
+        with torch.no_grad():
+            maps = attention_maps(model, probe)
+        during["steps"].append(step)
+        during["induction"].append(round(induction_score(maps, probe_period)[-1].max().item(), 4))
+        during["previous_token"].append(round(previous_token_score(maps)[0].max().item(), 4))
+
+    record_scores(0)
     model.train()
     for step in range(steps):
         x = induction_training_batch(model.vocab_size, model.max_len, batch_size, periods, generator)
@@ -316,8 +352,11 @@ def train_induction(model: nn.Module, steps: int, batch_size: int, lr: float, in
         loss.backward()
         optimizer.step()
         losses.append(round(loss.item(), 4))
+        if (step + 1) % score_every == 0:
+            record_scores(step + 1)
         if progress and (step + 1) % max(1, steps // 10) == 0:
             print(f"step {step + 1}/{steps}: loss {loss.item():.4f}", flush=True)
     model.eval()
     return {"losses": losses, "held_out": {"periods": list(held_out_periods), "batch": eval_batch, "seed": eval_seed,
-                                           "by_period": induction_figures(model, held_out_periods, eval_batch, eval_seed)}}
+                                           "by_period": induction_figures(model, held_out_periods, eval_batch, eval_seed)},
+            "during_training": during}

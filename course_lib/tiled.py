@@ -31,7 +31,8 @@ def online_softmax(blocks) -> tuple[torch.Tensor, torch.Tensor]:
     concatenation along the last axis is the row x), each read once (a generator will do). Returns m, the
     max of each row, and l = sum_j exp(x_j - m), so that softmax(x) = exp(x - m) / l. Entries may be
     -inf (masked); a row that is -inf everywhere gives m = -inf and l = 0, never NaN. Values as large as
-    1e4 must not overflow. ValueError if there are no blocks.
+    1e4 must not overflow. ValueError if there are no blocks, or if a block's rows (its leading axes) are not
+    the first block's.
     """
     ### BEGIN SOLUTION
     m = l = None
@@ -39,6 +40,8 @@ def online_softmax(blocks) -> tuple[torch.Tensor, torch.Tensor]:
         if m is None:
             m = torch.full(x.shape[:-1], -math.inf, dtype=x.dtype, device=x.device)
             l = torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)
+        if x.shape[:-1] != m.shape:
+            raise ValueError(f"blocks must all hold the first block's rows {tuple(m.shape)}, got a block of shape {tuple(x.shape)}")
         m_new = torch.maximum(m, x.amax(-1))  # the max so far, this block included
         m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)  # a row with nothing but -inf so far: keep 0, not NaN
         l = l * torch.exp(m - m_safe) + torch.exp(x - m_safe[..., None]).sum(-1)  # old sum rescaled to the new max
@@ -57,9 +60,12 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     log-normaliser over set p. The sets are disjoint. Returns the output and lse over their union, equal
     (up to float rounding) to attention over all the keys at once. A partial with lse -inf (its set held no
     key the query may see) contributes nothing, whatever its out holds (zeros or NaN); if every partial is
-    -inf, out is 0 and lse is -inf. lses up to 1e4 must not overflow.
+    -inf, out is 0 and lse is -inf. lses up to 1e4 must not overflow. ValueError if lses's shape is not outs's
+    without its last axis.
     """
     ### BEGIN SOLUTION
+    if lses.shape != outs.shape[:-1]:
+        raise ValueError(f"lses must have the shape of outs without its last axis, {tuple(outs.shape[:-1])}, got {tuple(lses.shape)}")
     lse = torch.logsumexp(lses, dim=0)  # (...): log of the summed normalisers; -inf if every set was empty
     lse_safe = lse.masked_fill(lse == -math.inf, 0.0)
     weights = torch.exp(lses - lse_safe)  # (P, ...): each set's share of the total normaliser; 0 for an empty set
@@ -76,32 +82,46 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     attend; causal: query i sees keys 0 .. i only (as F.scaled_dot_product_attention's is_causal; with a mask,
     a key must pass both). Scores scaled by 1 / sqrt(D). out equals F.scaled_dot_product_attention(q, k, v,
     attn_mask=..., is_causal=...) up to float rounding; a query that may see no key gets out 0 and lse -inf
-    (no NaN). lse[..., i] = log sum_j exp(s_ij) over the keys query i sees. Same dtype as q.
+    (no NaN). lse[..., i] = log sum_j exp(s_ij) over the keys query i sees. Same dtype as q (all three share
+    it); for float16 and bfloat16 inputs the scores, running max, running sum and accumulator are float32 (as
+    in FlashAttention and SDPA), only out and lse are rounded to q's dtype.
 
     Memory: no tensor created may grow with Tq * Tk: besides the output (and tensors the size of q, k or v),
     nothing larger than a few tiles of (..., block_q, block_k) scores (or (..., block_q, block_k, D) if you
     multiply and sum). Tiles that causality masks entirely are never computed.
-    ValueError if block_q or block_k is below 1.
+    ValueError, naming the argument, if block_q or block_k is below 1, k's head size is not q's, v's rows are
+    not k's, k or v has another dtype than q, or mask is not boolean or does not broadcast to (..., Tq, Tk).
     """
     ### BEGIN SOLUTION
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block_q and block_k must be at least 1, got {block_q} and {block_k}")
+    if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"k must be (..., Tk, D) with q's D and v (..., Tk, Dv) with k's Tk: got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k and v must have q's dtype {q.dtype}, got {k.dtype} and {v.dtype}")
     *lead, Tq, D = q.shape
     Tk, Dv = k.shape[-2], v.shape[-1]
     if mask is not None:
-        mask = mask.expand(*lead, Tq, Tk)  # a view: slicing a tile of it copies only the tile
+        if mask.dtype != torch.bool:
+            raise ValueError(f"mask must be boolean (True = may attend), got {mask.dtype}")
+        try:
+            mask = mask.expand(*lead, Tq, Tk)  # a view: slicing a tile of it copies only the tile
+        except RuntimeError:
+            raise ValueError(f"mask must broadcast to {(*lead, Tq, Tk)}, got {tuple(mask.shape)}") from None
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype  # accumulate in float32 at least
     scale = 1.0 / math.sqrt(D)
     out = q.new_zeros(*lead, Tq, Dv)
     lse = q.new_full((*lead, Tq), -math.inf)
     for i in range(0, Tq, block_q):  # outer loop: one tile of queries at a time (FlashAttention-2's order)
-        q_tile = q[..., i:i + block_q, :] * scale
+        q_tile = q[..., i:i + block_q, :].to(work) * scale
         n_q = q_tile.shape[-2]
-        m = q.new_full((*lead, n_q), -math.inf)  # running max of each query's scores
-        l = q.new_zeros(*lead, n_q)  # running sum of exp(score - m)
-        acc = q.new_zeros(*lead, n_q, Dv)  # running sum of exp(score - m) * value
+        m = q_tile.new_full((*lead, n_q), -math.inf)  # running max of each query's scores
+        l = q_tile.new_zeros(*lead, n_q)  # running sum of exp(score - m)
+        acc = q_tile.new_zeros(*lead, n_q, Dv)  # running sum of exp(score - m) * value
         last = min(Tk, i + n_q) if causal else Tk  # causal: keys past the tile's last query are skipped
         for j in range(0, last, block_k):
-            s = q_tile @ k[..., j:j + block_k, :].transpose(-2, -1)  # (..., n_q, n_k): one tile of scores
+            s = q_tile @ k[..., j:j + block_k, :].to(work).transpose(-2, -1)  # (..., n_q, n_k): one tile of scores
             n_k = s.shape[-1]
             keep = None
             if causal and j + n_k - 1 > i:  # the tile crosses the diagonal
@@ -116,11 +136,11 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
             alpha = torch.exp(m - m_safe)  # rescales what was summed under the old max
             p = torch.exp(s - m_safe[..., None])
             l = l * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + p @ v[..., j:j + n_k, :]
+            acc = acc * alpha[..., None] + p @ v[..., j:j + n_k, :].to(work)
             m = m_new
         seen = l > 0
-        out[..., i:i + n_q, :] = acc / torch.where(seen, l, torch.ones_like(l))[..., None]
-        lse[..., i:i + n_q] = torch.where(seen, m + torch.log(l), torch.full_like(l, -math.inf))
+        out[..., i:i + n_q, :] = (acc / torch.where(seen, l, torch.ones_like(l))[..., None]).to(q.dtype)
+        lse[..., i:i + n_q] = torch.where(seen, m + torch.log(l), torch.full_like(l, -math.inf)).to(q.dtype)
     return out, lse
     ### END SOLUTION
 
@@ -172,7 +192,11 @@ def paged_attention_online(q: torch.Tensor, key_pool: torch.Tensor, value_pool: 
 
 def causal_tile_counts(Tq: int, Tk: int, block_q: int, block_k: int) -> tuple[int, int]:
     """(tiles computed, tiles in the grid) of causal attention: a tile is computed iff one of its keys is visible
-    to one of its queries (key j <= query i), counted tile by tile from that definition."""
+    to one of its queries (key j <= query i), counted tile by tile from that definition. ValueError if a size is
+    below 1."""
+    for name, size in (("Tq", Tq), ("Tk", Tk), ("block_q", block_q), ("block_k", block_k)):
+        if size < 1:
+            raise ValueError(f"{name} must be at least 1, got {size}")
     computed = total = 0
     for i in range(0, Tq, block_q):
         last_query = min(i + block_q, Tq) - 1
@@ -198,7 +222,10 @@ def hbm_accesses(N: int, d: int, M: int | None = None, algorithm: str = "standar
     once; for every (j, i), Q_i, O_i, l_i, m_i read and O_i, l_i, m_i written.
     "flash2" (FlashAttention-2's order, this chapter's loop, same tile sizes): each Q_i read once, every K_j,
     V_j read once per query tile, O_i and its lse written once.
+    ValueError if N or d is below 1, or (tiled) M is below d.
     """
+    if N < 1 or d < 1:
+        raise ValueError(f"N and d must be at least 1, got N={N}, d={d}")
     if algorithm == "standard":
         return 4 * N * N + 4 * N * d
     if M is None or not d <= M:

@@ -15,7 +15,8 @@ import numpy as np
 from .core import fail, passed
 
 __all__ = ["check_training_flops", "check_fit_power_law", "check_isoflop_analysis", "check_compute_optimal",
-           "synthetic_losses", "planted_noise_losses", "surface_runs", "surface_optimum", "shipped_isoflop_runs"]
+           "synthetic_losses", "planted_noise_losses", "surface_runs", "surface_optimum", "shipped_isoflop_runs",
+           "shipped_isoflop_windows", "parabola_runs", "three_point_vertex"]
 
 
 def synthetic_losses(n, E: float, A: float, alpha: float):
@@ -240,13 +241,48 @@ def surface_runs(budgets, E: float, A: float, alpha: float, B: float, beta: floa
 
 
 def shipped_isoflop_runs() -> dict:
-    """The shipped IsoFLOP runs (course_lib/assets/scaling-family.json): {C: (n (P,) non-embedding, val_loss (P,))}."""
+    """The shipped IsoFLOP runs (course_lib/assets/scaling-family.json): {C: (n (P,) non-embedding, val_loss (P,))},
+    each budget's runs smallest first."""
     from ..scaling import load_results  # the data file, not a reference solution
 
     results = load_results()
-    return {float(budget): tuple(np.array([r[key] for r in results["runs"] if r["group"] == f"isoflop-{budget:.0e}"],
-                                          dtype=np.float64) for key in ("non_embedding", "val_loss"))
-            for budget in results["recipe"]["isoflop_budgets"]}
+    runs = {}
+    for budget in results["recipe"]["isoflop_budgets"]:
+        group = sorted((r for r in results["runs"] if r["group"] == f"isoflop-{budget:.0e}"), key=lambda r: r["non_embedding"])
+        runs[float(budget)] = tuple(np.array([r[key] for r in group], dtype=np.float64) for key in ("non_embedding", "val_loss"))
+    return runs
+
+
+def shipped_isoflop_windows() -> dict:
+    """Section 4's windows of the shipped runs: for each budget whose lowest loss is not at its smallest or largest size,
+    that run and its two neighbours in size, {C: (n (3,), loss (3,))}; a budget whose lowest loss is at an end is left
+    out (its runs do not bracket a minimum)."""
+    windows = {}
+    for flops, (n, loss) in shipped_isoflop_runs().items():
+        i = int(loss.argmin())
+        if 0 < i < len(n) - 1:
+            windows[flops] = (n[i - 1:i + 2], loss[i - 1:i + 2])
+    return windows
+
+
+def three_point_vertex(n, loss) -> float:
+    """The N of the lowest point of the parabola in log n through three runs (n (3,), loss (3,)), by the closed form
+    for the vertex of the parabola through three points (no least squares: three points fix it)."""
+    (x0, x1, x2), (y0, y1, y2) = np.log(np.asarray(n, dtype=np.float64)), np.asarray(loss, dtype=np.float64)
+    numerator = (x1 - x0) ** 2 * (y1 - y2) - (x1 - x2) ** 2 * (y1 - y0)
+    denominator = (x1 - x0) * (y1 - y2) - (x1 - x2) * (y1 - y0)
+    return math.exp(x1 - 0.5 * numerator / denominator)
+
+
+def parabola_runs(vertices: dict, offsets, curvature: float = 0.3, floor: float = 2.0) -> dict:
+    """IsoFLOP runs that lie exactly on a parabola in log n: {C: N_opt} -> {C: (n (P,), loss (P,))}, the sizes
+    n = N_opt exp(offsets) with losses floor + curvature (log n - log N_opt)^2. Every least-squares parabola through
+    three or more of a budget's runs, the whole curve or the lowest run and its neighbours, has its vertex at N_opt."""
+    runs = {}
+    for flops, n_opt in vertices.items():
+        offsets = np.asarray(offsets, dtype=np.float64)
+        runs[flops] = (n_opt * np.exp(offsets), floor + curvature * offsets**2)
+    return runs
 
 
 def _vertex(x, loss) -> float:
@@ -277,8 +313,8 @@ def check_isoflop_analysis(isoflop_analysis) -> None:
             what = (f"budget {flops:g}: the surface's optimum is N = {exact:,.0f} (runs at {n.min():,.0f} to "
                     f"{n.max():,.0f}), you returned N_opt = {n_opt:,.6g}")
             if abs(n_opt - n[loss.argmin()]) <= 1e-9 * n_opt:
-                fail(f"{what}: that is the best run's size. N_opt is the minimum of the parabola fitted to all the runs "
-                     "of the budget, which falls between the sizes trained")
+                fail(f"{what}: that is the best run's size. N_opt is the vertex of the parabola fitted to the budget's "
+                     "runs against log n, in general not a size trained")
             if abs(n_opt / _vertex(n, loss) - 1) < 1e-6:
                 fail(f"{what}: that is the vertex of a parabola in n. Fit the parabola against log n (the sizes span "
                      "orders of magnitude, and an IsoFLOP curve is a parabola in log n), then undo the log")

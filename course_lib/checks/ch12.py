@@ -195,6 +195,15 @@ def check_schedule_step(schedule_step) -> None:
     if pairs != [("a", 1), ("p", 7)] or gone:
         fail(f"budget 8, 20 free blocks, a decodes and the running p has 22 tokens to prefill: expected [('a', 1), "
              f"('p', 7)] (w gets no token: the budget is spent), got {pairs}, preempted {gone}")
+    running = [fake_sequence("p", 30, 8, 2), fake_sequence("a", 9, 8, 2)]  # p, the older, in the middle of its prompt
+    pairs, gone = _call(schedule_step, running, [fake_sequence("w", 3, 0, 0)], 20, 8, "an older running prefill, budget 8")
+    if ("a", 1) in pairs and pairs[:1] != [("p", 8)]:
+        fail(f"got {pairs}: a's decode was scheduled before the chunk of p, the older request (first in running) in the "
+             "middle of its prompt. The running sequences go in their order, mid-prompt or decoding alike: p takes "
+             "min(22, 8) = 8 tokens, the whole budget, and a waits a step")
+    if pairs != [("p", 8)] or gone:
+        fail(f"budget 8, 20 free blocks, running p (the older, 22 tokens to prefill) then a (decoding): expected "
+             f"[('p', 8)] and nothing preempted, got {pairs}, preempted {gone}")
     resumed = fake_sequence("p", 20, 8, 2)  # waiting, 8 of its 20 tokens already cached (a shared prefix found)
     pairs, gone = _call(schedule_step, [], [resumed], 10, 16, "a waiting sequence with 8 tokens cached")
     if pairs != [("p", 12)] or gone:

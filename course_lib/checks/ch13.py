@@ -22,6 +22,7 @@ __all__ = [
     "check_induction_score",
     "head_zeroed_copy",
     "induction_oracle",
+    "induction_periods",
     "induction_report",
     "random_attention_only",
     "random_maps",
@@ -80,6 +81,17 @@ def check_induction_score(induction_score) -> None:
     if got.dtype != torch.float64:
         fail(f"float32 maps gave a {got.dtype} score: the docstring asks for float64 (convert before averaging)")
     assert_close(got, induction_oracle(maps32, 3), "the scores of float32 maps with period 3", rtol=1e-7, atol=1e-7)
+    one_layer = maps[0]  # (B, H, T, T): one layer's maps, the layer dimension left out
+    try:
+        induction_score(one_layer, 4)
+    except ValueError:
+        pass
+    except Exception as error:  # noqa: BLE001 - any other error is the wrong one
+        fail(f"maps of shape {tuple(one_layer.shape)} (one layer's maps, no layer dimension): expected a ValueError naming "
+             f"maps (it must be (L, B, H, T, T)), got {type(error).__name__}: {error}")
+    else:
+        fail(f"maps of shape {tuple(one_layer.shape)} (one layer's maps, no layer dimension): expected a ValueError naming "
+             "maps (it must be (L, B, H, T, T)); your function returned a result")
     for period in (0, 10):
         try:
             induction_score(maps, period)
@@ -93,7 +105,8 @@ def check_induction_score(induction_score) -> None:
 
 @torch.no_grad()
 def induction_report(model, vocab_size: int, period: int, batch: int = 8, seed: int = 0) -> dict:
-    """What the hand-built model does on repeated random tokens, measured on a float64 copy of it."""
+    """What the hand-built model does on repeated random tokens, measured on a float64 copy of it: scores per head
+    (previous-token of layer 1, induction of the last layer, and what a miss looks like), the two copies' losses."""
     tokens = repeated_random_tokens(vocab_size, period, batch, torch.Generator().manual_seed(seed))
     model64 = copy.deepcopy(model).double()
     maps = attention_maps(model64, tokens)  # (L, B, H, T, T)
@@ -101,60 +114,119 @@ def induction_report(model, vocab_size: int, period: int, batch: int = 8, seed: 
     t = torch.arange(1, T)
     later = torch.arange(period, T)
     first, second = copy_losses(model64, tokens, period)
+    out = model64(tokens)
+    logits = out[0] if isinstance(out, tuple) else out  # (B, T, V)
+    middle = torch.arange(period, T - 1)  # second-copy positions whose next token is predictable
     return {
         "previous": maps[0][..., t, t - 1].mean(dim=(0, 2)),  # layer 1, per head
         "self": maps[0][..., t, t].mean(dim=(0, 2)),
         "largest_1": maps[0][..., t, :].amax(-1).mean(dim=(0, 2)),
+        "previous_top": (maps[0][..., t, :].argmax(-1) == t - 1).double().mean(dim=(0, 2)),  # t - 1 the largest weight
         "induction": maps[-1][..., later, later - period + 1].mean(dim=(0, 2)),  # last layer, per head
         "duplicate": maps[-1][..., later, later - period].mean(dim=(0, 2)),
         "largest_2": maps[-1][..., later, :].amax(-1).mean(dim=(0, 2)),
-        "first": first, "second": second, "ln V": math.log(vocab_size),
+        "induction_top": (maps[-1][..., later, :].argmax(-1) == later - period + 1).double().mean(dim=(0, 2)),
+        "restart_on_0": maps[-1][..., period, 0].mean(dim=0),  # the second copy's first token, on position 0
+        "repeats_current": (logits[:, middle].argmax(-1) == tokens[:, middle]).double().mean().item(),
+        "last_layer_moves_logits": bool((logits - _logits(_last_layer_silenced(model64), tokens)).abs().max() > 1e-6),
+        "first": first, "second": second, "ln V": math.log(vocab_size), "d_model": model64.transformer.wte.weight.shape[1],
     }
 
 
+def _last_layer_silenced(model):
+    """A copy of the model whose last attention layer writes nothing (every column of its c_proj zero)."""
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.transformer.h[-1].attn.c_proj.weight.zero_()
+    return twin
+
+
+def induction_periods(vocab_size: int, max_len: int) -> range:
+    """Every period the circuit must handle: 2 <= p <= vocab_size (each copy's tokens distinct), 2p <= max_len."""
+    return range(2, min(vocab_size, max_len // 2) + 1)
+
+
+def _scale(r: dict) -> str:
+    d = r["d_model"]
+    return (f"Scores are divided by sqrt(head size) = sqrt(d_model) = {math.sqrt(d):.2f}: a query scaled by s gives a match "
+            f"only s / {math.sqrt(d):.2f} (a query scale of 30 gives a match only {30 / math.sqrt(d):.1f}). Scale the query "
+            f"by 30 sqrt(d_model) = {30 * math.sqrt(d):.0f}, so that a match scores about 30 after the division")
+
+
+def _weak(largest) -> str:
+    return "the attention is diffuse" if largest < 0.5 else "the match wins, but not by enough"
+
+
+def _circuit_failure(r: dict, period: int) -> str | None:
+    """What is wrong with the circuit at one period (induction_report's r), or None: the message names the cause."""
+    at = f"at period {period}, "
+    prev, best = r["previous"].max().item(), int(r["previous"].argmax())
+    if prev < 0.9:
+        where = f"{at}layer 1's head {best} puts {prev:.3f} on the previous token"
+        if r["self"][best] > 0.5:
+            return (f"{where} and {r['self'][best].item():.3f} on the current one: it attends to the current token. Its "
+                    "key at position j must match the query at position j + 1 (say k[j] = e_(j+1), q[t] = e_t)")
+        if r["previous_top"][best] > 0.9 or r["largest_1"][best] < 0.5:
+            return (f"{where}; its largest weight averages {r['largest_1'][best].item():.3f}, on the previous token in "
+                    f"{r['previous_top'][best].item():.0%} of the rows: {_weak(r['largest_1'][best])}. {_scale(r)}")
+        return f"{where} (expected above 0.9): query t must match key t - 1 and nothing else"
+    ind, best = r["induction"].max().item(), int(r["induction"].argmax())
+    restart = (f"from the first token of the second copy (query {period}) layer 2 puts {r['restart_on_0'].max().item():.3f} "
+               "on position 0: position 0 has no previous token, so layer 1 wrote position 0's own token there, and it "
+               "matches the query as well as the right key does. Give position 0's key a coordinate that loses (hint 3)")
+    if ind < 0.9:
+        where = f"{at}layer 2's head {best} has an induction score of {ind:.3f}"
+        if r["duplicate"][best] > 0.3:
+            return (f"{where}: it puts {r['duplicate'][best].item():.3f} on the earlier occurrence of the query's own "
+                    "token, and copies A instead of B. Its keys read the current token; they must read what layer 1 "
+                    "wrote (the token *before* each position), its queries the current token")
+        if r["restart_on_0"].max() > 0.3:
+            return f"{where}: {restart}"
+        if r["induction_top"][best] > 0.9 or r["largest_2"][best] < 0.5:
+            return (f"{where}; its largest weight averages {r['largest_2'][best].item():.3f}, on the right key in "
+                    f"{r['induction_top'][best].item():.0%} of the rows: {_weak(r['largest_2'][best])}. {_scale(r)}")
+        return (f"{where} (expected above 0.9): from token A it must attend to the position right after A's earlier "
+                "occurrence")
+    if r["second"] > 0.1:
+        what = f"{at}the loss on the second copy is {r['second']:.3f} nats (expected below 0.1) although layer 2 attends to the right token ({ind:.3f})"
+        if r["restart_on_0"].max() > 0.3:
+            return f"{what}: {restart}"
+        if not r["last_layer_moves_logits"]:
+            return (f"{what}, and silencing layer 2 does not change the logits: its output does not reach them. Write it "
+                    "into a subspace of the residual stream nothing else writes, and let lm_head read that subspace with "
+                    "a large weight")
+        if r["repeats_current"] > 0.5:
+            return (f"{what}: your model predicts the current token A again ({r['repeats_current']:.0%} of the second copy), "
+                    "not the B that followed it. Layer 2's value reads what layer 1 wrote at the attended position (the "
+                    "token before it, A); it must read that position's own token, B")
+        return (f"{what}: does its output reach the logits? Write it into a subspace of the residual stream nothing else "
+                "writes, and let lm_head read that subspace with a large weight")
+    if r["first"] < 0.5 * r["ln V"]:
+        return (f"{at}the loss on the first copy is {r['first']:.3f}, below half of ln V = {r['ln V']:.3f}: random tokens "
+                "cannot be predicted the first time; does your model see the future?")
+    return None
+
+
 def check_build_induction_model(build_induction_model) -> None:
-    """Visible checks for chapter 13, exercise 2: a hand-built two-layer induction circuit."""
-    V, max_len, period = 12, 30, 12
+    """Visible checks for chapter 13, exercise 2: a hand-built two-layer induction circuit, at every period 2 to 12."""
+    V, max_len = 12, 30
     model = call_learner(lambda: build_induction_model(V, max_len), f"build_induction_model({V}, {max_len})")
     if not isinstance(model, AttentionOnly):
         fail(f"build_induction_model should return a course_lib.heads.AttentionOnly, got {type(model).__name__}")
     if len(model.transformer.h) != 2:
         fail(f"your model has {len(model.transformer.h)} layers: the circuit needs exactly two")
-    tokens = repeated_random_tokens(V, period, 2, torch.Generator().manual_seed(1))
+    tokens = repeated_random_tokens(V, V, 2, torch.Generator().manual_seed(1))
     logits, _ = call_learner(lambda: model(tokens), "your model on repeated random tokens")
-    assert_shape(logits, (2, 2 * period, V), "the logits of (2, 24) tokens")
-    r = induction_report(model, V, period)
-    prev, best = r["previous"].max().item(), int(r["previous"].argmax())
-    if prev < 0.9:
-        where = f"layer 1's head {best} puts {prev:.3f} on the previous token"
-        if r["self"][best] > 0.5:
-            fail(f"{where} and {r['self'][best].item():.3f} on the current one: it attends to the current token. Its "
-                 "key at position j must match the query at position j + 1 (say k[j] = e_(j+1), q[t] = e_t)")
-        if r["largest_1"][best] < 0.5:
-            fail(f"{where}; its largest weight averages {r['largest_1'][best].item():.3f}: the attention is diffuse. "
-                 "Scores are divided by sqrt(head size): multiply the query by a large scale (a match worth ~30)")
-        fail(f"{where} (expected above 0.9): query t must match key t - 1 and nothing else")
-    ind, best = r["induction"].max().item(), int(r["induction"].argmax())
-    if ind < 0.9:
-        where = f"layer 2's head {best} has an induction score of {ind:.3f}"
-        if r["duplicate"][best] > 0.3:
-            fail(f"{where}: it puts {r['duplicate'][best].item():.3f} on the earlier occurrence of the query's own "
-                 "token, and copies A instead of B. Its keys read the current token; they must read what layer 1 "
-                 "wrote (the token *before* each position), its queries the current token")
-        if r["largest_2"][best] < 0.5:
-            fail(f"{where}; its largest weight averages {r['largest_2'][best].item():.3f}: the attention is diffuse. "
-                 "Multiply the query by a large scale, so that a match wins nearly all the weight")
-        fail(f"{where} (expected above 0.9): from token A it must attend to the position right after A's earlier "
-             "occurrence")
-    if r["second"] > 0.1:
-        fail(f"the loss on the second copy is {r['second']:.3f} nats (expected below 0.1) although layer 2 attends "
-             f"to the right token ({ind:.3f}): does its output reach the logits? Write it into a subspace of the "
-             "residual stream nothing else writes, and let lm_head read that subspace with a large weight")
-    if r["first"] < 0.5 * r["ln V"]:
-        fail(f"the loss on the first copy is {r['first']:.3f}, below half of ln V = {r['ln V']:.3f}: random tokens "
-             "cannot be predicted the first time; does your model see the future?")
-    print(f"layer 1: previous-token score {prev:.3f}; layer 2: induction score {ind:.3f}; loss on the first copy "
-          f"{r['first']:.3f} (ln V = {r['ln V']:.3f}), on the second {r['second']:.4f}")
+    assert_shape(logits, (2, 2 * V, V), f"the logits of (2, {2 * V}) tokens")
+    for period in reversed(induction_periods(V, max_len)):  # the longest first: it shows most mistakes most clearly
+        r = induction_report(model, V, period)
+        failure = _circuit_failure(r, period)
+        if failure is not None:
+            fail(failure)
+    r = induction_report(model, V, V)
+    print(f"every period from 2 to {V} passed; at period {V}: layer 1's previous-token score {r['previous'].max().item():.3f}, "
+          f"layer 2's induction score {r['induction'].max().item():.3f}, loss on the first copy {r['first']:.3f} "
+          f"(ln V = {r['ln V']:.3f}), on the second {r['second']:.4f}")
     passed("build_induction_model")
 
 

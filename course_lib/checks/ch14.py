@@ -229,6 +229,17 @@ def check_tiled_attention(tiled_attention) -> None:
                  "compare global positions, query i0 + a >= key j0 + b, not the positions inside the tile")
     assert_close(out, want, "causal out, block_q 8, block_k 4 (against SDPA is_causal in float64)", rtol=1e-10, atol=1e-10)
     assert_close(lse, want_lse, "causal lse", rtol=1e-10, atol=1e-10)
+    for Tq, Tk in ((12, 20), (20, 12)):  # the diagonal starts at the top left whatever Tq and Tk (SDPA's is_causal)
+        qs, ks, vs = q[..., :Tq, :], k[..., :Tk, :], v[..., :Tk, :]
+        want, _ = attention_oracle(qs, ks, vs, causal=True)
+        out, _ = _attend(tiled_attention, qs, ks, vs, causal=True, block_q=8, block_k=4, what=f"causal, {Tq} queries, {Tk} keys")
+        right, _ = attention_oracle(qs, ks, vs, mask=torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq))
+        if torch.allclose(out, right, atol=1e-9) and not torch.allclose(out, want, atol=1e-9):
+            fail(f"causal with {Tq} queries and {Tk} keys: the diagonal is aligned at the bottom right (query i sees keys "
+                 f"0 .. i + Tk - Tq, as the FlashAttention library does for a chunk after a cache). This contract is SDPA's "
+                 "is_causal: top left, query i sees keys 0 .. i whatever Tq and Tk")
+        assert_close(out, want, f"causal out with {Tq} queries and {Tk} keys (top left, as SDPA's is_causal)",
+                     rtol=1e-10, atol=1e-10)
     padding = torch.arange(20) < torch.tensor([20, 13]).view(2, 1, 1, 1)  # (B, 1, 1, Tk): batch 1 has 7 padding keys
     want, _ = attention_oracle(q, k, v, mask=padding)
     out, _ = _attend(tiled_attention, q, k, v, mask=padding, what="a (B, 1, 1, Tk) padding mask")
@@ -242,6 +253,7 @@ def check_tiled_attention(tiled_attention) -> None:
     if (out[..., 3, :] != 0).any() or (lse[..., 3] != -INF).any():
         fail(f"a query that may see no key should get out 0 and lse -inf, got out {out[0, 0, 3].tolist()}, lse {lse[0, 0, 3].item()}")
     q32, k32, v32 = (t.float() for t in (q, k, v))
+    q64, k64, v64 = q, k, v
     out, lse = _attend(tiled_attention, q32, k32, v32, causal=True, block_q=5, block_k=7, what="float32, causal")
     if out.dtype != torch.float32 or lse.dtype != torch.float32:
         fail(f"out and lse should have q's dtype (float32), got {out.dtype} and {lse.dtype}")
@@ -265,4 +277,25 @@ def check_tiled_attention(tiled_attention) -> None:
              "of the full call, more than the 55% of tiles that hold a key some query may see. A key tile whose first "
              "key comes after the query tile's last query is masked entirely: do not compute it (stop the loop over "
              "key tiles there)")
+    qb, kb, vb = (torch.randn(1, 2, 256, 32, generator=g).bfloat16() for _ in range(3))
+    exact = F.scaled_dot_product_attention(qb.double(), kb.double(), vb.double())
+    out, _ = _attend(tiled_attention, qb, kb, vb, block_q=64, block_k=16, what="bfloat16, 256 keys in tiles of 16")
+    if out.dtype != torch.bfloat16:
+        fail(f"out should have q's dtype (bfloat16), got {out.dtype}")
+    ours = (out.double() - exact).abs().mean().item()
+    sdpa = (F.scaled_dot_product_attention(qb, kb, vb).double() - exact).abs().mean().item()
+    if ours > 1.5 * sdpa:
+        fail(f"bfloat16, 256 keys in tiles of 16: mean error {ours:.2g} against float64, {ours / sdpa:.1f} times SDPA's "
+             f"({sdpa:.2g}). Are the running max, sum and accumulator kept in bfloat16? Its 8 bits of mantissa lose a "
+             "little at every key tile: keep them (and the scores) in float32, as FlashAttention and SDPA do, and round "
+             "only out and lse to q's dtype at the end")
+    for what, bad in (("v with more rows than k", (q64, k64, torch.cat([v64, v64], -2))),
+                      ("k with another head size than q", (q64, k64[..., :4], v64))):
+        try:
+            tiled_attention(*bad, None, False, 8, 8)
+        except ValueError:
+            continue
+        except Exception as error:  # noqa: BLE001 - the learner's code may raise anything
+            fail(f"{what}: expected ValueError naming the argument, got {type(error).__name__}: {error}")
+        fail(f"{what}: expected ValueError naming the argument (F.scaled_dot_product_attention refuses it), got a result")
     passed("tiled_attention")

@@ -78,6 +78,9 @@ CITED: dict[str, dict[str, str]] = {
     },
 
     "14-tiled-attention": {
+        "768": "PyTorch, aten/src/ATen/native/cpu/FlashAttentionKernel.cpp (the CPU kernel of "
+               "_scaled_dot_product_flash_attention_for_cpu): q_split_size = 256 if q_seq_len >= 768, 64 if q_seq_len >= "
+               "192, else 32; kv_split_size = 512 (so 256 x 512 tiles at T = 1024)",
     },
 
 }

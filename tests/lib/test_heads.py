@@ -32,6 +32,35 @@ def test_induction_score_equals_the_loop():
         torch.testing.assert_close(heads.induction_score(maps, period), checks.induction_oracle(maps, period), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("score", [heads.first_token_score, heads.previous_token_score, lambda maps: heads.induction_score(maps, 3)])
+@pytest.mark.parametrize("shape", [(3, 4, 9, 9), (1, 3, 4, 9, 8), (2, 1, 3, 4, 9, 9)])
+def test_head_scores_refuse_maps_that_are_not_five_dimensional_and_square(score, shape):
+    with pytest.raises(ValueError, match=r"maps must be \(L, B, H, T, T\), got shape"):
+        score(torch.rand(shape))
+
+
+@pytest.mark.parametrize("argument,sizes", [("vocab_size", (0, 10, 8)), ("max_len", (5, -1, 8)), ("d_model", (5, 10, 0)),
+                                            ("n_layer", (5, 10, 8, 0)), ("n_head", (5, 10, 8, 2, -2))])
+def test_attention_only_refuses_sizes_below_one_naming_them(argument, sizes):
+    with pytest.raises(ValueError, match=f"{argument} must be an integer >= 1"):
+        heads.AttentionOnly(*sizes)
+
+
+@pytest.mark.parametrize("vocab_size,max_len,argument", [(0, 10, "vocab_size"), (-3, 10, "vocab_size"), (8, 0, "max_len"),
+                                                         (8, -4, "max_len")])
+def test_the_circuit_refuses_sizes_below_one_naming_them(vocab_size, max_len, argument):
+    with pytest.raises(ValueError, match=f"{argument} must be an integer >= 1"):
+        heads.build_induction_model(vocab_size, max_len)
+
+
+def test_the_circuit_holds_at_every_period_that_fits_its_vocabulary_and_length():
+    model = heads.build_induction_model(16, 40)
+    assert list(checks.induction_periods(16, 40)) == list(range(2, 17))
+    for period in checks.induction_periods(16, 40):
+        r = checks.induction_report(model, 16, period, batch=4, seed=period)
+        assert r["induction"].item() > 0.99 and r["second"] < 0.01 and r["first"] > math.log(16), period
+
+
 def test_copy_losses_against_cross_entropy_per_position():
     model = checks.random_attention_only(3, V=11, max_len=16)
     tokens = heads.repeated_random_tokens(11, 8, 3, torch.Generator().manual_seed(3))
@@ -142,3 +171,33 @@ def test_previous_token_score_of_ideal_and_uniform_heads():
     assert scores.shape == (1, 2)
     assert scores[0, 0].item() == 1.0
     assert abs(scores[0, 1].item() - sum(1 / t for t in range(2, T + 1)) / (T - 1)) < 1e-6
+
+
+def test_recording_scores_during_training_leaves_the_training_as_it_was():
+    def trained(score_every):
+        torch.manual_seed(0)
+        model = heads.AttentionOnly(8, 16, 16, n_layer=2, n_head=2)
+        record = heads.train_induction(model, steps=20, batch_size=4, lr=3e-3, init_std=0.1, seed=1, periods=[2, 3, 5],
+                                       held_out_periods=[4], eval_batch=8, eval_seed=7, progress=False,
+                                       score_every=score_every)
+        return model, record
+    (often, every_5), (rarely, _) = trained(5), trained(1000)
+    assert all(torch.equal(a, b) for a, b in zip(often.state_dict().values(), rarely.state_dict().values()))
+    during = every_5["during_training"]
+    assert during["steps"] == [0, 5, 10, 15, 20] and during["period"] == 4
+    tokens = heads.repeated_random_tokens(8, 4, 8, torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        maps = attention_maps(often, tokens)
+    assert during["induction"][-1] == round(heads.induction_score(maps, 4)[-1].max().item(), 4)
+
+
+def test_the_shipped_scores_during_training_end_at_the_finished_models_scores():
+    from course_lib import assets
+
+    for name in ("induction-2l", "induction-1l"):
+        record = assets.info(name)
+        during, held_out = record["during_training"], record["held_out"]
+        assert during["steps"] == list(range(0, record["train"]["steps"] + 1, 50))
+        final = held_out["by_period"][str(during["period"])]
+        assert (during["batch"], during["seed"]) == (held_out["batch"], held_out["seed"])
+        assert during["induction"][-1] == pytest.approx(max(final["induction"][-1]), abs=2e-4)

@@ -122,6 +122,28 @@ def test_surface_runs_spend_the_budget_and_sit_at_the_offsets():
     assert loss[1] < loss[0] and loss[1] < loss[2]  # the exact optimum is the lowest
 
 
+def test_three_point_vertex_is_the_lowest_point_of_the_parabola_by_brute_force():
+    n, loss = np.array([3e3, 7e3, 2e4]), np.array([2.1, 2.0, 2.3])
+    p = np.linalg.solve(np.stack([np.log(n) ** 2, np.log(n), np.ones(3)], axis=1), loss)  # through the three points exactly
+    x = np.linspace(math.log(3e3), math.log(2e4), 2_000_001)
+    assert math.log(checks.three_point_vertex(n, loss)) == pytest.approx(x[np.argmin(np.polyval(p, x))], abs=1e-5)
+
+
+def test_parabola_runs_lie_on_a_parabola_around_their_vertex():
+    runs = checks.parabola_runs({1e12: 5e4, 1e13: 2e5}, [-1.0, 0.5, 2.0], curvature=0.2, floor=1.5)
+    n, loss = runs[1e13]
+    assert np.allclose(n, 2e5 * np.exp([-1.0, 0.5, 2.0])) and np.allclose(loss, 1.5 + 0.2 * np.log(n / 2e5) ** 2)
+
+
+def test_shipped_windows_are_the_lowest_run_and_its_neighbours_where_the_runs_bracket_a_minimum():
+    runs, windows = checks.shipped_isoflop_runs(), checks.shipped_isoflop_windows()
+    assert list(windows) == [3e11, 1e12]  # at 1e11 the smallest size is the best: no window (section 4)
+    assert int(runs[1e11][1].argmin()) == 0
+    for flops, (n, loss) in windows.items():
+        assert len(n) == 3 and loss[1] == runs[flops][1].min() and loss[1] < min(loss[0], loss[2])
+        assert np.all(np.diff(n) > 0) and set(n) <= set(runs[flops][0])
+
+
 def _analysis(vertex, d_of=lambda flops, n_opt: flops / (6 * n_opt)):
     """An IsoFLOP analysis with its own vertex (n, loss) -> N_opt and D_opt; exponents in log space."""
     def analysis(budgets):
@@ -145,7 +167,7 @@ def _linear_vertex(n, loss):
 
 @pytest.mark.parametrize("check,buggy,message", [
     (checks.check_isoflop_analysis, _analysis(_linear_vertex), r"that is the vertex of a parabola in n\. Fit the parabola against log n"),
-    (checks.check_isoflop_analysis, _analysis(lambda n, loss: n[loss.argmin()]), r"that is the best run's size\. N_opt is the minimum"),
+    (checks.check_isoflop_analysis, _analysis(lambda n, loss: n[loss.argmin()]), r"that is the best run's size\. N_opt is the vertex of the parabola .*in general not a size trained"),
     (checks.check_isoflop_analysis, _analysis(lambda n, loss: math.log(_log_vertex(n, loss))), r"that is the vertex in log n itself"),
     (checks.check_isoflop_analysis, _analysis(_log_vertex, lambda flops, n_opt: flops / n_opt), r"did you compute D = C / N\?"),
     (checks.check_isoflop_analysis, lambda budgets: isoflop_analysis(budgets)[::-1], r"should return a tuple \(a, b, optima\), got|should be a number"),

@@ -9,7 +9,8 @@ One `grading.grade` run grades three students: the reference (full marks), the u
   log(loss) -> the visible test and `logspace` (exact power laws are recovered either way; noise invisible to
   the comparison in log(loss) is not invisible in log(loss - E), whose scale changes with E);
 * isoflop_analysis: the best run's size taken as N_opt instead of the parabola's minimum -> the visible test,
-  `surface` (the loss surface's optimum lies between the sizes trained) and `shipped` (numpy.polyfit's vertices);
+  `surface` (the loss surface's optimum is no size trained) and `shipped` (the vertices of section 4's windows
+  and of exact parabolas);
   `identity` (6ND = C, a + b = 1) and `errors` pass;
 * compute_optimal: the 6 of 6ND forgotten -> the visible test and `budget`; `ratio` passes (D = rN holds).
 

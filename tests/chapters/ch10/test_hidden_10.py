@@ -5,7 +5,8 @@ planted bug. Every bug must fail exactly the tests documented to target it (the 
 cell), and correct alternative implementations must pass everything. The hidden tests' oracles are synthetic
 losses of known (E, A, alpha), among them losses with noise that only a log-space fit cannot see
 (checks.planted_noise_losses), IsoFLOP runs of a known loss surface whose optimum is known in closed form
-(checks.surface_runs), numpy.polyfit on the shipped runs, and the defining equations 6ND = C and D = rN.
+(checks.surface_runs), section 4's three-run windows of the shipped runs against the closed-form vertex
+(checks.three_point_vertex), exact parabolas in log n (checks.parabola_runs), and 6ND = C and D = rN.
 tests/chapters/ch10/test_grading_10.py checks the same on whole notebooks through nbgrader.
 """
 from __future__ import annotations
@@ -69,6 +70,26 @@ LINEAR_EXPONENTS = """
 
     a = linear_fit(np.array([n for n, _ in optima.values()]))"""
 
+WINDOW = '''
+def isoflop_analysis(budgets):
+    if len(budgets) < 2:
+        raise ValueError("need two budgets")
+    optima = {}
+    for flops, (n, loss) in budgets.items():
+        if len(n) < 3:
+            raise ValueError(f"budget {flops:g}: need three runs")
+        order = np.argsort(n)
+        n, loss = np.asarray(n, dtype=float)[order], np.asarray(loss, dtype=float)[order]
+        i = min(max(int(loss.argmin()), 1), len(n) - 2)  # the lowest run and its neighbours, inside the sizes
+        p = np.polyfit(np.log(n[i - 1:i + 2]), loss[i - 1:i + 2], 2)
+        if p[0] <= 0:
+            raise ValueError(f"budget {flops:g}: opens downward")
+        n_opt = math.exp(-p[1] / (2 * p[0]))
+        optima[flops] = (n_opt, flops / (6 * n_opt))
+    a = np.polyfit(np.log(list(optima)), np.log([v[0] for v in optima.values()]), 1)[0]
+    return a, 1 - a, optima
+'''
+
 CASES = [
     # C = 6ND
     (FLOPS, "forward pass only: 2ND", mutate(FLOPS, (SIX, "return 2.0 * n_params * n_tokens")),
@@ -100,7 +121,7 @@ def fit_power_law(n, loss, offsets=None):
     # the IsoFLOP analysis
     (ISO, "parabola against n, not log n", mutate(ISO, (LOG_N, "curvature, slope, _ = np.polyfit(n, loss, 2)"),
                                                   (VERTEX, "n_opt = -slope / (2 * curvature)")),
-     {f"{ISO}-visible", f"{ISO}-surface", f"{ISO}-shipped", f"{ISO}-identity"}),  # in n, the shipped curves open downward
+     {f"{ISO}-visible", f"{ISO}-surface", f"{ISO}-shipped"}),  # `identity` holds: 6ND = C and a + b = 1 whatever the vertex
     (ISO, "the best run's size instead of the parabola's minimum", mutate(ISO, (VERTEX, "n_opt = n[int(loss.argmin())]")),
      {f"{ISO}-visible", f"{ISO}-surface", f"{ISO}-shipped"}),
     (ISO, "D_opt = C / N, the 6 forgotten", mutate(ISO, (D_OPT, "optima[flops] = (float(n_opt), float(flops / n_opt))")),
@@ -108,6 +129,12 @@ def fit_power_law(n, loss, offsets=None):
     (ISO, "the exponent of N_opt fitted in linear space", mutate(ISO, (EXPONENTS, LINEAR_EXPONENTS.strip("\n").lstrip())),
      {f"{ISO}-shipped", f"{ISO}-identity"}),  # a + b = 1 holds only for lines fitted in log space
     (ISO, "no check of the curvature", mutate(ISO, ("if curvature <= 0:", "if False:")), {f"{ISO}-errors"}),
+    # two runs: the least-squares "parabola" is not determined; when it opens upward an optimum comes back silently
+    (ISO, "no check of the number of runs", mutate(ISO, ("if len(n) < 3:", "if False:")), {f"{ISO}-errors"}),
+    (ISO, "correct: section 4's window inside the function (the lowest run and its two neighbours)", WINDOW, set()),
+    (ISO, "correct: a vertex outside the sizes trained refused", mutate(ISO, (VERTEX, VERTEX + """
+        if not n.min() <= n_opt <= n.max():
+            raise ValueError(f"budget {flops:g}: the vertex N = {n_opt:g} lies outside the sizes trained")""")), set()),
     (ISO, "correct: the vertex by numpy.polynomial, exponents by lstsq, b as 1 - a", '''
 def isoflop_analysis(budgets):
     if len(budgets) < 2:

@@ -32,9 +32,12 @@ def resumed_from_zero(running, waiting, free, budget):  # a waiting sequence's n
 def scheduler(mistake):
     """The policy with one mistake: "skip_chunk" (a running prefill longer than the budget left is skipped),
     "skip_self" (a sequence that does not fit alone is skipped, not preempted), "one_victim" (one victim at most),
-    "free_kept" (free blocks not decremented after scheduling)."""
+    "free_kept" (free blocks not decremented after scheduling), "decodes_first" (the decoding sequences scheduled
+    before the running prompt chunks, whatever their order)."""
     def buggy(running, waiting, free, budget):
         scheduled, preempted, candidates = [], [], list(running)
+        if mistake == "decodes_first":  # the decoding sequences ahead of any prompt chunk
+            candidates.sort(key=lambda seq: seq.n_tokens - seq.n_cached > 1)
         while candidates and budget > 0:
             seq = candidates.pop(0)
             if mistake == "skip_chunk" and seq.n_tokens - seq.n_cached > budget:
@@ -70,6 +73,7 @@ def scheduler(mistake):
     (checks.check_schedule_step, scheduler("one_victim"), "keep preempting the most recent"),
     (checks.check_schedule_step, scheduler("free_kept"), "Subtract each scheduled sequence's blocks_needed"),
     (checks.check_schedule_step, scheduler(None), "all visible checks passed"),
+    (checks.check_schedule_step, scheduler("decodes_first"), "a's decode was scheduled before the chunk of p, the older"),
     (checks.check_slot_mapping, lambda table, positions, S: positions, "you returned the positions themselves"),
     (checks.check_slot_mapping, lambda table, positions, S: table[positions // S] + positions % S, "block \\+ offset is not a slot"),
     (checks.check_slot_mapping, lambda table, positions, S: table[positions % S] * S + positions // S, "block and offset swapped"),

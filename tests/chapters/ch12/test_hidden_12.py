@@ -67,6 +67,9 @@ def paged_attention(q, key_pool, value_pool, block_tables, context_lens):
                                                             ("            n = min(seq.n_tokens - seq.n_cached, budget)",
                                                              "            n = seq.n_tokens - seq.n_cached")),
      {f"{SCHED}-visible", f"{SCHED}-budget"}),
+    (SCHED, "decodes before an older request's prompt chunk", mutate(SCHED, ("candidates = list(running)",
+                                                                            "candidates = sorted(running, key=lambda s: s.n_tokens - s.n_cached > 1)")),
+     {f"{SCHED}-visible", f"{SCHED}-budget"}),
     (SCHED, "a waiting sequence's n_cached ignored", mutate(SCHED, ("            n = min(seq.n_tokens - seq.n_cached, budget)",
                                                                    "            n = min(seq.n_tokens, budget)")),
      {f"{SCHED}-visible", f"{SCHED}-budget"}),
@@ -87,3 +90,23 @@ def test_the_reference_passes_every_test(exercise):
 @pytest.mark.parametrize("exercise,bug,solution,must_fail", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
 def test_each_bug_fails_exactly_the_tests_that_target_it(exercise, bug, solution, must_fail):
     assert failing_tests(exercise, solution) == must_fail
+
+
+@pytest.mark.parametrize("cell,bug,says", [
+    (f"{SCHED}-preempt", mutate(SCHED, ("victim = candidates.pop()", "victim = candidates.pop(0)")),
+     "d, the most recent, is preempted"),
+    (f"{SCHED}-budget", mutate(SCHED, ("candidates = list(running)",
+                                       "candidates = sorted(running, key=lambda s: s.n_tokens - s.n_cached > 1)")),
+     "a (the older, 18 prompt tokens to go) then b"),
+])
+def test_the_scheduler_tests_explain_a_failure_in_words(cell, bug, says):
+    """A failed hidden test names the sequences and says what was expected and why, never a raw namespace dump."""
+    namespace = {"torch": torch, "math": math, "F": F, "checks": checks}
+    for code in REFERENCE.values():
+        exec(code, namespace)  # noqa: S102 - the notebook's own reference code
+    exec(bug, namespace)  # noqa: S102
+    with pytest.raises(AssertionError) as failure:
+        exec(CELLS[cell], dict(namespace))  # noqa: S102
+    message = str(failure.value)
+    assert says in message and "expected" in message
+    assert "namespace(" not in message and "lambda" not in message

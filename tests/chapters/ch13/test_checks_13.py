@@ -72,6 +72,8 @@ def output_rows(model, layer, head):
     (checks.check_induction_score, variant(heads.induction_score, ("maps[..., queries, keys].double()", "maps[..., queries, keys]")),
      "the docstring asks for float64"),
     (checks.check_induction_score, variant(heads.induction_score, ("if not 1 <= period < T:", "if False:")), "expected ValueError"),
+    (checks.check_induction_score, variant(heads.induction_score, ("if maps.dim() != 5 or maps.shape[-1] != maps.shape[-2]:", "if False:")),
+     r"maps of shape \(3, 4, 10, 10\) \(one layer's maps, no layer dimension\): expected a ValueError naming maps .*got IndexError"),
     (checks.check_build_induction_model, variant(BUILD, (L1_KEY, "W[C:C + P, POS:POS + P] = eye_p")), "attends to the current token"),
     (checks.check_build_induction_model, variant(BUILD, (L2_KEY, "W[C:C + V, TOK:TOK + V] = eye_v")), "copies A instead of B"),
     (checks.check_build_induction_model, variant(BUILD, ("hard = 30.0 * math.sqrt(C)", "hard = 1.0")), "the attention is diffuse"),
@@ -79,7 +81,7 @@ def output_rows(model, layer, head):
                                                  ("W[0:V, TOK:TOK + V] = hard * eye_v", "W[0:V, TOK:TOK + V] = hard2 * eye_v")),
      "layer 2's head .* the attention is diffuse"),
     (checks.check_build_induction_model, variant(BUILD, ("model.lm_head.weight[:, OUT:OUT + V]", "model.lm_head.weight[:, TOK:TOK + V]")),
-     "does its output reach the logits"),
+     "silencing layer 2 does not change the logits: its output does not reach them"),
     (checks.check_ablate_head, variant(heads.ablate_head, ("    try:\n        yield model\n    finally:  # restore, even if the block raised\n        handle.remove()",
                                                            "    yield model\n    handle.remove()")), "in a `finally:`"),
     (checks.check_ablate_head, variant(heads.ablate_head, ("y[..., head * size:(head + 1) * size] = 0.0", "y[..., head:head + size] = 0.0")),
@@ -100,8 +102,22 @@ def test_each_classic_mistake_gets_its_message(check, buggy, message):
         check(buggy)
 
 
-def test_position_zero_unfixed_still_passes(capsys):
-    """The design without the position-0 correction (hint 3) is a correct answer too."""
-    unfixed = variant(BUILD, ("W[C + V, POS] = -1.0", "pass"))
-    checks.check_build_induction_model(unfixed)
-    assert "all visible checks passed" in capsys.readouterr().out
+def test_position_zero_unguarded_fails_at_short_periods_and_is_named():
+    """Without hint 3's guard the circuit passes at period 12 (the old check's only period) and fails at period 2."""
+    unguarded = variant(BUILD, ("W[C + V, POS] = -1.0", "pass"))
+    report = checks.induction_report(unguarded(12, 30), 12, 12)
+    assert report["induction"].item() > 0.9 and report["second"] < 0.1  # what the old check measured: a pass
+    with pytest.raises(checks.CheckFailed, match=r"at period \d, .* puts 0\.500 on position 0: position 0 has no previous token"):
+        checks.check_build_induction_model(unguarded)
+
+
+def test_a_query_scale_of_30_is_named_not_called_a_wrong_match():
+    with pytest.raises(checks.CheckFailed, match=r"the match wins, but not by enough\. .*a query scale of 30 gives a match only 3\.7"):
+        checks.check_build_induction_model(variant(BUILD, ("hard = 30.0 * math.sqrt(C)", "hard = 30.0")))
+
+
+def test_a_value_that_copies_a_is_named_not_called_a_missing_output():
+    copies_a = variant(BUILD, ("W[2 * C:2 * C + V, TOK:TOK + V] = eye_v  # v[j] = the token at j\n        attn.c_proj.weight[OUT",
+                               "W[2 * C:2 * C + V, PREV:PREV + V] = eye_v\n        attn.c_proj.weight[OUT"))
+    with pytest.raises(checks.CheckFailed, match=r"predicts the current token A again .* it must read that position's own token, B"):
+        checks.check_build_induction_model(copies_a)

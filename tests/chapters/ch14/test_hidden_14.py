@@ -46,6 +46,8 @@ def online_softmax(blocks):
     parts = list(blocks)
     if not parts:
         raise ValueError("no blocks")
+    if any(part.shape[:-1] != parts[0].shape[:-1] for part in parts):
+        raise ValueError("blocks of different rows")
     x = torch.cat(parts, dim=-1)
     m = x.amax(-1)
     safe = torch.where(m == -math.inf, torch.zeros_like(m), m)
@@ -57,6 +59,8 @@ def online_softmax(blocks):
      ex(MP, "visible", "empty")),
     (MP, "correct: a pairwise fold with logaddexp", '''
 def merge_partials(outs, lses):
+    if lses.shape != outs.shape[:-1]:
+        raise ValueError("lses")
     out, lse = torch.zeros_like(outs[0]), torch.full_like(lses[0], -math.inf)
     for o, s in zip(outs, lses):
         new = torch.logaddexp(lse, s)
@@ -79,6 +83,13 @@ def merge_partials(outs, lses):
     (TA, "every causal tile computed", mutate(TA, ("last = min(Tk, i + n_q) if causal else Tk", "last = Tk")), ex(TA, "visible")),
     (TA, "the mask copied to (..., Tq, Tk)", mutate(TA, ("mask = mask.expand(*lead, Tq, Tk)", "mask = mask.expand(*lead, Tq, Tk).contiguous()")),
      ex(TA, "visible", "memory")),
+    (TA, "causal diagonal aligned bottom right", mutate(TA, (TA_KEEP, "keep = torch.arange(i + Tk - Tq, i + n_q + Tk - Tq, device=q.device)[:, None] >= torch.arange(j, j + n_k, device=q.device)"),
+                                                              ("if causal and j + n_k - 1 > i:", "if causal:"),
+                                                              ("last = min(Tk, i + n_q) if causal else Tk", "last = max(0, min(Tk, i + n_q + Tk - Tq)) if causal else Tk")),
+     ex(TA, "visible", "causal", "memory")),  # memory: its 256 queries and 300 keys are compared with the oracle, causal too
+    (TA, "running max, sum and accumulator in bfloat16", mutate(TA, ("work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype",
+                                                                     "work = q.dtype")), ex(TA, "visible")),
+    (TA, "v longer than k sliced silently", mutate(TA, ("or v.shape[-2] != k.shape[-2]:", ":")), ex(TA, "visible", "tiles")),
     (TA, "no ValueError for a tile of 0", mutate(TA, ("if block_q < 1 or block_k < 1:", "if False:"),
                                                  ("for i in range(0, Tq, block_q):", "for i in range(0, Tq, max(block_q, 1)):"),
                                                  ("for j in range(0, last, block_k):", "for j in range(0, last, max(block_k, 1)):")),
@@ -87,6 +98,8 @@ def merge_partials(outs, lses):
 def tiled_attention(q, k, v, mask=None, causal=False, block_q=64, block_k=64):
     if block_q < 1 or block_k < 1:
         raise ValueError("tiles")
+    if v.shape[-2] != k.shape[-2] or (mask is not None and mask.dtype != torch.bool):
+        raise ValueError("shapes or mask")
     Tq, Tk = q.shape[-2], k.shape[-2]
     keep = torch.ones(Tq, Tk, dtype=torch.bool)
     keep = keep.tril() if causal else keep
@@ -100,6 +113,10 @@ def tiled_attention(q, k, v, mask=None, causal=False, block_q=64, block_k=64):
 def tiled_attention(q, k, v, mask=None, causal=False, block_q=64, block_k=64):
     if block_q < 1 or block_k < 1:
         raise ValueError("tiles")
+    if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2] or (mask is not None and mask.dtype != torch.bool):
+        raise ValueError("shapes or mask")
+    dtype = q.dtype
+    q, k, v = (t.float() if dtype in (torch.float16, torch.bfloat16) else t for t in (q, k, v))  # float32 accumulators
     *lead, Tq, D = q.shape
     Tk, Dv = k.shape[-2], v.shape[-1]
     mask = None if mask is None else mask.expand(*lead, Tq, Tk)
@@ -132,7 +149,7 @@ def tiled_attention(q, k, v, mask=None, causal=False, block_q=64, block_k=64):
     seen = l > 0
     out = torch.where(seen[..., None], acc / torch.where(seen, l, torch.ones_like(l))[..., None], torch.zeros_like(acc))
     lse = torch.where(seen, m + torch.log(torch.where(seen, l, torch.ones_like(l))), torch.full_like(l, -math.inf))
-    return out, lse
+    return out.to(dtype), lse.to(dtype)
 ''', set()),
 ]
 
