@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .gpt import extend, greedy_choice, sample_choice
 from .kv_cache import KVCache, cached_forward
 from .validation import check_positive
 
@@ -141,7 +142,7 @@ def process_logits(logits: torch.Tensor, input_ids: torch.Tensor, generated_ids:
         logits = apply_temperature(logits, temperature)
     if top_k:
         logits = top_k_filter(logits, top_k)
-    if top_p is not None and top_p < 1.0:
+    if top_p is not None and top_p != 1.0:
         logits = top_p_filter(logits, top_p)
     if min_p is not None:
         logits = min_p_filter(logits, min_p)
@@ -208,33 +209,35 @@ def _ends_with(idx: torch.Tensor, stop_sequences) -> torch.Tensor:
 @torch.no_grad()
 def _decode(model, input_ids, max_new_tokens: int, choose: Callable, process: Callable, eos_ids: list[int],
             pad_token_id, attention_mask, use_cache: bool, stop_sequences, streamer) -> torch.Tensor:
-    """The token-by-token loop shared by greedy and sampling: prefill, then one token per step."""
+    """Greedy and sampling decoding on the library's one loop (``gpt.extend``): the model's step is a cached forward
+    pass (the prefill, then one token each), whose logits ``process`` turns into scores and ``choose`` (B, 1) into
+    tokens; a finished row emits padding, and the loop ends once every row has finished."""
     B, T0 = input_ids.shape
-    idx, mask = input_ids, attention_mask
-    unfinished = torch.ones(B, dtype=torch.bool, device=idx.device)
-    eos = torch.tensor(eos_ids, dtype=torch.long, device=idx.device)
+    unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=input_ids.device)
+    mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask.new_ones(B, max_new_tokens)], dim=1)
     cache = KVCache.for_model(model, B, T0 + max_new_tokens) if use_cache else None
-    new = idx
-    for _ in range(max_new_tokens):
+
+    def next_scores(tokens, new):
+        seen = None if mask is None else mask[:, :tokens.shape[1]]
         if use_cache:
-            logits = cached_forward(model, new, cache, mask)[:, -1, :]
+            logits = cached_forward(model, new, cache, seen)[:, -1, :]
         else:  # recompute everything: a fresh cache over the whole sequence each step
-            logits = cached_forward(model, idx, KVCache.for_model(model, B, idx.shape[1]), mask)[:, -1, :]
-        scores = process(idx, idx[:, T0:], logits.float())
-        next_token = choose(scores)  # (B,)
-        if pad_token_id is not None:
-            next_token = torch.where(unfinished, next_token, pad_token_id)  # finished rows emit padding
-        idx = torch.cat([idx, next_token[:, None]], dim=1)
-        new = next_token[:, None]
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+            logits = cached_forward(model, tokens, KVCache.for_model(model, B, tokens.shape[1]), seen)[:, -1, :]
+        return process(tokens, tokens[:, T0:], logits.float())
+
+    def choose_or_pad(scores):
+        token = choose(scores)  # (B, 1)
+        return token if pad_token_id is None else torch.where(unfinished[:, None], token, pad_token_id)
+
+    def finished(tokens):
+        nonlocal unfinished
         if streamer is not None:
-            streamer(next_token)
-        done = torch.isin(next_token, eos) | _ends_with(idx, stop_sequences)
-        unfinished = unfinished & ~done
-        if not unfinished.any():
-            break
-    return idx
+            streamer(tokens[:, -1])
+        unfinished = unfinished & ~(torch.isin(tokens[:, -1], eos) | _ends_with(tokens, stop_sequences))
+        return not unfinished.any()
+
+    return extend(input_ids, max_new_tokens, next_scores, choose_or_pad, finished)
 
 
 def sample(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
@@ -373,25 +376,24 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: 
 
     The functions it runs can be replaced, each by a keyword argument named after this module's function
     it replaces (the learner's, say): the processors of ``process_logits`` (``top_k_filter=my_top_k_filter``)
-    and ``beam_search`` (called as this module's ``beam_search``, whose sequences are returned).
+    and ``beam_search`` (called as this module's ``beam_search``, whose sequences are returned). Each processor
+    setting is range-checked by its processor only, once before the first step (on a probe row), greedy or not.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must have shape (B, T), got {tuple(input_ids.shape)}")
     _check_length(model, input_ids.shape[1], max_new_tokens)
     check_positive("num_beams", num_beams)
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
-        raise ValueError(f"top_k must be None or an integer >= 0 (0 and None disable it), got {top_k!r}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if min_p is not None and not 0 <= min_p <= 1:
-        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
-    if repetition_penalty is not None and not repetition_penalty > 0:
-        raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
-    for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
-        if not -2 <= value <= 2:
-            raise ValueError(f"{name} must be in [-2, 2], got {value}")
+    processors = dict(apply_repetition_penalty=apply_repetition_penalty,
+                      apply_frequency_presence_penalty=apply_frequency_presence_penalty,
+                      apply_temperature=apply_temperature, top_k_filter=top_k_filter, top_p_filter=top_p_filter,
+                      min_p_filter=min_p_filter)
+    penalties = dict(repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                     presence_penalty=presence_penalty)
+    warpers = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    # each setting's range is checked once, by the processor that applies it (as Hugging Face's processors check
+    # theirs when built): every processor asked for runs once on a probe row before the first step, greedy or not
+    probe_ids = input_ids.new_zeros(1, 1)
+    process_logits(torch.zeros(1, model.config.vocab_size), probe_ids, probe_ids, **penalties, **warpers, **processors)
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
                          f"got {tuple(attention_mask.shape)}")
@@ -416,24 +418,12 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: 
                            early_stopping=early_stopping, eos_token_id=eos_ids[0] if eos_ids else None,
                            pad_token_id=pad_token_id, attention_mask=attention_mask)[0]
 
-    processors = dict(apply_repetition_penalty=apply_repetition_penalty,
-                      apply_frequency_presence_penalty=apply_frequency_presence_penalty,
-                      apply_temperature=apply_temperature, top_k_filter=top_k_filter, top_p_filter=top_p_filter,
-                      min_p_filter=min_p_filter)
-
     def process(idx, generated, logits):
-        if do_sample:
-            return process_logits(logits, idx, generated, repetition_penalty=repetition_penalty,
-                                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                                  temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, **processors)
         # greedy: the warpers cannot change the argmax, so only the penalties apply (as in Hugging Face)
-        return process_logits(logits, idx, generated, repetition_penalty=repetition_penalty,
-                              frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, **processors)
+        return process_logits(logits, idx, generated, **penalties, **(warpers if do_sample else {}), **processors)
 
     def choose(scores):
-        if do_sample:
-            return torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=generator).squeeze(1)
-        return scores.argmax(dim=-1)
+        return sample_choice(scores, generator) if do_sample else greedy_choice(scores)
 
     return _decode(model, input_ids, max_new_tokens, choose, process, eos_ids, pad_token_id, attention_mask,
                    use_cache, stop_sequences, streamer)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -184,25 +185,51 @@ class GPT(nn.Module):
         return logits, loss
 
 
+def qkv_heads(attn, x):
+    """The queries, keys and values of a GPT attention module (its fused ``c_attn`` and ``n_head``: a
+    CausalSelfAttention, or heads.HeadAttention), split into heads: x (B, T, C) -> q, k, v, each (B, H, T, Dh).
+    ``CausalSelfAttention.forward`` writes the same split (chapter 04's exercise); every other reader calls this."""
+    B, T, C = x.shape
+    q, k, v = attn.c_attn(x).split(C, dim=2)  # each (B, T, C)
+    return tuple(t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k, v))
+
+
+def gpt_block(block: GPTBlock, x, attend: Callable):
+    """One GPTBlock with its attention step passed in, as ``LlamaBlock.forward(x, attend)``: x (..., C) -> (..., C).
+
+    attend(attn, h) -> (..., C) runs the block's attention module ``attn`` on its normed input h (against a cache,
+    say); the two residual steps are ``GPTBlock.forward``'s, which the learner writes in chapter 04 without this hook
+    (tests/lib/test_gpt.py checks that the two agree)."""
+    x = x + attend(block.attn, block.ln_1(x))
+    return x + block.mlp(block.ln_2(x))
+
+
 def gpt_layers(model: GPT, x, attend: Callable | None = None):
     """The block stack of a GPT, the one layer loop of every way of running it but training's (``GPT.forward`` is
     chapter 04's exercise, whose loop the learner writes): embedded tokens x (..., C) -> the final LayerNorm of the
     last block's output (..., C), ready for the LM head.
 
-    attend(layer, attn, h) -> (..., C), if given, is the attention step of block ``layer`` (its module ``attn``,
-    its normed input h): the cached forward (chapter 05) and the paged one (chapter 12) read and write their
-    caches there, and the block's two residual steps run here around it (``GPTBlock.forward``'s, which the learner
-    writes in chapter 04 without this hook; tests/lib/test_gpt.py checks that the two agree). By default each
-    block runs as it is (training, decoding without a cache).
+    attend(layer, attn, h) -> (..., C), if given, is the attention step of block ``layer`` (``gpt_block``): the cached
+    forward (chapter 05) and the paged one (chapter 12) read and write their caches there. By default each block
+    runs as it is (training, decoding without a cache).
     """
     tr = model.transformer
     for layer, block in enumerate(tr.h):
-        if attend is None:
-            x = block(x)
-        else:
-            x = x + attend(layer, block.attn, block.ln_1(x))
-            x = x + block.mlp(block.ln_2(x))
+        x = block(x) if attend is None else gpt_block(block, x, partial(attend, layer))
     return tr.ln_f(x)
+
+
+def gpt_logits(model: GPT, idx, positions=None, attend: Callable | None = None, last: bool = False):
+    """The forward pass of a GPT without the loss, the one every way of running it but ``GPT.forward`` (chapter 04's
+    exercise) calls: embed, ``gpt_layers``, LM head. idx (B, T) int64; positions (B, T) or (T,) int64, the tokens'
+    positions (default 0..T-1); attend as ``gpt_layers``'s. Returns logits (B, T, V), or with last=True those of the
+    last position only (B, V), the head then run over it alone. Dropout acts as in GPT.forward (in training mode only).
+    """
+    tr = model.transformer
+    if positions is None:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+    x = gpt_layers(model, tr.drop(tr.wte(idx) + tr.wpe(positions)), attend)  # (B, T, C)
+    return model.lm_head(x[:, -1] if last else x)
 
 
 def gpt_param_count(config: GPTConfig, tied: bool = True) -> int:
@@ -234,13 +261,23 @@ def greedy_choice(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1, keepdim=True)
 
 
-def extend(idx: torch.Tensor, max_new_tokens: int, next_logits: Callable, choose: Callable = greedy_choice) -> torch.Tensor:
-    """The autoregressive loop, written once: idx (B, T) -> (B, T + max_new_tokens), each new token fed back.
+def sample_choice(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A next token of each row drawn from softmax(logits), the course's one sampler: logits (B, V) -> (B, 1).
+
+    One ``torch.multinomial`` draw per row from `generator` (default: the global one, as Hugging Face's)."""
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+
+
+def extend(idx: torch.Tensor, max_new_tokens: int, next_logits: Callable, choose: Callable,
+           done: Callable | None = None) -> torch.Tensor:
+    """The autoregressive loop, the library's one: idx (B, T) -> (B, T + n), each new token fed back.
 
     next_logits(tokens, new) returns the logits (B, V) of the next token, given all tokens so far (B, t) and
     the newest of them (B, n): the prompt at the first call, then the token chosen last (a model with a KV
     cache reads only ``new``; one without reads ``tokens``). choose(logits) picks the next tokens (B, 1)
-    (default: greedy). next_logits runs max_new_tokens times: the last token chosen is never fed.
+    (``greedy_choice``, ``sample_choice``). done(tokens), if given, is asked after each step: True ends the loop
+    early (n < max_new_tokens). next_logits runs at most max_new_tokens times: the last token chosen is never fed.
+    The exercises' loops and the oracles that stay written out are listed in the README ("One loop").
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -248,6 +285,8 @@ def extend(idx: torch.Tensor, max_new_tokens: int, next_logits: Callable, choose
     for _ in range(max_new_tokens):
         new = choose(next_logits(tokens, new))
         tokens = torch.cat([tokens, new], dim=1)
+        if done is not None and done(tokens):
+            break
     return tokens
 
 
@@ -264,13 +303,10 @@ def gpt_sample(model: GPT, idx, max_new_tokens: int, temperature: float = 1.0, g
     if not greedy and temperature <= 0:
         raise ValueError(f"temperature must be > 0 (use greedy=True for the argmax), got {temperature}")
 
-    def sample(logits):
-        return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)
-
     was_training = model.training
     model.eval()
     idx = extend(idx, max_new_tokens, lambda tokens, new: model(tokens[:, -model.config.block_size:])[0][:, -1],
-                 greedy_choice if greedy else sample)
+                 greedy_choice if greedy else lambda logits: sample_choice(logits / temperature, generator))
     model.train(was_training)
     return idx
 
@@ -292,31 +328,11 @@ def attention_maps(model: GPT, idx) -> torch.Tensor:
             hook.remove()
     maps = []
     for block, x in zip(model.transformer.h, inputs):
-        B, T, C = x.shape
-        H = block.attn.n_head
-        q, k, _ = block.attn.c_attn(x).split(C, dim=2)
-        q, k = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k))
+        q, k, _ = qkv_heads(block.attn, x)  # (B, H, T, Dh)
+        T = x.shape[1]
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        maps.append(masked_softmax(q @ k.transpose(-2, -1) / math.sqrt(C // H), causal))
+        maps.append(masked_softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), causal))
     return torch.stack(maps)
-
-
-def check_maps(maps: torch.Tensor) -> None:
-    """ValueError naming maps unless it is every layer's and head's attention weights, (L, B, H, T, T)."""
-    if maps.dim() != 5 or maps.shape[-1] != maps.shape[-2]:
-        raise ValueError(f"maps must be (L, B, H, T, T), got shape {tuple(maps.shape)}")
-
-
-def previous_token_score(maps: torch.Tensor) -> torch.Tensor:
-    """How much each head attends to the token just before the query: (L, B, H, T, T) -> (L, H).
-
-    The mean, over the batch and the query positions t >= 1, of the weight on key t - 1.
-    A perfect previous-token head scores 1; a head that attends uniformly over the context scores much less.
-    ValueError naming maps unless it is (L, B, H, T, T).
-    """
-    check_maps(maps)
-    previous = maps.diagonal(offset=-1, dim1=-2, dim2=-1)  # (L, B, H, T - 1): weight of query t on key t - 1
-    return previous.mean(dim=(1, 3))
 
 
 @torch.no_grad()

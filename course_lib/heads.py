@@ -3,7 +3,7 @@
 Scores of attention heads: two simple conventions and the test of Olsson et al. (2022), "In-context Learning and
 Induction Heads":
 
-* previous-token score (course_lib.gpt.previous_token_score): the mean weight of query t on key t - 1;
+* previous-token score (``previous_token_score``, chapter 04 reads it too): the mean weight of query t on key t - 1;
 * first-token ("sink") score: the mean weight of query t >= 1 on key 0 (the "attention sink" of Xiao et al. 2023);
 * induction score, Olsson et al.'s, on the repeated-random-tokens test (a random sequence of `period` tokens, repeated): the
   mean weight of each query t >= period (a token of a later copy) on key t - period + 1, the token that came
@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import masked_softmax
-from .gpt import attention_maps, check_maps, previous_token_score
+from .gpt import attention_maps, qkv_heads
 from .validation import check_positive
 
 __all__ = ["AttentionOnly", "AttentionOnlyBlock", "HeadAttention", "ablate_head", "build_induction_model",
            "copy_losses", "first_token_score", "induction_figures", "induction_score", "induction_training_batch",
-           "repeated_random_tokens", "train_induction"]
+           "previous_token_score", "repeated_random_tokens", "train_induction"]
 
 
 def repeated_random_tokens(vocab_size: int, period: int, batch: int, generator=None, copies: int = 2) -> torch.Tensor:
@@ -45,6 +45,24 @@ def repeated_random_tokens(vocab_size: int, period: int, batch: int, generator=N
     else:
         rows = torch.randint(vocab_size, (batch, period), generator=generator)
     return rows.repeat(1, copies)
+
+
+def check_maps(maps: torch.Tensor) -> None:
+    """ValueError naming maps unless it is every layer's and head's attention weights, (L, B, H, T, T)."""
+    if maps.dim() != 5 or maps.shape[-1] != maps.shape[-2]:
+        raise ValueError(f"maps must be (L, B, H, T, T), got shape {tuple(maps.shape)}")
+
+
+def previous_token_score(maps: torch.Tensor) -> torch.Tensor:
+    """How much each head attends to the token just before the query: (L, B, H, T, T) -> (L, H).
+
+    The mean, over the batch and the query positions t >= 1, of the weight on key t - 1.
+    A perfect previous-token head scores 1; a head that attends uniformly over the context scores much less.
+    ValueError naming maps unless it is (L, B, H, T, T).
+    """
+    check_maps(maps)
+    previous = maps.diagonal(offset=-1, dim1=-2, dim2=-1)  # (L, B, H, T - 1): weight of query t on key t - 1
+    return previous.mean(dim=(1, 3))
 
 
 def first_token_score(maps: torch.Tensor) -> torch.Tensor:
@@ -109,10 +127,9 @@ class HeadAttention(nn.Module):
     def forward(self, x):
         """x (B, T, C) -> (B, T, C)."""
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = qkv_heads(self, x)  # (B, H, T, Dh)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        weights = masked_softmax(q @ k.transpose(-2, -1) / math.sqrt(C // self.n_head), causal)  # (B, H, T, T)
+        weights = masked_softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), causal)  # (B, H, T, T)
         y = (weights @ v).transpose(1, 2).reshape(B, T, C)
         return self.c_proj(y)
 
@@ -267,6 +284,7 @@ def induction_figures(model: nn.Module, periods, batch: int, seed: int) -> dict:
     batch rows drawn with torch.Generator().manual_seed(seed)), by period: every head's induction score,
     previous-token score and first-token score ([layer][head], 4 decimals), the mean loss on the first and on the
     second copy, and under "ablated" ("layer.head": with that head zero-ablated) the induction scores and losses again."""
+
     def scores(tokens, period):
         maps = attention_maps(model, tokens)
         first, second = copy_losses(model, tokens, period)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import masked_softmax
-from .gpt import gpt_layers
+from .gpt import gpt_logits, qkv_heads
 from .validation import check_positive
 
 
@@ -267,14 +267,12 @@ def cached_attention(attn, x, cache, layer: int, allowed):
     are written into the cache.
     """
     B, T, C = x.shape
-    H = attn.n_head
-    q, k, v = attn.c_attn(x).split(C, dim=2)
-    q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, Dh)
+    q, k, v = qkv_heads(attn, x)  # (B, H, T, Dh)
     keys, values = cache.update(layer, k, v)  # (B, H, T_k, Dh)
     if allowed is None:
         y = F.scaled_dot_product_attention(q, keys, values)  # (B, H, T, Dh)
     else:
-        y = masked_softmax(q @ keys.transpose(-2, -1) / math.sqrt(C // H), allowed) @ values
+        y = masked_softmax(q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1]), allowed) @ values
     return attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -321,11 +319,9 @@ def cached_forward(model, idx, cache, attention_mask=None, positions=None):
         query_slots = torch.arange(past, past + T, device=idx.device)
         key_slots = torch.arange(past + T, device=idx.device) if window is None else cache.key_slots(T)
         allowed = attention_allowed(query_slots, key_slots, attention_mask, window)
-    tr = model.transformer
-    x = tr.wte(idx) + tr.wpe(positions)  # (B, T, C)
-    x = gpt_layers(model, x, lambda layer, attn, h: cached_attention(attn, h, cache, layer, allowed))
+    logits = gpt_logits(model, idx, positions, lambda layer, attn, h: cached_attention(attn, h, cache, layer, allowed))
     cache.advance(T)
-    return model.lm_head(x)
+    return logits
 
 
 @torch.inference_mode()

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gpt import IGNORE_INDEX, extend
+from .gpt import IGNORE_INDEX, extend, greedy_choice
 from .kv_cache import KVCache, attention_allowed
 from .layers import RMSNorm, SwiGLU, swiglu_width
 from .positional import rope_cos_sin, rotate_half_layout, rotate_interleaved_layout
@@ -265,4 +265,4 @@ def generate_llama(model: Llama, idx, max_new_tokens: int):
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     cache = new_cache(model, idx.shape[0], idx.shape[1] + max_new_tokens)
-    return extend(idx, max_new_tokens, lambda tokens, new: llama_cached_forward(model, new, cache)[:, -1])
+    return extend(idx, max_new_tokens, lambda tokens, new: llama_cached_forward(model, new, cache)[:, -1], greedy_choice)

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .gpt import extend, greedy_choice
 from .kv_cache import KVCache, cached_forward
 from .validation import check_positive
 
@@ -205,27 +204,6 @@ def speculative_generate(target, draft, input_ids, max_new_tokens: int, *, num_d
         proposed.append(K)
         accepted.append(a)
     return SpeculativeOutput(tokens, num_draft_tokens, proposed, accepted)
-
-
-@torch.no_grad()
-def plain_cached_generate(model, input_ids, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
-                          generator: torch.Generator | None = None) -> torch.Tensor:
-    """The baseline: extend input_ids (1, T) by max_new_tokens tokens, one cached forward pass of `model` each.
-
-    Prefill the prompt, then feed back one token at a time (chapter 05). Returns (1, T + max_new_tokens).
-    """
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if input_ids.shape[1] + max_new_tokens > model.config.block_size:
-        raise ValueError(f"the prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) must fit "
-                         f"in the context, block_size = {model.config.block_size}")
-    cache = KVCache.for_model(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens)
-
-    def sample(logits):
-        return torch.multinomial(probs_from_logits(logits, True, temperature), 1, generator=generator)
-
-    return extend(input_ids, max_new_tokens, lambda tokens, new: cached_forward(model, new, cache)[:, -1],
-                  sample if do_sample else greedy_choice)
 
 
 def expected_tokens_per_round(alpha: float, k: int) -> float:

@@ -1,4 +1,5 @@
-"""The transformer, chapter 03: masks, encoder and decoder layers, and an encoder-decoder model.
+"""The encoder-decoder transformer, chapter 03 (the only model here: the decoder-only ones are gpt.py and llama.py):
+masks, encoder and decoder layers, and the encoder-decoder model.
 
 Mask convention (the course's, from chapter 01 on): a boolean tensor that broadcasts
 against the attention scores ``(B, H, Tq, Tk)``; ``True`` means "this query may attend
@@ -201,8 +202,10 @@ class Transformer(nn.Module):
         return self.decode(tgt_in, memory, src_mask)
 
     @torch.no_grad()
-    def greedy_decode(self, src: torch.Tensor, max_len: int, bos_id: int = BOS, eos_id: int = EOS) -> torch.Tensor:
-        """Greedy decoding: src (B, S) -> tokens (B, max_len); after its EOS a sequence gets pad_id."""
+    def generate(self, src: torch.Tensor, max_len: int, bos_id: int = BOS, eos_id: int = EOS) -> torch.Tensor:
+        """Greedy decoding, tokens only (as Hugging Face's encoder-decoder ``generate``): src (B, S) -> tokens
+        (B, max_len); after its EOS a sequence gets pad_id. (Chapter 01's ``GRUSeq2Seq.greedy_decode`` returns the
+        attention weights too, and pads nothing.)"""
         check_positive("max_len", max_len)
         memory, src_mask = self.encode(src)
         tokens = torch.full((src.shape[0], 1), bos_id, device=src.device)
@@ -289,6 +292,6 @@ def train_transformer(model: Transformer, make_batch: Callable[[torch.Generator]
 def exact_match(model: Transformer, batch: Seq2SeqBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy-decode batch.src; returns (exact (B,) bool: every target token up to EOS right, tokens (B, T))."""
     model.eval()
-    tokens = model.greedy_decode(batch.src, max_len=batch.tgt.shape[1])
+    tokens = model.generate(batch.src, max_len=batch.tgt.shape[1])
     real = batch.tgt != model.pad_id
     return ((tokens == batch.tgt) | ~real).all(dim=1), tokens

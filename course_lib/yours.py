@@ -49,6 +49,8 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 import torch
 
+from .answers import student_definitions
+
 F = TypeVar("F", bound=Callable)
 
 
@@ -188,8 +190,6 @@ def _source(cell: dict) -> str:
 def _definitions(source: str) -> str:
     """What the clean room grades of an answer cell: its definitions; of a cell that is not valid Python, a line
     that raises a SyntaxError saying what and where in the cell (line 1 is the cell's first)."""
-    from .grading.cleanroom import student_definitions
-
     try:
         ast.parse(source)
     except SyntaxError as error:

@@ -59,25 +59,26 @@ def _checkpoint(name: str) -> dict:
     return torch.load(_path(name, ".pt"), map_location="cpu", weights_only=True)
 
 
-def build(model: str, config: dict, model_class: type[nn.Module] | None = None) -> nn.Module:
+def build(model: str, config: dict, gpt: type[nn.Module] = GPT) -> nn.Module:
     """A freshly initialised model: MODEL_CLASSES[model](**config) (a GPT takes GPTConfig(**config), a Llama LlamaConfig(**config)).
-    model_class: another class built the same way instead (the learner's GPT, say)."""
+    gpt: the class a GPT is built with, the course's by default (the learner's GPT, say)."""
     if model not in MODEL_CLASSES:
         raise ValueError(f"model must be one of {sorted(MODEL_CLASSES)}, got {model!r}")
-    cls = model_class or MODEL_CLASSES[model]
     if model == "GPT":
-        return cls(GPTConfig(**config))
+        return gpt(GPTConfig(**config))
+    if gpt is not GPT:
+        raise ValueError(f"gpt holds GPT checkpoints only, this one holds a {model}")
     if model == "Llama":
-        return cls(LlamaConfig(**config))
-    return cls(**config)
+        return Llama(LlamaConfig(**config))
+    return MODEL_CLASSES[model](**config)
 
 
-def load(name: str, model_class: type[nn.Module] | None = None) -> nn.Module:
+def load(name: str, gpt: type[nn.Module] = GPT) -> nn.Module:
     """The pretrained model called name (a GPT, Llama, GRUSeq2Seq, Transformer or AttentionOnly, as its record says), in eval mode.
-    model_class: another class to hold the weights (the learner's GPT, say), built from the same config; its
-    state_dict must have the checkpoint's names and shapes (loaded strictly)."""
+    gpt: the class a GPT checkpoint is loaded into, the course's by default (the learner's GPT, say), built from the
+    same config; its state_dict must have the checkpoint's names and shapes (loaded strictly)."""
     checkpoint = _checkpoint(name)
-    model = build(info(name)["model"], checkpoint["config"], model_class)
+    model = build(info(name)["model"], checkpoint["config"], gpt)
     model.load_state_dict(checkpoint["state_dict"])
     return model.eval()
 

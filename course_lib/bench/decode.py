@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..gpt import GPT, GPTConfig, extend, gpt_layers
+from ..gpt import GPT, GPTConfig, extend, gpt_logits, greedy_choice
 from ..kernels import ONEDNN_AVAILABLE, chosen_kernels, onednn_linear, use_fastest_kernels
 from ..kv_cache import generate_cached
 from ..quantize import decode_weight_bytes, quantize_weights
@@ -53,13 +53,7 @@ LLAMA_MAX_TOKENS = 128
 def greedy_uncached(model, idx, max_new_tokens: int):
     """Greedy decoding without a cache: every step runs the blocks over the whole sequence so far and
     the LM head over its last position only. (B, T) -> (B, T + max_new_tokens)."""
-    tr = model.transformer
-
-    def next_logits(tokens, new):
-        x = tr.wte(tokens) + tr.wpe(torch.arange(tokens.shape[1], device=tokens.device))
-        return model.lm_head(gpt_layers(model, x)[:, -1])
-
-    return extend(idx, max_new_tokens, next_logits)
+    return extend(idx, max_new_tokens, lambda tokens, new: gpt_logits(model, tokens, last=True), greedy_choice)
 
 
 #: The input widths ``read_bandwidths`` reads a tensor as, as a weight (out, in): GPT-2 small's (n_embd, 4 n_embd).

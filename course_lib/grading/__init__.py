@@ -3,7 +3,8 @@
     course.py      the course on disk, nbgrader's settings, release and re-execution
     submission.py  reading a submission against its source, forgiving honest accidents
     runner.py      starting the clean room for one learner and reading its verdicts
-    cleanroom.py   the clean room itself (runs in the sandbox): one exercise at a time
+    cleanroom.py   the clean room itself (runs in the sandbox): one exercise at a time, each answer by its
+                   definitions (``course_lib.answers``, which the notebook's ``yours_from`` runs too)
     sandbox.py     the closed box (bubblewrap): no network, clean environment, hidden folders
     limits.py      time, memory and process caps, and their plain-words errors
     books.py       nbgrader's gradebook, autograded notebooks and feedback

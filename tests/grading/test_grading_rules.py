@@ -8,7 +8,8 @@ import os
 import pytest
 
 from course_lib.grading import Limits
-from course_lib.grading.cleanroom import forbidden_use, student_definitions
+from course_lib.answers import student_definitions
+from course_lib.grading.cleanroom import forbidden_use
 from course_lib.grading.runner import chapter_job, run_cleanroom
 from course_lib.grading.submission import nbgrader_meta, read_submission
 

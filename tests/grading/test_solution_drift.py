@@ -28,21 +28,41 @@ def course_lib_definitions() -> dict[str, list]:
     return found
 
 
+def solution_cells(path):
+    """(grade id, cell, names of the functions and classes it defines) of each solution cell of a notebook."""
+    for grade_id, cell in nbgrader_cells(load_notebook(path)).items():
+        if cell["metadata"]["nbgrader"]["solution"]:
+            tree = ast.parse(strip_solution_markers("".join(cell["source"]))) if cell["cell_type"] == "code" else None
+            yield grade_id, cell, [node for node in getattr(tree, "body", []) if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+
+
 def solution_definitions():
     for path in sorted((ROOT / "solutions").rglob("*.ipynb")):
-        for grade_id, cell in nbgrader_cells(load_notebook(path)).items():
-            if cell["metadata"]["nbgrader"]["solution"]:
-                tree = ast.parse(strip_solution_markers("".join(cell["source"])))
-                for node in tree.body:
-                    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                        yield pytest.param(node, id=f"{path.parent.name}:{node.name}")
+        for _, _, nodes in solution_cells(path):
+            for node in nodes:
+                yield pytest.param(node, id=f"{path.parent.name}:{node.name}")
 
 
 DEFINITIONS = list(solution_definitions())
 
 
-def test_there_are_solutions_to_compare():
-    assert len(DEFINITIONS) >= 3
+def test_every_solution_cell_of_every_chapter_is_compared():
+    """Every chapter but the orientation has solution cells; each is a code cell that defines at least one function
+    or class (a cell that defines none would escape the comparison below), and each of them is compared."""
+    from course_lib.grading import chapters
+
+    compared = {p.id for p in DEFINITIONS}
+    without = []
+    for chapter in chapters():
+        (path,) = (ROOT / "solutions" / chapter).glob("*.ipynb")
+        cells = list(solution_cells(path))
+        if not cells:
+            without.append(chapter)
+        for grade_id, cell, nodes in cells:
+            assert cell["cell_type"] == "code" and nodes, f"{chapter} {grade_id}: defines no function or class"
+            assert {f"{chapter}:{node.name}" for node in nodes} <= compared, (chapter, grade_id)
+    assert without == ["00-orientation"]
+    assert len(compared) == len(DEFINITIONS)  # one test per definition: no two share a chapter and a name
 
 
 @pytest.mark.parametrize("node", DEFINITIONS)

@@ -11,8 +11,8 @@ import torch
 
 from course_lib import assets
 from course_lib.data import CharTokenizer, Seq2SeqBatch, default_corpus, reversal_batch
-from course_lib.gpt import GPT, attention_maps, estimate_loss, previous_token_score
-from course_lib.heads import ablate_head, copy_losses, induction_score, repeated_random_tokens
+from course_lib.gpt import GPT, attention_maps, estimate_loss
+from course_lib.heads import ablate_head, copy_losses, induction_score, previous_token_score, repeated_random_tokens
 from course_lib.llama import Llama
 from course_lib.bpe import text_nats, train_bpe
 from course_lib.pretrain import RECIPES, VAL_FRACTION, bpe_corpus_splits, corpus_splits, pretrain, save_checkpoint
@@ -63,11 +63,14 @@ def test_another_class_can_hold_the_shipped_weights():
     class LearnersGPT(GPT):  # a class of the learner's, GPT-2's names (here the course's modules, under another class)
         pass
 
-    model, course = assets.load("char-gpt-draft", LearnersGPT), assets.load("char-gpt-draft")
+    model, course = assets.load("char-gpt-draft", gpt=LearnersGPT), assets.load("char-gpt-draft")
+    assert assets.load("char-gpt-draft", LearnersGPT).config == course.config  # as the notebooks pass it
     assert type(model) is LearnersGPT and not model.training and model.config == course.config
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), course.state_dict().values()))
     with pytest.raises(RuntimeError, match="Missing key"):  # strict: a class without the checkpoint's names fails
-        assets.load("char-gpt-draft", lambda config: torch.nn.Linear(1, 1))
+        assets.load("char-gpt-draft", gpt=lambda config: torch.nn.Linear(1, 1))
+    with pytest.raises(ValueError, match="gpt holds GPT checkpoints only, this one holds a Llama"):
+        assets.load("char-llama", gpt=LearnersGPT)
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -161,7 +164,7 @@ def greedy_tokens(model, batch: Seq2SeqBatch) -> torch.Tensor:
     """Greedy output tokens (B, T) of either model class."""
     if isinstance(model, GRUSeq2Seq):
         return model.greedy_decode(batch.src, batch.src_lengths, max_len=batch.tgt.shape[1])[0]
-    return model.greedy_decode(batch.src, max_len=batch.tgt.shape[1])
+    return model.generate(batch.src, max_len=batch.tgt.shape[1])
 
 
 @pytest.mark.parametrize("name", sorted(REVERSAL_MODELS))

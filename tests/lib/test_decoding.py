@@ -161,6 +161,33 @@ def test_bad_generate_arguments_raise_value_error(models):
         D.generate(model, x, 60)
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("setting, message", [
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"), (dict(top_k=-1), "top_k must be an integer >= 1"),
+    (dict(min_p=2.0), r"min_p must be in \[0, 1\]"), (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (dict(presence_penalty=-3.0), r"presence_penalty must be in \[-2, 2\]"), (dict(temperature=float("nan")), "temperature"),
+])
+def test_each_setting_is_checked_once_by_its_processor_before_any_step(models, setting, message, do_sample):
+    """As Hugging Face's processors check their settings when built: generate asks each processor for its setting up
+    front, greedy or not, before running the model; the error is the processor's own (a replaced one's too)."""
+    model, _ = models
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model ran before the settings were checked")
+
+    with pytest.raises(ValueError, match=message):
+        D.generate(model, prompts(), 3, do_sample=do_sample, streamer=never, **setting)
+    name = {"top_p": "top_p_filter", "top_k": "top_k_filter", "min_p": "min_p_filter", "temperature": "apply_temperature",
+            "repetition_penalty": "apply_repetition_penalty",
+            "presence_penalty": "apply_frequency_presence_penalty"}[next(iter(setting))]
+
+    def refuses(*args):
+        raise ValueError("the replaced processor's own check")
+
+    with pytest.raises(ValueError, match="the replaced processor's own check"):
+        D.generate(model, prompts(), 3, do_sample=do_sample, streamer=never, **setting, **{name: refuses})
+
+
 def test_top_k_accepts_python_ints_only_as_documented():
     import numpy as np
 
@@ -217,7 +244,8 @@ def test_generate_and_beam_search_run_the_functions_they_are_given(models):
     top_k, calls = Spy("top_k_filter"), []
     sampled = D.generate(model, x, 6, do_sample=True, top_k=4, generator=torch.Generator().manual_seed(0),
                          top_k_filter=top_k)
-    assert top_k.calls == 6 and torch.equal(sampled, D.generate(model, x, 6, do_sample=True, top_k=4,
+    # its setting is checked once, up front, then it runs once per step
+    assert top_k.calls == 1 + 6 and torch.equal(sampled, D.generate(model, x, 6, do_sample=True, top_k=4,
                                                                 generator=torch.Generator().manual_seed(0)))
 
     def beam_search(*args, **kwargs):

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.gpt import (GPT, IGNORE_INDEX, CausalSelfAttention, GPTConfig, attention_maps, count_parameters, estimate_loss,
-                            gpt_layers, gpt_param_count, gpt_sample, previous_token_score)
+                            gpt_layers, gpt_logits, gpt_param_count, gpt_sample, greedy_choice, qkv_heads,
+                            sample_choice)
 from tests.helpers import assert_parity
 
 
@@ -236,19 +237,6 @@ def test_attention_maps_are_causal_distributions_equal_to_sdpa_weights(generator
     assert_parity(maps[0], scores.softmax(-1))
 
 
-def test_previous_token_score_of_ideal_and_uniform_heads():
-    T = 6
-    ideal = torch.zeros(T, T)
-    ideal[0, 0] = 1
-    ideal[torch.arange(1, T), torch.arange(T - 1)] = 1
-    uniform = torch.ones(T, T).tril() / torch.arange(1, T + 1)[:, None]
-    maps = torch.stack([ideal, uniform]).view(1, 1, 2, T, T)  # one layer, one batch element, two heads
-    scores = previous_token_score(maps)
-    assert scores.shape == (1, 2)
-    assert scores[0, 0].item() == 1.0
-    assert abs(scores[0, 1].item() - sum(1 / t for t in range(2, T + 1)) / (T - 1)) < 1e-6
-
-
 def test_estimate_loss_is_the_mean_over_batches_and_restores_the_mode(generator):
     model = randomized(GPT(small_config()), seed=8).train()
     batches = [(torch.randint(0, 17, (2, 5), generator=generator), torch.randint(0, 17, (2, 5), generator=generator)) for _ in range(3)]
@@ -269,9 +257,44 @@ def test_extend_feeds_the_prompt_once_then_each_chosen_token_and_never_the_last(
         seen.append((tokens.shape[1], new.tolist()))
         return torch.nn.functional.one_hot((new[:, -1] + 1) % 10, 10).float()
 
-    out = extend(torch.tensor([[3, 4], [8, 9]]), 3, next_logits)
+    out = extend(torch.tensor([[3, 4], [8, 9]]), 3, next_logits, greedy_choice)
     assert out.tolist() == [[3, 4, 5, 6, 7], [8, 9, 0, 1, 2]]
     assert seen == [(2, [[3, 4], [8, 9]]), (3, [[5], [0]]), (4, [[6], [1]])]
-    assert extend(torch.tensor([[1]]), 0, next_logits).tolist() == [[1]] and len(seen) == 3
+    assert extend(torch.tensor([[1]]), 0, next_logits, greedy_choice).tolist() == [[1]] and len(seen) == 3
     with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
-        extend(torch.tensor([[1]]), -1, next_logits)
+        extend(torch.tensor([[1]]), -1, next_logits, greedy_choice)
+    # done(tokens) is asked after each step, with every token so far: True ends the loop there
+    asked = []
+    out = extend(torch.tensor([[3]]), 5, next_logits, greedy_choice, lambda tokens: asked.append(tokens.tolist()) or
+                 tokens[0, -1].item() == 5)
+    assert out.tolist() == [[3, 4, 5]] and asked == [[[3, 4]], [[3, 4, 5]]]
+
+
+def test_sample_choice_draws_from_the_softmax_with_its_generator():
+    """The one sampler: the frequencies of 20,000 draws are softmax(logits) (a float64 formula) to within 4 standard
+    errors; a seeded generator gives the same draws, and a token of probability 0 is never drawn."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, float("-inf")]]).repeat(20_000, 1)
+    draws = sample_choice(logits, torch.Generator().manual_seed(0))
+    assert draws.shape == (20_000, 1) and torch.equal(draws, sample_choice(logits, torch.Generator().manual_seed(0)))
+    expected = torch.softmax(logits[0].double(), dim=-1)
+    frequencies = torch.bincount(draws.view(-1), minlength=4).double() / 20_000
+    assert frequencies[3] == 0
+    assert ((frequencies - expected).abs() <= 4 * (expected * (1 - expected) / 20_000).sqrt() + 1e-12).all(), frequencies
+
+
+def test_gpt_logits_and_qkv_heads_are_gpt_forward_and_its_attention(generator):
+    """gpt_logits is GPT.forward's logits bit for bit (all positions, the last alone, positions given); qkv_heads is the
+    split CausalSelfAttention.forward computes: with it, F.scaled_dot_product_attention gives the module's output."""
+    model = GPT(small_config()).eval()
+    idx = torch.randint(0, model.config.vocab_size, (2, 7), generator=generator)
+    with torch.no_grad():
+        logits, _ = model(idx)
+        assert torch.equal(gpt_logits(model, idx), logits)
+        torch.testing.assert_close(gpt_logits(model, idx, last=True), logits[:, -1], rtol=0, atol=1e-6)
+        assert torch.equal(gpt_logits(model, idx, torch.arange(7).expand(2, 7)), logits)
+        attn = model.transformer.h[0].attn
+        x = torch.randn(2, 7, model.config.n_embd, generator=generator)
+        q, k, v = qkv_heads(attn, x)
+        assert q.shape == k.shape == v.shape == (2, model.config.n_head, 7, model.config.n_embd // model.config.n_head)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.testing.assert_close(attn.c_proj(y.transpose(1, 2).reshape(2, 7, -1)), attn(x), rtol=1e-5, atol=1e-6)

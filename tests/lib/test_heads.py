@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from course_lib import checks, heads
-from course_lib.gpt import GPT, GPTConfig, attention_maps, previous_token_score
+from course_lib.gpt import GPT, GPTConfig, attention_maps
 
 
 def test_repeated_random_tokens_repeat_with_distinct_tokens_per_copy():
@@ -32,7 +32,7 @@ def test_induction_score_equals_the_loop():
         torch.testing.assert_close(heads.induction_score(maps, period), checks.induction_oracle(maps, period), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("score", [heads.first_token_score, previous_token_score, lambda maps: heads.induction_score(maps, 3)])
+@pytest.mark.parametrize("score", [heads.first_token_score, heads.previous_token_score, lambda maps: heads.induction_score(maps, 3)])
 @pytest.mark.parametrize("shape", [(3, 4, 9, 9), (1, 3, 4, 9, 8), (2, 1, 3, 4, 9, 9)])
 def test_head_scores_refuse_maps_that_are_not_five_dimensional_and_square(score, shape):
     with pytest.raises(ValueError, match=r"maps must be \(L, B, H, T, T\), got shape"):
@@ -158,6 +158,19 @@ def test_training_never_draws_a_held_out_period():
     with pytest.raises(ValueError, match="held-out"):
         heads.train_induction(heads.AttentionOnly(8, 16, 8), steps=1, batch_size=2, lr=1e-3, init_std=0.1, seed=0,
                               periods=[3, 4], held_out_periods=[4], eval_batch=2, eval_seed=0, progress=False)
+
+
+def test_previous_token_score_of_ideal_and_uniform_heads():
+    T = 6
+    ideal = torch.zeros(T, T)
+    ideal[0, 0] = 1
+    ideal[torch.arange(1, T), torch.arange(T - 1)] = 1
+    uniform = torch.ones(T, T).tril() / torch.arange(1, T + 1)[:, None]
+    maps = torch.stack([ideal, uniform]).view(1, 1, 2, T, T)  # one layer, one batch element, two heads
+    scores = heads.previous_token_score(maps)
+    assert scores.shape == (1, 2)
+    assert scores[0, 0].item() == 1.0
+    assert abs(scores[0, 1].item() - sum(1 / t for t in range(2, T + 1)) / (T - 1)) < 1e-6
 
 
 def test_recording_scores_during_training_leaves_the_training_as_it_was():

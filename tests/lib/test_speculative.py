@@ -17,7 +17,8 @@ import torch
 from course_lib.gpt import GPT, GPTConfig, gpt_sample
 from course_lib.kv_cache import KVCache
 from course_lib.checks import AcceptSpy
-from course_lib.speculative import (SpeculativeOutput, draw_token, expected_tokens_per_round, plain_cached_generate,
+from course_lib.decoding import generate
+from course_lib.speculative import (SpeculativeOutput, draw_token, expected_tokens_per_round,
                                     probs_from_logits, speculative_accept, speculative_generate)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks
@@ -185,7 +186,7 @@ def test_greedy_speculative_on_the_shipped_pair(shipped):
     for text, K in (("The for statement is used to", 4), ("Exceptions", 3), ("If the ", 7)):
         prompt = torch.tensor([tok.encode(text)])
         out = speculative_generate(target, draft, prompt, 61, num_draft_tokens=K)
-        assert torch.equal(out.tokens, plain_cached_generate(target, prompt, 61))
+        assert torch.equal(out.tokens, generate(target, prompt, 61))
         assert torch.equal(out.tokens, gpt_sample(target, prompt, 61, greedy=True))
         assert 0 < out.accepted < out.proposed  # the draft is useful but not perfect
 
@@ -358,6 +359,14 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
         speculative_generate(target, draft, args.pop("input_ids"), args.pop("max_new_tokens"), **args)
 
 
-def test_output_type():
+def test_the_output_keeps_K_and_each_rounds_proposals_up_to_the_end():
+    """num_draft_tokens is the K asked, even where no round can propose K (4 new tokens: the first round proposes
+    min(K, r - 1) = 3); one entry per round, each round adding its kept proposals and one token, to the end."""
     out = speculative_generate(tiny_gpt(1), tiny_gpt(2), torch.tensor([[0]]), 4)
-    assert isinstance(out, SpeculativeOutput) and out.num_draft_tokens == 4
+    assert type(out) is SpeculativeOutput and out.num_draft_tokens == 4 and len(out.reached) == 4
+    assert out.tokens.shape == (1, 5) and out.proposed_per_round[0] == 3
+    left = 4
+    for k, a in zip(out.proposed_per_round, out.accepted_per_round, strict=True):
+        assert k == min(4, left - 1) and 0 <= a <= k
+        left -= a + 1
+    assert left == 0

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from course_lib import checks
-from course_lib.data import BOS, DIGIT_VOCAB_SIZE, EOS, PAD, Seq2SeqBatch, reversal_batch
+from course_lib.data import BOS, DIGIT_VOCAB_SIZE, EOS, PAD, reversal_batch
 from course_lib.transformer import (DecoderLayer, EncoderLayer, Transformer, exact_match, make_causal_mask,
                                     make_padding_mask, make_target_mask, shift_right, train_transformer, transformer_loss)
 from tests.helpers import assert_parity
@@ -193,10 +193,10 @@ def test_decoder_is_causal(generator):
         assert_parity(model(batch.src, changed)[:, :4], model(batch.src, tgt_in)[:, :4])
 
 
-def test_greedy_decode_is_the_argmax_of_the_teacher_forced_logits_and_pads_after_eos(generator):
+def test_generate_is_the_greedy_argmax_of_the_teacher_forced_logits_and_pads_after_eos(generator):
     model = small_model(seed=3)
     src = reversal_batch(6, generator=generator).src
-    tokens = model.greedy_decode(src, max_len=12)
+    tokens = model.generate(src, max_len=12)
     assert tokens.shape == (6, 12)
     with torch.no_grad():
         logits = model(src, shift_right(tokens))
@@ -261,7 +261,7 @@ def test_exact_match_of_a_perfect_and_a_wrong_model(generator):
     batch = reversal_batch(4, generator=generator)
 
     class Copy(Transformer):
-        def greedy_decode(self, src, max_len, bos_id=BOS, eos_id=EOS):
+        def generate(self, src, max_len, bos_id=BOS, eos_id=EOS):
             return answer.clone()
 
     model = Copy(DIGIT_VOCAB_SIZE, DIGIT_VOCAB_SIZE, d_model=8, n_heads=2, d_ff=8)
@@ -285,7 +285,3 @@ def test_train_transformer_rejects_bad_arguments():
         train_transformer(small_model(), lambda g: reversal_batch(2, generator=g), steps=1, lr=0.0)
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
         train_transformer(small_model(), lambda g: reversal_batch(2, generator=g), steps=0)
-
-
-def test_batch_type_is_the_chapter_01_one():
-    assert isinstance(reversal_batch(2), Seq2SeqBatch)

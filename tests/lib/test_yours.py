@@ -222,3 +222,13 @@ def test_the_release_holds_every_earlier_piece_the_later_chapters_read_unfinishe
         assert yours_from(chapter, name, check, course) is course
         assert capsys.readouterr().out == (f"your {name} in {notebook_of(chapter).as_posix()} does not pass its check yet: "
                                            "the course's version runs below\n")
+
+
+
+def test_feedback_in_the_notebook_does_not_need_the_grader(course, capsys, monkeypatch):
+    """yours_from runs an earlier answer's definitions as the clean room grades them (course_lib.answers), without
+    the grader: with course_lib.grading unimportable, the learner's function is still found and used."""
+    monkeypatch.setitem(sys.modules, "course_lib.grading", None)  # any import of the grader now raises ImportError
+    course(("answer", CORRECT))
+    assert from_01() is not reference
+    assert capsys.readouterr().out == "using your masked_softmax from ../01-attention/attention.ipynb\n"

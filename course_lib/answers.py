@@ -1,0 +1,23 @@
+"""What runs of a learner's answer cell: its definitions, nothing else.
+
+The clean room grades an answer by these definitions (``grading/cleanroom.py``), and the notebook's
+``yours_from`` runs the same ones of an earlier chapter's notebook (``yours.py``): both read them here, so that
+feedback in the notebook does not depend on the grader.
+"""
+from __future__ import annotations
+
+import ast
+
+
+def student_definitions(source: str) -> str:
+    """Imports, defs, classes and ``NAME = constant-expression`` lines of a cell; nothing else runs."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as error:
+        return f"raise SyntaxError({str(error)!r})"
+    # A forbidden import is kept: grading zeroes the exercise that uses it (``grading.cleanroom.forbidden_use``).
+    kept = [node for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom))
+            or isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets)
+            and not any(isinstance(n, ast.Call) for n in ast.walk(node.value))]
+    return ast.unparse(ast.Module(body=kept, type_ignores=[]))
