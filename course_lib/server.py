@@ -41,13 +41,13 @@ from collections import deque
 from contextlib import asynccontextmanager
 
 from . import assets
-from .serving import SEED_RANGE, Engine, Request, Trace, _number
+from .serving import SEED_RANGE, Engine, Request, StepLog, is_real_number
 from .validation import is_count
 
 HOST = "127.0.0.1"  # loopback only: the course's server is for this machine's clients
 FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
           "stop", "stream", "stream_options", "n", "user")
-TRACE_STEPS = 1024  # a running server keeps the trace of its last this many steps
+LOG_STEPS = 1024  # a running server keeps the step log of its last this many steps
 
 
 class BadRequest(ValueError):
@@ -160,7 +160,7 @@ def _setting(body: dict, key: str, default: float, check, allowed: str) -> float
     value = body.get(key)
     if value is None:
         return default
-    if not _number(value) or not check(value):
+    if not is_real_number(value) or not check(value):
         raise BadRequest(f"{key} must be {allowed}, got {value!r}", key)
     return float(value)
 
@@ -215,13 +215,13 @@ class EngineLoop:
         self.thread.join(timeout)
 
     def _fresh(self) -> None:
-        """A new pool and a bounded trace (a server runs for days: it keeps only the last TRACE_STEPS steps)."""
+        """A new pool and a bounded step log (a server runs for days: it keeps only the last LOG_STEPS steps)."""
         self.engine.reset()
-        trace = Trace()
-        for f in dataclasses.fields(Trace):
-            if isinstance(getattr(trace, f.name), list):
-                setattr(trace, f.name, deque(maxlen=TRACE_STEPS))
-        self.engine.trace = trace
+        log = StepLog()
+        for f in dataclasses.fields(StepLog):
+            if isinstance(getattr(log, f.name), list):
+                setattr(log, f.name, deque(maxlen=LOG_STEPS))
+        self.engine.log = log
 
     def _loop(self) -> None:
         engine = self.engine
