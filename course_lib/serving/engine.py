@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
+from ..decoding import (apply_frequency_presence_penalty, apply_repetition_penalty, apply_temperature, min_p_filter,
+                        top_k_filter, top_p_filter)
 from ..validation import check_positive, is_count
 from .block_pool import PagedKVCache
 from .metrics import StepLog
@@ -50,11 +52,19 @@ class Engine:
         self.share_prefixes, self.max_num_seqs = share_prefixes, max_num_seqs
         self.reset()
 
-    def reset(self, *, schedule_step=schedule_step, paged_attention=paged_attention, slot_mapping=slot_mapping) -> None:
+    def reset(self, *, schedule_step=schedule_step, paged_attention=paged_attention, slot_mapping=slot_mapping,
+              apply_repetition_penalty=apply_repetition_penalty,
+              apply_frequency_presence_penalty=apply_frequency_presence_penalty, apply_temperature=apply_temperature,
+              top_k_filter=top_k_filter, top_p_filter=top_p_filter, min_p_filter=min_p_filter) -> None:
         """Start afresh: an empty pool, no requests, step 0, an empty ``log``, the clock at 0 seconds.
 
-        schedule_step, paged_attention, slot_mapping: the functions the steps run on (the learner's, say)."""
+        schedule_step, paged_attention, slot_mapping, and chapter 06's processors (apply_repetition_penalty ...
+        min_p_filter, as ``process_logits`` takes them): the functions the steps run (the learner's, say)."""
         self.schedule_step, self.paged_attention, self.slot_mapping = schedule_step, paged_attention, slot_mapping
+        self.processors = dict(apply_repetition_penalty=apply_repetition_penalty,
+                               apply_frequency_presence_penalty=apply_frequency_presence_penalty,
+                               apply_temperature=apply_temperature, top_k_filter=top_k_filter,
+                               top_p_filter=top_p_filter, min_p_filter=min_p_filter)  # process_logits's keywords
         self.cache = PagedKVCache.for_model(self.model, self.num_blocks, self.block_size)
         self.results: dict = {}  # name -> Result: every request added since the reset
         self.waiting: list = []  # arrived, not running (new or preempted), first come first
@@ -63,10 +73,10 @@ class Engine:
         self.clock = 0  # the next step's number (a logical clock: a run jumps over steps where nothing happens)
         self.start_time = time.perf_counter()
 
-    def run(self, requests: list, *, schedule_step=schedule_step, paged_attention=paged_attention,
-            slot_mapping=slot_mapping) -> tuple:
-        """Serve `requests` (names unique); returns ({name: Result}, StepLog). schedule_step, paged_attention,
-        slot_mapping: the functions it runs on.
+    def run(self, requests: list, **functions) -> tuple:
+        """Serve `requests` (names unique); returns ({name: Result}, StepLog). functions: the functions it runs on,
+        by the name of the course function each replaces (``reset``'s keywords: ``schedule_step=my_schedule_step``,
+        ``top_k_filter=my_top_k_filter``).
 
         Offline serving of a trace: a fresh ``reset``, then each request arrives (``add_request``'s way) at its
         arrival step, and ``step`` runs until every request has left. A Result whose ``error`` is None holds all
@@ -77,7 +87,7 @@ class Engine:
         runs again alone and only those that raise alone fail. RuntimeError only for the engine's own faults (see
         ``step``)."""
         results, pending = pending_requests(requests)
-        self.reset(schedule_step=schedule_step, paged_attention=paged_attention, slot_mapping=slot_mapping)
+        self.reset(**functions)
         self.results = results
         while pending or self.waiting or self.running:
             now = time.perf_counter() - self.start_time
@@ -199,7 +209,8 @@ class Engine:
             self._register_full_blocks(cache, seq, seq.n_cached - n)
             if seq.n_cached == seq.n_tokens:  # the chunk reached the end: a new token
                 try:
-                    token = choose_token(logits[i], greedy[i], seq.tokens, seq.prompt_len, seq.request.sampling, seq.generator)
+                    token = choose_token(logits[i], greedy[i], seq.tokens, seq.prompt_len, seq.request.sampling,
+                                         seq.generator, self.processors)
                 except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone
                     self._fail(cache, seq, running, step, error)
                     output.finished.append(seq.request.name)

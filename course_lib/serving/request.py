@@ -20,9 +20,9 @@ class Request:
 
     arrival: the engine step at which it arrives (a logical clock: step 0 is the first). sampling: None
     for greedy, else chapter 06's processor settings (``process_logits``'s keyword arguments, e.g.
-    ``dict(temperature=0.8, top_k=20)``, and other versions of its processor functions by name, e.g.
-    ``top_k_filter=my_top_k_filter``; ``SAMPLING`` lists them and their ranges), drawn with a
-    ``torch.Generator`` seeded with ``seed``. ``validate`` checks every field on arrival.
+    ``dict(temperature=0.8, top_k=20)``; ``SAMPLING`` lists them and their ranges), drawn with a
+    ``torch.Generator`` seeded with ``seed`` (other versions of the processor functions go to ``Engine.run``, by the
+    plug-in rule). ``validate`` checks every field on arrival.
     The request always generates max_new_tokens tokens (no end-of-sequence token here).
     """
 
@@ -82,6 +82,8 @@ SAMPLING = {
                            "None or a finite number > 0 (1 means no penalty)"),
     "frequency_penalty": (lambda v: is_real_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
     "presence_penalty": (lambda v: is_real_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    # Processor functions carried by name: the old way, kept while chapter 12's notebook passes its processors here
+    # (it should pass them to Engine.run, by the plug-in rule; then these six entries go).
     **{name: (callable, f"a function (the course's decoding.{name} by default)") for name in (
         "apply_repetition_penalty", "apply_frequency_presence_penalty", "apply_temperature", "top_k_filter",
         "top_p_filter", "min_p_filter")},

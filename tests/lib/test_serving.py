@@ -202,6 +202,51 @@ def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restore
 # ---------------------------------------------------------------------------------------------------- exactness
 
 
+def test_processor_functions_plug_in_by_the_name_of_the_function_they_replace(small):
+    # The plug-in rule: Engine.run(requests, top_k_filter=...) runs that function for every sampled request. A
+    # top_k_filter that keeps one token makes sampling greedy: the oracle is greedy generate_cached.
+    from course_lib.decoding import top_k_filter
+
+    requests = trace(5, 23, gap=0.5)
+    for i, r in enumerate(requests):
+        r.sampling, r.seed = {"temperature": 1.5, "top_k": 20}, 40 + i
+    calls = []
+
+    def keep_one(logits, k):
+        calls.append(k)
+        return top_k_filter(logits, 1)
+
+    engine = Engine(small, num_blocks=64, block_size=4, token_budget=12)
+    sampled, _ = engine.run(requests)
+    kept, _ = engine.run(requests, top_k_filter=keep_one)
+    assert set(calls) == {20} and len(calls) == sum(r.max_new_tokens for r in requests)  # once per token, its top_k
+    assert all(kept[r.name].tokens == alone(small, r) for r in requests)
+    assert any(sampled[r.name].tokens != alone(small, r) for r in requests)  # without it, they sample
+
+
+def test_a_temperature_near_0_is_greedy_and_penalties_apply_before_the_argmax(small):
+    # vLLM's rule: a temperature below 1e-5 is greedy (1e-45 divides the logits into inf and NaN probabilities);
+    # OpenAI's and vLLM's: the penalties apply at temperature 0 too, before the argmax. The oracles: greedy
+    # generate_cached, and chapter 06's generate (greedy with the penalties, uncached).
+    from course_lib.decoding import generate
+
+    requests = trace(6, 21, gap=0.5)
+    for i, r in enumerate(requests):
+        r.sampling = {"temperature": [1e-45, 1e-7, 0.0][i % 3]}
+    tiny, _ = Engine(small, num_blocks=64, block_size=4, token_budget=12).run(requests)
+    assert all(tiny[r.name].error is None and tiny[r.name].tokens == alone(small, r) for r in requests)
+    penalties = {"frequency_penalty": 2.0, "presence_penalty": 1.0, "repetition_penalty": 1.5}
+    for i, r in enumerate(requests):
+        r.sampling = {"temperature": [1e-45, 0.0][i % 2], **penalties}
+    penalised, _ = Engine(small, num_blocks=64, block_size=4, token_budget=12).run(requests)
+    changed = 0
+    for r in requests:
+        want = generate(small, torch.tensor([r.prompt]), r.max_new_tokens, use_cache=False, **penalties)
+        assert penalised[r.name].tokens == want[0, len(r.prompt):].tolist(), r.name
+        changed += penalised[r.name].tokens != alone(small, r)
+    assert changed >= 2  # the penalties changed these requests' tokens: the comparison can tell them apart
+
+
 @pytest.mark.parametrize("block_size,budget,seed", [(1, 5, 0), (3, 1, 1), (4, 16, 2), (8, 64, 3), (16, 7, 4)])
 def test_greedy_tokens_equal_generating_each_request_alone(small, block_size, budget, seed):
     requests = trace(10, seed)
