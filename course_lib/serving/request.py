@@ -40,7 +40,7 @@ class Result:
 
     error is None exactly when the request finished (all max_new_tokens tokens). Otherwise it names the request and
     says why: rejected on arrival (no tokens) or failed in a step (the tokens generated before it failed; finish_step
-    None). See ``Engine``."""
+    None). See ``Engine.run``."""
 
     name: str
     tokens: list = field(default_factory=list)
@@ -106,7 +106,7 @@ def validate(request: Request, context: int, num_blocks: int | None = None, bloc
     the model's context length `context`; its blocks within a pool of num_blocks blocks of block_size tokens (when
     given); sampling (None or a dict of the settings in ``SAMPLING``, each in its range); seed (an integer that
     ``torch.Generator.manual_seed`` takes). Everything a request carries is checked here, once, on arrival: the
-    engine's steps check nothing per token. See ``Engine``.
+    engine's steps check nothing per token. See ``Engine.run``.
     """
     name, prompt = request.name, request.prompt
     arrival = arrival_error(request)
