@@ -1,4 +1,4 @@
-"""The faster matrix-vector kernel for each weight, measured on this machine: chapter 08.
+"""The faster matrix-vector kernel for each weight, and the faster thread count for a pass, measured on this machine.
 
 A decode step multiplies a few rows (one new token per sequence) by every weight matrix, so it costs
 about the time to read the weights. PyTorch ships two CPU kernels for the float32 product ``x W^T + b``:
@@ -19,17 +19,25 @@ measures). Everything that is not a float32 product on the CPU of 1 to ``MEASURE
 gradient to track and no autocast (training, other dtypes, other devices, a prefill of many tokens), runs
 ``F.linear``. Which kernel a product runs is measured, so two runs may round differently (within float32
 rounding): compare outputs with a tolerance, and tokens only where the winning logit leads by a margin.
+
+The thread count is chosen the same way, by measuring (chapter 12's engine asks before each pass): ``ThreadChoice``
+times one thread against the caller's on a probe and keeps the answer until it goes stale. ``threads(n)`` is the
+library's one way to run a block on n torch threads.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .validation import check_positive
 
 #: Products of more rows than this (a long prefill) are compute-bound, and run ``F.linear`` unmeasured.
 MEASURED_ROWS = 64
@@ -181,3 +189,109 @@ def use_fastest_kernels(model: nn.Module, rows=(1,)) -> nn.Module:
                 x = torch.zeros(n, module.in_features, dtype=module.weight.dtype, device=module.weight.device)
                 choose(module.weight, module.bias, x, model_bytes)
     return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# threads
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Run the block with n torch threads (n >= 1), then restore the count it found, even on an error; yields n.
+
+    The count is set only if it differs (a step's small operations ask for the count they already have)."""
+    check_positive("threads", n)
+    previous = torch.get_num_threads()
+    if n != previous:
+        torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        if n != previous:
+            torch.set_num_threads(previous)
+
+
+#: Multiply-adds of one layer's linear products in a pass (tokens x 12 C^2) below which the pass runs on one thread.
+#: Intra-op threads pay only when an operation's work outweighs waking and joining them; a decode step of a small
+#: model is hundreds of operations of microseconds, and each parallel one waits for every thread, on a busy machine
+#: for a descheduled thread's time slice (measured here: the course model's engine 25 times slower at 2 threads
+#: than at 1 on a loaded 2-core machine). Above it (GPT-2 small's width from 3 tokens) ``ThreadChoice`` measures.
+ONE_THREAD_WORK = 2 ** 24
+
+
+@dataclass
+class ThreadProbe:
+    """One probe of ``ThreadChoice``: the thread count it chose for passes of its rows, and what it cost."""
+
+    rows: int
+    threads: int
+    seconds: float  # what the whole probe took, both counts' calls
+    credit: float = 0.0  # seconds the model's passes have taken since
+    fastest: dict = field(default_factory=dict)  # rows -> the fewest seconds per token of a pass it decided, since
+    slow: int = 0  # the passes in a row it decided that were slow (see ``ThreadChoice.record``)
+
+
+class ThreadChoice:
+    """Whether one thread or the caller's n run a model's passes faster now (it depends on the pass's size and on the
+    machine's load, which changes): a timed probe decides, and holds until the passes' time or a stall makes it stale.
+
+    Probes are kept per model and caller's thread count (``pick``'s `model`, `n`); `clock`: seconds (a test's fake).
+    """
+
+    def __init__(self, explore: float = 20.0, calls: int = 5, margin: float = 1.2, stall: float = 2.0,
+                 stall_passes: int = 2, clock: Callable[[], float] = time.perf_counter):
+        self.explore, self.calls, self.margin, self.stall, self.stall_passes = explore, calls, margin, stall, stall_passes
+        self.clock = clock
+        self.probes: dict = {}  # (model, n) -> {rows: its latest ThreadProbe}
+
+    def pick(self, model: tuple, rows: int, n: int, probe: Callable[[], object]) -> ThreadProbe:
+        """The probe that decides a pass of `rows` rows of `model` (its ``threads``: 1 or n), probed now if need be.
+
+        A fresh probe speaks for its rows, and also for fewer if it chose one thread, for more if it chose n (a
+        larger pass gains more from threads); the nearest in rows decides. If none speaks, ``probe()`` (one block of
+        the model on the pass's rows) runs at 1 and n threads in turn, up to ``calls`` times: n threads win a call if
+        ``margin`` times their seconds beat one thread's; n are chosen if they win more than half of the calls, one
+        thread otherwise, and the probing stops as soon as that is decided."""
+        kept = self.probes.setdefault((model, n), {})
+        speaks = [p for p in kept.values() if p.credit < self.explore * p.seconds
+                  and (p.rows == rows or (p.rows > rows and p.threads == 1) or (p.rows < rows and p.threads > 1))]
+        if speaks:
+            return min(speaks, key=lambda p: abs(math.log2(p.rows / rows)))
+        start, wins = self.clock(), 0
+        for calls in range(1, self.calls + 1):
+            seconds = {}
+            for count in (1, n):
+                with threads(count):
+                    begin = self.clock()
+                    probe()
+                    seconds[count] = self.clock() - begin
+            wins += seconds[n] * self.margin < seconds[1]
+            if 2 * wins > self.calls or 2 * (calls - wins) >= self.calls:
+                break
+        kept[rows] = ThreadProbe(rows, n if 2 * wins > self.calls else 1, self.clock() - start)
+        return kept[rows]
+
+    def record(self, model: tuple, n: int, decided_by: ThreadProbe, rows: int, tokens: int, seconds: float) -> None:
+        """A pass of `model` (caller's count n) of `tokens` tokens (`rows`: rounded up to a power of two) took
+        `seconds` on the thread count `decided_by` chose.
+
+        Probes go stale two ways: once the model's passes have taken ``explore`` times what a probe took (probing
+        then costs about 1 / explore of the time, and a machine that became quiet is noticed); and on a stall:
+        ``stall_passes`` passes in a row on n threads, each ``stall`` times slower per token than the fastest pass of
+        its rows the same probe decided, stale every probe of the model that chose n (load has come). Passes are
+        compared with passes, not with the probe, which reads no cache and runs no LM head; and more than one,
+        as one burst, or one pass of another mix of prompt chunks and decodes, can be that slow."""
+        kept = self.probes.get((model, n), {})
+        for p in kept.values():
+            p.credit += seconds
+        if decided_by.threads > 1:
+            per_token, fastest = seconds / tokens, decided_by.fastest.get(rows, math.inf)
+            decided_by.slow = decided_by.slow + 1 if per_token > self.stall * fastest else 0
+            if decided_by.slow >= self.stall_passes:
+                for p in kept.values():
+                    if p.threads > 1:
+                        p.credit = math.inf
+            decided_by.fastest[rows] = min(fastest, per_token)
+
+
+THREAD_CHOICE = ThreadChoice()  # the process's measurements (chapter 12's ``paged_forward`` asks it)

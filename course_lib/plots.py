@@ -65,7 +65,7 @@ STATE_COLOURS = {"waiting": "#d9d9d9", "prefill": "#4c72b0", "decode": "#55a868"
 def request_timeline(states: list, names: list, ax=None, title: str | None = None):
     """One row per request, one column per engine step, coloured by the request's state at that step.
 
-    states: per step, a dict {request name: state} (course_lib.serving.Trace.states); names: the rows, in order.
+    states: per step, a dict {request name: state} (course_lib.serving.StepLog.states); names: the rows, in order.
     States: waiting (arrived, not running), prefill, decode, idle (done, its batch row still occupied), preempted.
     """
     from matplotlib.colors import ListedColormap

@@ -42,6 +42,7 @@ from .bpe import BPETokenizer, text_nats, train_bpe
 from .data import DIGIT_VOCAB_SIZE, CharTokenizer, Seq2SeqBatch, default_corpus, digits_to_text, reversal_batch, train_val_split
 from .gpt import count_parameters, estimate_loss
 from .heads import train_induction
+from .kernels import threads
 from .seq2seq import evaluate_reversal, train_reversal
 from .train import TRAIN_EVAL_SEED, VAL_EVAL_SEED, TrainConfig, fixed_batches, train_gpt
 from .transformer import exact_match, train_transformer
@@ -283,16 +284,12 @@ def train(name: str, steps: int | None = None, progress: bool = True) -> tuple[n
     r = recipe(name, steps)
     tokenizer = CharTokenizer(default_corpus()) if r.corpus else None
     config = {"vocab_size": tokenizer.vocab_size, **r.config} if tokenizer else dict(r.config)
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(r.threads)
-    try:
+    with threads(r.threads):
         torch.manual_seed(r.seed)
         model = assets.build(r.model, config)
         start, cpu_start = time.perf_counter(), time.process_time()
         results = r.train(model, progress=progress, **r.train_args, **r.evaluate)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    finally:
-        torch.set_num_threads(previous_threads)
     record = {"name": name, "model": r.model, "config": config, "seed": r.seed, "trainer": r.train.__name__,
               "parameters": count_parameters(model), "train": r.train_args, "threads": r.threads, **results,
               "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1)}

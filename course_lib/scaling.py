@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from . import assets
+from .kernels import threads
 
 RESULTS = assets.FOLDER / "scaling-family.json"
 
@@ -221,9 +222,7 @@ def train_point(n_layer: int, n_embd: int, steps: int, recipe: ScalingRecipe = R
     from .train import TrainConfig, train_gpt
 
     tokenizer, train, val = corpus_splits()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(recipe.threads)
-    try:
+    with threads(recipe.threads):
         torch.manual_seed(recipe.seed)
         model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=recipe.block_size, n_layer=n_layer,
                               n_head=recipe.n_head, n_embd=n_embd, dropout=0.0, bias=True))
@@ -234,8 +233,6 @@ def train_point(n_layer: int, n_embd: int, steps: int, recipe: ScalingRecipe = R
         train_gpt(model, train, val, config, progress=progress)
         losses = evaluation_losses(model, train, val)
         seconds = time.perf_counter() - start
-    finally:
-        torch.set_num_threads(previous)
     n = non_embedding_parameters(model)
     tokens = steps * recipe.tokens_per_step
     assert isinstance(tokenizer, CharTokenizer)

@@ -5,18 +5,25 @@ that came (they join the running batch at the next step) and the requests whose 
 back to the pool); after each step it hands every request its new token. The HTTP side is a Starlette app served by
 uvicorn on the loopback address (127.0.0.1) only: many clients at once, each waiting on its own queue.
 
-The request body is OpenAI's completions API, checked before anything runs; a bad request gets HTTP 400 with
-OpenAI's error body ``{"error": {"message", "type": "invalid_request_error", "param": the field, "code"}}`` and
-touches no other request. Supported fields (any other is a 400 naming it):
+The request body is OpenAI's completions API, sent as ``application/json`` (another content type is a 415: a web page
+may POST text/plain to 127.0.0.1 unasked) of at most ``MAX_BODY_BYTES`` (else 413), checked before anything runs; a
+bad request gets HTTP 400 with OpenAI's error body ``{"error": {"message", "type": "invalid_request_error", "param":
+the field, "code"}}`` and touches no other request (so do an unknown path, 404, and method, 405). Supported fields
+(any other is a 400 naming it; null is the default, as the official client sends it for None):
 
 * ``model`` (the served model's name), ``prompt`` (a string, through the model's tokenizer, or a list of token ids),
   ``max_tokens`` (an integer >= 1, default 16; prompt + max_tokens within the model's context),
-* ``temperature`` (in [0, 2], default 1; 0 is greedy), ``top_p`` (in (0, 1], default 1), ``presence_penalty`` and
-  ``frequency_penalty`` (in [-2, 2], default 0), ``seed`` (an integer; the request's own ``torch.Generator``, so a
-  seeded request gets the same tokens whatever batch it runs in; default: a random one),
+* ``temperature`` (in [0, 2], default 1; 0 and below 1e-5 are greedy, as in vLLM), ``top_p`` (in (0, 1], default 1),
+  ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], default 0; greedy too, before the argmax), ``seed`` (an
+  integer; the request's own ``torch.Generator``, so a seeded request gets the same tokens whatever batch it runs
+  in; default: a random one),
 * ``stop`` (a string or a list of at most 4 non-empty strings: the text ends before the first one, which is not
   returned), ``stream`` (server-sent events, one per token, then ``data: [DONE]``), ``stream_options``
-  (``{"include_usage": true}``: a last event with the usage), ``n`` (1 only), ``user`` (ignored).
+  (``{"include_usage": true}``: a last event with the usage), ``n`` (1 only), ``logprobs`` (null only), ``user``
+  (ignored).
+
+No client's request holds the event loop: the prompt is tokenized on a worker thread, after a string too long for
+the context in any tokenization is refused; the stop check is linear in the text, whatever the stop strings' length.
 
 The model has no end-of-text token, so a completion ends at max_tokens (finish_reason "length") or at a stop string
 ("stop"). ``usage`` counts the prompt's tokens and the completion's tokens (those generated, a stop string's included).
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import queue
@@ -41,13 +49,14 @@ from collections import deque
 from contextlib import asynccontextmanager
 
 from . import assets
-from .serving import SEED_RANGE, Engine, Request, Trace, _number
+from .serving import SEED_RANGE, Engine, Request, StepLog, is_real_number
 from .validation import is_count
 
 HOST = "127.0.0.1"  # loopback only: the course's server is for this machine's clients
 FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
-          "stop", "stream", "stream_options", "n", "user")
-TRACE_STEPS = 1024  # a running server keeps the trace of its last this many steps
+          "stop", "stream", "stream_options", "n", "logprobs", "user")
+MAX_BODY_BYTES = 2 ** 20  # a larger body is refused (413) without being read to its end
+LOG_STEPS = 1024  # a running server keeps the step log of its last this many steps
 
 
 class BadRequest(ValueError):
@@ -69,11 +78,14 @@ class Completion:
 
 
 def parse_completion(body, *, name: str, model_name: str, tokenizer, context: int, vocab_size: int, num_blocks: int,
-                     block_size: int) -> Completion:
+                     block_size: int, token_bytes: int) -> Completion:
     """Check an OpenAI completions body (a dict parsed from JSON); raise BadRequest naming the first bad field.
 
     name: the engine's name for the request; model_name: the served model; context: the model's context length;
-    vocab_size: token ids allowed in [0, vocab_size); num_blocks, block_size: the engine's pool."""
+    vocab_size: token ids allowed in [0, vocab_size); num_blocks, block_size: the engine's pool; token_bytes: the
+    most UTF-8 bytes one token decodes to (``longest_token``), so that a prompt string too long for the context is
+    refused before it is tokenized (it holds at least len(prompt) / token_bytes tokens). A field sent as null takes
+    its default."""
     if not isinstance(body, dict):
         raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}", None)
     for key in body:
@@ -84,6 +96,10 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
                          "model", 404, "model_not_found")
     prompt = body.get("prompt")
     if isinstance(prompt, str):
+        if len(prompt) > (context - 1) * token_bytes:  # more tokens than the context holds, whatever they are
+            raise BadRequest(f"prompt is too long: this model's context is {context} tokens, and a prompt of "
+                             f"{len(prompt)} characters holds more than {context - 1}", "prompt",
+                             code="context_length_exceeded")
         try:
             ids = tokenizer.encode(prompt)
         except ValueError as error:
@@ -98,7 +114,7 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
                          f"{_kind(prompt)}", "prompt")
     if not ids:
         raise BadRequest("prompt must hold at least 1 token, got an empty prompt", "prompt")
-    max_tokens = body.get("max_tokens", 16)
+    max_tokens = _or_default(body, "max_tokens", 16)
     if not is_count(max_tokens) or max_tokens < 1:
         raise BadRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
     if len(ids) >= context:
@@ -126,8 +142,8 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest(f"stop must be null, a non-empty string or a list of at most 4 non-empty strings, got "
                          f"{body.get('stop')!r}", "stop")
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
+    stream = _or_default(body, "stream", False)
+    if not isinstance(stream, bool):
         raise BadRequest(f"stream must be a boolean, got {stream!r}", "stream")
     options = body.get("stream_options")
     if options is not None:
@@ -137,19 +153,35 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
                 or not isinstance(options.get("include_usage", False), bool):
             raise BadRequest(f'stream_options must be {{"include_usage": true or false}}, got {options!r}',
                              "stream_options")
-    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
-        raise BadRequest(f"n must be 1 (one completion per request), got {body['n']!r}", "n")
-    if not isinstance(body.get("user", ""), str):
+    n = _or_default(body, "n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise BadRequest(f"n must be 1 (one completion per request), got {n!r}", "n")
+    if body.get("logprobs") is not None:
+        raise BadRequest(f"logprobs must be null (log-probabilities are not returned), got {_kind(body['logprobs'])}",
+                         "logprobs")
+    if not isinstance(_or_default(body, "user", ""), str):
         raise BadRequest(f"user must be a string, got {_kind(body['user'])}", "user")
-    sampling = None  # greedy
-    if temperature > 0:
-        sampling = {"temperature": temperature}
-        for key, value, default in (("top_p", top_p, 1.0), ("presence_penalty", presence, 0.0),
-                                    ("frequency_penalty", frequency, 0.0)):
-            if value != default:  # only the settings that change something: the same draws as a request without them
-                sampling[key] = value
+    # only the settings that change something: the same draws as a request without them; at temperature 0 the
+    # penalties still apply, before the argmax (OpenAI's and vLLM's meaning), and top_p cannot change the argmax
+    changed = {key: value for key, value, default in (("top_p", top_p, 1.0), ("presence_penalty", presence, 0.0),
+                                                      ("frequency_penalty", frequency, 0.0)) if value != default}
+    if temperature == 0:
+        changed.pop("top_p", None)
+    sampling = {"temperature": temperature, **changed} if temperature > 0 or changed else None  # None: greedy
     request = Request(name, list(ids), max_tokens, sampling=sampling, seed=seed)
     return Completion(request, stop, bool(stream), bool(options and options.get("include_usage")))
+
+
+def _or_default(body: dict, key: str, default):
+    """body[key], or `default` when it is missing or null (the official client sends null for a None argument)."""
+    value = body.get(key)
+    return default if value is None else value
+
+
+def longest_token(tokenizer, vocab_size: int) -> int:
+    """The most UTF-8 bytes one token of `tokenizer` decodes to (a byte-level token that is part of a character
+    decodes to U+FFFD, 3 bytes: never fewer than its own): a token id's text, at most this long."""
+    return max(len(tokenizer.decode([i]).encode("utf-8")) for i in range(vocab_size))
 
 
 def _kind(value) -> str:
@@ -160,7 +192,7 @@ def _setting(body: dict, key: str, default: float, check, allowed: str) -> float
     value = body.get(key)
     if value is None:
         return default
-    if not _number(value) or not check(value):
+    if not is_real_number(value) or not check(value):
         raise BadRequest(f"{key} must be {allowed}, got {value!r}", key)
     return float(value)
 
@@ -169,14 +201,29 @@ def _error_body(message: str, param: str | None, kind: str = "invalid_request_er
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def stop_cut(text: str, stops: list) -> tuple:
+def stop_cut(text: str, stops: list, start: int = 0) -> tuple:
     """How much of `text` can be sent: (end, stopped). The text up to the first stop string, and stopped=True; else
-    everything but a tail that could begin a stop string (held back until the next tokens tell), and False."""
-    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    the text but a character whose bytes are not all there yet (U+FFFD at its end) and the longest tail that could
+    begin a stop string (held back until the next tokens tell: a stop may begin in that character), and False.
+
+    start: the end this returned for the text's previous version (the text before it is settled: no stop string
+    begins there), so that each call looks only at what is new or held back. A request's calls then cost in all
+    about its text's length times its stop strings' number, whatever their length (a 100 KB stop string included)."""
+    first = min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)
     if first >= 0:
         return first, True
-    held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    return len(text) - held, False
+    known = text.rstrip("\ufffd")
+    return len(known) - max((_stop_prefix(known, s, start) for s in stops), default=0), False
+
+
+def _stop_prefix(text: str, stop: str, start: int) -> int:
+    """The length of the longest tail of `text`, beginning at `start` or later, that is a proper prefix of `stop`."""
+    i = text.find(stop[0], max(start, len(text) - len(stop) + 1))
+    while i >= 0:
+        if stop.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(stop[0], i + 1)
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -215,13 +262,13 @@ class EngineLoop:
         self.thread.join(timeout)
 
     def _fresh(self) -> None:
-        """A new pool and a bounded trace (a server runs for days: it keeps only the last TRACE_STEPS steps)."""
+        """A new pool and a bounded step log (a server runs for days: it keeps only the last LOG_STEPS steps)."""
         self.engine.reset()
-        trace = Trace()
-        for f in dataclasses.fields(Trace):
-            if isinstance(getattr(trace, f.name), list):
-                setattr(trace, f.name, deque(maxlen=TRACE_STEPS))
-        self.engine.trace = trace
+        log = StepLog()
+        for f in dataclasses.fields(StepLog):
+            if isinstance(getattr(log, f.name), list):
+                setattr(log, f.name, deque(maxlen=LOG_STEPS))
+        self.engine.log = log
 
     def _loop(self) -> None:
         engine = self.engine
@@ -307,6 +354,7 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
 
     num_blocks: the pool (default: room for 32 sequences of the full context)."""
     from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
     from starlette.requests import Request as HTTPRequest
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
@@ -317,6 +365,7 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
                     max_num_seqs=max_num_seqs)
     engine_loop = EngineLoop(engine)
     counter = iter(range(1, 2 ** 62))
+    token_bytes = longest_token(tokenizer, vocab_size)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -328,17 +377,17 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
         return JSONResponse(_error_body(str(error), error.param, code=error.code), status_code=error.status)
 
     async def completions(http: HTTPRequest):
-        try:
-            body = json.loads(await http.body())
-        except (ValueError, UnicodeDecodeError) as error:
-            return error_response(BadRequest(f"the body is not valid JSON: {error}", None))
+        loop = asyncio.get_running_loop()
         created, cid = int(time.time()), f"cmpl-{next(counter)}-{random.getrandbits(32):08x}"
         try:
-            completion = parse_completion(body, name=cid, model_name=model_name, tokenizer=tokenizer, context=context,
-                                          vocab_size=vocab_size, num_blocks=num_blocks, block_size=block_size)
+            body = _json_body(http.headers.get("content-type"), await _read_body(http, MAX_BODY_BYTES))
+            # tokenizing (and checking a long prompt's token ids) is no work for the event loop: other clients wait
+            completion = await loop.run_in_executor(None, functools.partial(
+                parse_completion, body, name=cid, model_name=model_name, tokenizer=tokenizer, context=context,
+                vocab_size=vocab_size, num_blocks=num_blocks, block_size=block_size, token_bytes=token_bytes))
         except BadRequest as error:
             return error_response(error)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        events = asyncio.Queue()
 
         def deliver(event: tuple) -> None:  # called from the engine's thread
             try:
@@ -364,11 +413,9 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
                         raise RuntimeError(value)
                     tokens.append(value)
                     text = tokenizer.decode(tokens)
-                    end, stopped = stop_cut(text, completion.stop)
+                    end, stopped = stop_cut(text, completion.stop, sent)
                     if kind == "done" and not stopped:
                         end = len(text)  # the end: nothing is held back
-                    elif not stopped and end == len(text):
-                        end = len(text.rstrip("\ufffd"))  # a character whose bytes are not all there yet
                     if stopped:
                         engine_loop.abort(cid)
                     finish = "stop" if stopped else "length" if kind == "done" else None
@@ -420,11 +467,43 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
     async def health(http: HTTPRequest):
         return JSONResponse({"status": "ok", **engine_loop.counts})
 
+    async def http_error(http: HTTPRequest, error: HTTPException):  # an unknown path (404) or method (405)
+        message = {404: f"no such path: {http.method} {http.url.path}",
+                   405: f"{http.method} is not allowed on {http.url.path}"}.get(error.status_code, str(error.detail))
+        return JSONResponse(_error_body(message, None), status_code=error.status_code, headers=error.headers)
+
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                             Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])],
-                    lifespan=lifespan)
+                    exception_handlers={HTTPException: http_error}, lifespan=lifespan)
     app.state.engine_loop = engine_loop
     return app
+
+
+async def _read_body(http, limit: int) -> bytes:
+    """The request's body, or BadRequest (413) as soon as it is known to exceed `limit` bytes (its Content-Length
+    says so, or the bytes read so far do): a larger body is never read to its end."""
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadRequest(f"the body is too large: at most {limit} bytes, Content-Length says {declared}", None, 413)
+    body = bytearray()
+    async for chunk in http.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BadRequest(f"the body is too large: at most {limit} bytes", None, 413)
+    return bytes(body)
+
+
+def _json_body(content_type: str | None, raw: bytes):
+    """The JSON value of a body sent as application/json; BadRequest otherwise (415 for another content type: a web
+    page may POST text/plain to 127.0.0.1 without asking, and must not spend the server's compute)."""
+    if (content_type or "").split(";")[0].strip().lower() != "application/json":
+        raise BadRequest(f"the body must be sent as Content-Type: application/json, got {content_type!r}", None, 415)
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise BadRequest("the body is not valid JSON: nested too deeply", None) from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise BadRequest(f"the body is not valid JSON: {error}", None) from None
 
 
 async def _unless_disconnected(http, work):

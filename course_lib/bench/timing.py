@@ -1,28 +1,14 @@
-"""Timing helpers of ``course bench``: torch's thread count for a block, contenders timed alternately after a warm-up,
-and a sleep to a point of a replay's clock."""
+"""Timing helpers of ``course bench``: contenders timed alternately after a warm-up, and a sleep to a point of a replay's
+clock. ``threads`` (torch's thread count for a block) is the library's one, ``course_lib.kernels.threads``."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 import time
 from typing import Callable, Hashable, Iterable
 
-import torch
-
+from ..kernels import threads  # noqa: F401 - the library's one; the benchmarks take it from here
 from ..validation import check_positive
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    """Run the block with n torch threads (n >= 1), then restore the thread count it found, even on an error."""
-    check_positive("threads", n)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield n
-    finally:
-        torch.set_num_threads(previous)
 
 
 @dataclasses.dataclass

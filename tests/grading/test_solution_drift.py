@@ -18,10 +18,11 @@ from tests.helpers import ROOT, load_notebook, nbgrader_cells, strip_solution_ma
 
 
 def course_lib_definitions() -> dict[str, list]:
-    """name -> objects defined (not imported) under that name in any course_lib module."""
+    """name -> objects defined (not imported) under that name in any course_lib module, a package's modules included
+    (chapter 12's exercises live in ``course_lib.serving.scheduler`` and ``course_lib.serving.model_runner``)."""
     found: dict[str, list] = {}
-    for info in pkgutil.iter_modules(course_lib.__path__):
-        module = importlib.import_module(f"course_lib.{info.name}")
+    for info in pkgutil.walk_packages(course_lib.__path__, "course_lib."):
+        module = importlib.import_module(info.name)
         for name, obj in vars(module).items():
             if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == module.__name__:
                 found.setdefault(name, []).append(obj)

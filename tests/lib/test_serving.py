@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -175,7 +174,7 @@ def test_a_pass_calls_paged_attention_once_per_layer_for_all_decodes_and_slot_ma
 def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restored(small, monkeypatch):
     # A small pass runs on one thread whatever the caller's count (ONE_THREAD_WORK); with that threshold at 0
     # every pass runs on the caller's two threads. The tokens are the same either way, and equal the run alone.
-    import course_lib.serving as serving
+    from course_lib import kernels
     requests = trace(4, 11, gap=0.4)
     seen = []
 
@@ -190,8 +189,8 @@ def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restore
         small_passes, _ = engine.run(requests, paged_attention=counting_threads)
         assert set(seen) == {1} and torch.get_num_threads() == 2
         seen.clear()
-        monkeypatch.setattr(serving, "ONE_THREAD_WORK", 0)
-        monkeypatch.setattr(serving.THREADS, "pick", lambda model, rows, n, probe: serving._Probe(rows, n, 1.0))  # n faster
+        monkeypatch.setattr(kernels, "ONE_THREAD_WORK", 0)
+        monkeypatch.setattr(kernels.THREAD_CHOICE, "pick", lambda model, rows, n, probe: kernels.ThreadProbe(rows, n, 1.0))
         two, _ = engine.run(requests, paged_attention=counting_threads)
         assert set(seen) == {2} and torch.get_num_threads() == 2
     finally:
@@ -200,102 +199,52 @@ def test_two_threads_give_the_same_tokens_as_one_and_the_thread_count_is_restore
         assert one[r.name].tokens == small_passes[r.name].tokens == two[r.name].tokens == alone(small, r), r.name
 
 
-def test_thread_choice_probes_both_counts_keeps_the_faster_and_probes_again_after_explore_times_the_probe():
-    from course_lib.serving import ThreadChoice
-    delay = {1: 0.001, 2: 0.010}  # one thread faster (as on a loaded machine)
-    probes = []
-
-    def probe():
-        probes.append(torch.get_num_threads())
-        time.sleep(delay[torch.get_num_threads()])
-
-    torch.set_num_threads(2)
-    try:
-        choice, model = ThreadChoice(explore=5.0, calls=3, margin=1.25), ("C", "L")
-        first = choice.pick(model, 8, 2, probe)
-        assert first.threads == 1 and probes == [1, 2, 1, 2]  # each count in turn, until one has won most of 3 calls
-        assert 0.022 <= first.seconds < 0.5
-        choice.record(model, 2, first, 8, 8, 4.9 * first.seconds)
-        assert choice.pick(model, 8, 2, probe) is first and len(probes) == 4  # not yet: passes took < 5 x the probe
-        assert choice.pick(model, 4, 2, probe) is first and len(probes) == 4  # one thread for 8 rows: for 4 too
-        sixteen = choice.pick(model, 16, 2, probe)  # ... but not for more rows: probed
-        assert sixteen.rows == 16 and sixteen.threads == 1 and len(probes) == 8
-        delay[1] = 0.030  # the load moves: now two threads are faster
-        choice.record(model, 2, first, 8, 8, 0.2 * first.seconds)  # the 8-row probe is stale, the 16-row one not
-        assert choice.pick(model, 8, 2, probe) is sixteen and len(probes) == 8  # one thread for 16 rows: for 8 too
-        choice.record(model, 2, sixteen, 16, 16, 5 * sixteen.seconds)
-        second = choice.pick(model, 8, 2, probe)
-        assert second.threads == 2 and len(probes) == 12  # probed again, and noticed
-        assert torch.get_num_threads() == 2  # the caller's count, restored
-        assert choice.pick(model, 16, 2, probe) is second and len(probes) == 12  # two threads for 8 rows: for 16 too
-        assert choice.pick(model, 4, 2, probe).rows == 4 and len(probes) == 16  # fewer rows: a probe of their own
-        assert choice.pick(("C2", "L"), 8, 2, probe).rows == 8 and len(probes) == 20  # another model: probed afresh
-        assert choice.pick(model, 8, 3, probe).rows == 8 and len(probes) == 24  # another thread count: probed afresh
-    finally:
-        torch.set_num_threads(1)
-
-
-def test_thread_choice_the_nearest_of_the_probes_that_speak_for_a_pass_decides_it():
-    from course_lib.serving import ThreadChoice
-    delay = {1: 0.001, 2: 0.010}  # one thread faster
-
-    def probe():
-        time.sleep(delay[torch.get_num_threads()])
-
-    torch.set_num_threads(2)
-    try:
-        choice, model = ThreadChoice(explore=5.0, calls=3, margin=1.25), ("C", "L")
-        old = choice.pick(model, 16, 2, probe)
-        choice.record(model, 2, old, 16, 16, 100 * old.seconds)  # stale
-        eight = choice.pick(model, 8, 2, probe)
-        sixteen = choice.pick(model, 16, 2, probe)  # probed again: kept before the 8-row probe
-        assert eight.threads == sixteen.threads == 1 and sixteen is not old
-        assert choice.pick(model, 4, 2, probe) is eight  # both speak for 4 rows; the nearest decides
-    finally:
-        torch.set_num_threads(1)
-
-
-def test_thread_choice_probes_again_at_once_when_a_pass_on_n_threads_stalls():
-    # A stall: two passes in a row on n threads, each more than `stall` times slower per token than the fastest
-    # pass of its rows that the same probe decided. It makes the probes that chose n stale, not those that chose one
-    # thread; slow passes on one thread say nothing.
-    from course_lib.serving import ThreadChoice
-    quiet_delays = {1: 0.020, 2: 0.002}  # two threads faster (a quiet machine)
-    delay = dict(quiet_delays)
-
-    def probe():
-        time.sleep(delay[torch.get_num_threads()])
-
-    torch.set_num_threads(2)
-    try:
-        choice, model = ThreadChoice(explore=1000.0, calls=3, margin=1.25, stall=2.0), ("C", "L")
-        quiet = choice.pick(model, 8, 2, probe)
-        delay.update({1: 0.002, 2: 0.020})
-        one = choice.pick(model, 4, 2, probe)  # a one-thread probe for fewer rows
-        delay.update(quiet_delays)
-        assert quiet.threads == 2 and one.threads == 1
-        choice.record(model, 2, quiet, 8, 8, 0.080)  # the fastest pass so far: 0.01 s per token
-        choice.record(model, 2, quiet, 8, 4, 0.076)  # 1.9 times slower per token: not a stall
-        choice.record(model, 2, quiet, 16, 16, 1.000)  # another size's first pass: nothing to compare with
-        choice.record(model, 2, one, 4, 4, 0.004)
-        for _ in range(3):
-            choice.record(model, 2, one, 4, 4, 3.0)  # 750 times slower per token, on one thread: not a stall
-        assert choice.pick(model, 8, 2, probe) is quiet and choice.pick(model, 4, 2, probe) is one
-        delay[2] = 0.100  # load comes
-        choice.record(model, 2, quiet, 8, 8, 0.170)  # 2.1 times slower per token than the fastest: one slow pass
-        assert choice.pick(model, 8, 2, probe) is quiet  # one slow pass could be a burst, or another mix of chunks
-        choice.record(model, 2, quiet, 8, 8, 0.060)  # a fast one between: the count starts again
-        choice.record(model, 2, quiet, 8, 8, 0.170)
-        assert choice.pick(model, 8, 2, probe) is quiet
-        choice.record(model, 2, quiet, 8, 8, 0.170)  # two slow passes in a row: a stall
-        assert choice.pick(model, 4, 2, probe) is one  # the one-thread probe still holds
-        loaded = choice.pick(model, 8, 2, probe)
-        assert loaded is not quiet and loaded.threads == 1  # probed again at once (explore is far off)
-    finally:
-        torch.set_num_threads(1)
-
-
 # ---------------------------------------------------------------------------------------------------- exactness
+
+
+def test_processor_functions_plug_in_by_the_name_of_the_function_they_replace(small):
+    # The plug-in rule: Engine.run(requests, top_k_filter=...) runs that function for every sampled request. A
+    # top_k_filter that keeps one token makes sampling greedy: the oracle is greedy generate_cached.
+    from course_lib.decoding import top_k_filter
+
+    requests = trace(5, 23, gap=0.5)
+    for i, r in enumerate(requests):
+        r.sampling, r.seed = {"temperature": 1.5, "top_k": 20}, 40 + i
+    calls = []
+
+    def keep_one(logits, k):
+        calls.append(k)
+        return top_k_filter(logits, 1)
+
+    engine = Engine(small, num_blocks=64, block_size=4, token_budget=12)
+    sampled, _ = engine.run(requests)
+    kept, _ = engine.run(requests, top_k_filter=keep_one)
+    assert set(calls) == {20} and len(calls) == sum(r.max_new_tokens for r in requests)  # once per token, its top_k
+    assert all(kept[r.name].tokens == alone(small, r) for r in requests)
+    assert any(sampled[r.name].tokens != alone(small, r) for r in requests)  # without it, they sample
+
+
+def test_a_temperature_near_0_is_greedy_and_penalties_apply_before_the_argmax(small):
+    # vLLM's rule: a temperature below 1e-5 is greedy (1e-45 divides the logits into inf and NaN probabilities);
+    # OpenAI's and vLLM's: the penalties apply at temperature 0 too, before the argmax. The oracles: greedy
+    # generate_cached, and chapter 06's generate (greedy with the penalties, uncached).
+    from course_lib.decoding import generate
+
+    requests = trace(6, 21, gap=0.5)
+    for i, r in enumerate(requests):
+        r.sampling = {"temperature": [1e-45, 1e-7, 0.0][i % 3]}
+    tiny, _ = Engine(small, num_blocks=64, block_size=4, token_budget=12).run(requests)
+    assert all(tiny[r.name].error is None and tiny[r.name].tokens == alone(small, r) for r in requests)
+    penalties = {"frequency_penalty": 2.0, "presence_penalty": 1.0, "repetition_penalty": 1.5}
+    for i, r in enumerate(requests):
+        r.sampling = {"temperature": [1e-45, 0.0][i % 2], **penalties}
+    penalised, _ = Engine(small, num_blocks=64, block_size=4, token_budget=12).run(requests)
+    changed = 0
+    for r in requests:
+        want = generate(small, torch.tensor([r.prompt]), r.max_new_tokens, use_cache=False, **penalties)
+        assert penalised[r.name].tokens == want[0, len(r.prompt):].tolist(), r.name
+        changed += penalised[r.name].tokens != alone(small, r)
+    assert changed >= 2  # the penalties changed these requests' tokens: the comparison can tell them apart
 
 
 @pytest.mark.parametrize("block_size,budget,seed", [(1, 5, 0), (3, 1, 1), (4, 16, 2), (8, 64, 3), (16, 7, 4)])
@@ -552,7 +501,7 @@ def test_no_write_lands_in_a_shared_block_when_a_whole_prompt_is_shared(small, b
     # Two identical prompts, the second arriving once the first has cached its prompt: the second shares every
     # prompt block but the last, which it computes again into a fresh block (as vLLM does), whatever
     # block_size (with block_size 1 the block to write is a full one, not a partly filled last block).
-    import course_lib.serving as serving
+    import course_lib.serving.engine as serving_engine
     written = []
 
     def spy(model, cache, chunks, **kwargs):
@@ -562,7 +511,7 @@ def test_no_write_lands_in_a_shared_block_when_a_whole_prompt_is_shared(small, b
                 written.append((block, cache.refs[block]))
         return paged_forward(model, cache, chunks, **kwargs)
 
-    monkeypatch.setattr(serving, "paged_forward", spy)
+    monkeypatch.setattr(serving_engine, "paged_forward", spy)
     prompt = [3, 14, 15, 9, 26, 5, 35, 8]
     requests = [Request("first", prompt, 6, arrival=0), Request("second", prompt, 6, arrival=3)]
     results, _ = Engine(small, num_blocks=40, block_size=block_size, token_budget=16).run(requests)
@@ -671,7 +620,7 @@ def test_static_batching_reserving_the_context_holds_context_slots_per_row(small
 
 
 def test_serving_stats_counts_steps_and_quantiles_by_hand():
-    from course_lib.serving import Result, Trace, serving_stats
+    from course_lib.serving import Result, StepLog, serving_stats
 
     # three requests: arrive at 0, 0, 4; first tokens at 1, 3, 4; last at 3 (3 tokens), 3 (1 token), 8 (5 tokens)
     results = {"a": Result("a", tokens=[1, 2, 3], arrival_step=0, first_token_step=1, finish_step=3,
@@ -680,13 +629,13 @@ def test_serving_stats_counts_steps_and_quantiles_by_hand():
                "c": Result("c", tokens=[5] * 5, arrival_step=4, first_token_step=4, finish_step=8,
                            arrival_time=0.4, token_times=[0.6, 0.7, 0.8, 0.9, 1.0]),
                "x": Result("x", error="rejected")}
-    trace = Trace(computed=[9, 2, 3, 7, 1, 1, 2, 2], clock=[0, 1, 2, 3, 5, 6, 7, 8], steps=9, seconds=2.0)  # step 4 idle
+    trace = StepLog(computed=[9, 2, 3, 7, 1, 1, 2, 2], clock=[0, 1, 2, 3, 5, 6, 7, 8], steps=9, seconds=2.0)  # step 4 idle
     stats = serving_stats(results, trace)
     assert stats["requests"] == 3 and stats["tokens"] == 9 and stats["tokens_per_step"] == 1.0 and stats["tokens_per_s"] == 4.5
     assert (stats["ttft_steps_p50"], stats["ttft_steps_p95"]) == (1, 3)  # 1, 3, 0: median 1, nearest-rank p95 3
     assert (stats["tpot_steps_p50"], stats["tpot_steps_p95"]) == (1.0, 1.0)  # a: 2 steps / 2; c: 4 / 4
-    assert stats["tpot_steps_max"] == 1.0 and stats["most_running"] == 0  # this Trace records no batch
-    one = serving_stats({"a": results["a"]}, Trace(computed=[9, 2, 3], clock=[1, 2, 3], batch=[3, 1, 2], steps=4, seconds=1.0))
+    assert stats["tpot_steps_max"] == 1.0 and stats["most_running"] == 0  # this StepLog records no batch
+    one = serving_stats({"a": results["a"]}, StepLog(computed=[9, 2, 3], clock=[1, 2, 3], batch=[3, 1, 2], steps=4, seconds=1.0))
     assert one["most_running"] == 3
     slow = Result("s", tokens=[1, 2], arrival_step=0, first_token_step=1, finish_step=3, token_times=[0.1, 0.2])
     assert serving_stats({"a": results["a"], "s": slow}, trace)["tpot_steps_max"] == 2.0  # s: 2 steps for 1 token

@@ -237,7 +237,7 @@ def test_a_request_whose_forward_pass_raises_mid_run_fails_alone_and_the_batch_i
         except IndexError:
             raised.append(len(chunks))
             raise
-    monkeypatch.setattr(serving, "paged_forward", spy)
+    monkeypatch.setattr(serving.engine, "paged_forward", spy)
     results, _ = serve(small, pools, requests, engine, paged_attention=attention_failing_past(30))
     assert len(raised) == 2 and raised[1] == 1  # one pass raised, then, of its chunks alone, doomed's only
     if engine == "roomy":

@@ -75,8 +75,8 @@ def test_replaying_a_trace_step_by_step_is_run(small, num_blocks, budget):
         assert finished_at[r.name] == want.finish_step
         if r.sampling is None:
             assert got.tokens == alone(small, r), r.name
-    assert engine.trace.states == expected_trace.states and engine.trace.batch == expected_trace.batch
-    assert engine.trace.computed == expected_trace.computed and engine.trace.allocated == expected_trace.allocated
+    assert engine.log.states == expected_trace.states and engine.log.batch == expected_trace.batch
+    assert engine.log.computed == expected_trace.computed and engine.log.allocated == expected_trace.allocated
     assert_pool_empty(engine.cache)
 
 
@@ -92,7 +92,7 @@ def test_requests_added_while_others_run_get_their_tokens_alone(small):
         engine.step()
     for r in requests:
         assert engine.results[r.name].error is None and engine.results[r.name].tokens == alone(small, r), r.name
-    assert engine.step() == StepOutput() and engine.clock == len(engine.trace.states)  # idle: no step
+    assert engine.step() == StepOutput() and engine.clock == len(engine.log.states)  # idle: no step
     assert_pool_empty(engine.cache)
 
 

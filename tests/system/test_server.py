@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
+import random
 import threading
 import time
 
@@ -232,6 +233,7 @@ BAD = [  # (changes to a good body, the field the error names, HTTP status)
     ({"stream": "yes"}, "stream", 400),
     ({"stream_options": {"include_usage": True}}, "stream_options", 400),  # without stream
     ({"n": 2}, "n", 400),
+    ({"logprobs": 2}, "logprobs", 400),
     ({"model": "gpt-4"}, "model", 404),
 ]
 
@@ -268,6 +270,249 @@ def test_each_bad_request_gets_an_error_naming_its_field_while_a_running_request
         assert caught.value.status_code == 400 and caught.value.body["param"] == "max_tokens"
     thread.join(60)
     assert out["text"] == alone(model, tokenizer, PROMPTS[7], 90)
+
+
+# ---------------------------------------------------------------------------------------------------- hostile clients
+
+
+def brute_cut(text: str, stops: list) -> tuple:
+    """stop_cut's contract by brute force: the first stop's start; else the known text (no U+FFFD at its end) less
+    its longest tail that is a proper prefix of a stop string."""
+    found = [text.index(s) for s in stops if s in text]
+    if found:
+        return min(found), True
+    known = text.rstrip("\ufffd")
+    held = max((k for s in stops for k in range(1, len(s)) if known.endswith(s[:k])), default=0)
+    return len(known) - held, False
+
+
+def test_stop_cut_is_the_brute_force_cut_token_by_token_and_a_100_kb_stop_string_costs_nothing_more():
+    from course_lib.server import stop_cut
+
+    rng = random.Random(0)
+    for _ in range(2000):  # a text growing a character at a time, as tokens come, with start = the last end sent
+        stops = ["".join(rng.choice("ab ") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        text, sent = "", 0
+        for _ in range(12):
+            text = text.rstrip("\ufffd") + rng.choice("ab \ufffd")  # U+FFFD at the end: a character not all there
+            end, stopped = stop_cut(text, stops, sent)
+            assert (end, stopped) == brute_cut(text, stops), (text, stops, sent)
+            if stopped:
+                break
+            sent = end
+    # the stop's first character split over two tokens (" " then the bytes of "\u00e9"): nothing leaks before it
+    assert stop_cut(" \ufffd", [" \u00e9"]) == (0, False) and stop_cut(" \u00e9", [" \u00e9"], 0) == (0, True)
+    long_stop = "x" * 100_000 + "y"  # 100 KB: the old check copied every prefix of it for every token
+    text, sent, start = "", 0, time.perf_counter()
+    for i in range(2000):
+        text += "x" if i % 7 else "z"  # every few tokens a stop prefix begins, and breaks
+        sent, stopped = stop_cut(text, [long_stop, "never"], sent)
+    assert not stopped and sent == text.rindex("z") + 1  # the x's after the last z could begin the stop: held
+    assert time.perf_counter() - start < 2.0  # microseconds a token here; the old check took seconds per token
+
+
+def post(server, body, timeout: float = 30) -> httpx.Response:
+    return httpx.post(f"{server.url}/completions", json=body, timeout=timeout)
+
+
+def within(seconds: float, call):
+    """call(), which must return within `seconds` (a hostile request is answered at once, not after a stall)."""
+    start = time.monotonic()
+    result = call()
+    assert time.monotonic() - start < seconds, f"not within {seconds} s"
+    return result
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+GOOD = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 8, "temperature": 0}
+
+
+def a_body_over_the_limit(server, model, tokenizer):  # refused from its Content-Length, and sent in chunks without one
+    from course_lib.server import MAX_BODY_BYTES
+
+    big = {**GOOD, "prompt": "x" * (10 * 2 ** 20)}
+    assert "too large" in error_of(within(10, lambda: post(server, big)), 413)["message"]
+    chunks = (b"x" * 2 ** 16 for _ in range(2 * MAX_BODY_BYTES // 2 ** 16))
+    response = within(10, lambda: httpx.post(f"{server.url}/completions", content=chunks, timeout=30,
+                                             headers={"content-type": "application/json"}))
+    assert "too large" in error_of(response, 413)["message"]
+
+
+def a_prompt_far_too_long_for_the_context(server, model, tokenizer):  # refused before it is tokenized
+    error = error_of(within(5, lambda: post(server, {**GOOD, "prompt": "x" * 100_000})), 400)
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+
+
+def deeply_nested_json(server, model, tokenizer):  # 100,000 nested arrays: a JSON 400, not a 500
+    nested = b"[" * 100_000 + b"]" * 100_000
+    response = within(5, lambda: httpx.post(f"{server.url}/completions", content=nested, timeout=30,
+                                            headers={"content-type": "application/json"}))
+    assert "nested too deeply" in error_of(response, 400)["message"]
+
+
+def json_sent_as_another_content_type(server, model, tokenizer):  # a web page can send text/plain unasked
+    for headers in ({"content-type": "text/plain"}, {}):
+        response = within(5, lambda: httpx.post(f"{server.url}/completions", content=json.dumps(GOOD).encode(),
+                                                headers=headers, timeout=30))
+        assert "application/json" in error_of(response, 415)["message"]
+
+
+def an_unknown_path_and_a_wrong_method(server, model, tokenizer):  # OpenAI's error object, not plain text
+    assert "no such path" in error_of(httpx.get(f"{server.url}/nothing", timeout=30), 404)["message"]
+    assert "not allowed" in error_of(httpx.get(f"{server.url}/completions", timeout=30), 405)["message"]
+
+
+def null_for_the_optional_fields(server, model, tokenizer):  # their defaults (the official client sends null for None)
+    nulls = {key: None for key in ("max_tokens", "n", "logprobs", "user", "stream", "stream_options", "stop", "seed",
+                                   "top_p", "presence_penalty", "frequency_penalty")}
+    reply = within(10, lambda: post(server, {**GOOD, **nulls})).json()
+    assert reply["choices"][0]["text"] == alone(model, tokenizer, PROMPTS[6], 16)
+    assert reply["usage"]["completion_tokens"] == 16
+    with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=30) as c:
+        r = c.completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=8, temperature=0, n=None, logprobs=None)
+        assert r.choices[0].text == alone(model, tokenizer, PROMPTS[6], 8)
+
+
+def a_temperature_near_0(server, model, tokenizer):  # inside the range: greedy, not a 500 (inf / NaN probabilities)
+    for temperature in (1e-45, 1e-7):
+        reply = within(10, lambda: post(server, {**GOOD, "temperature": temperature}))
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == alone(model, tokenizer, PROMPTS[6], 8)
+
+
+def penalties_at_temperature_0(server, model, tokenizer):  # applied before the argmax, as OpenAI and vLLM do
+    from course_lib.decoding import generate
+
+    ids = tokenizer.encode(PROMPTS[6])  # the oracle: chapter 06's generate, greedy with the penalties, uncached
+    penalised = tokenizer.decode(generate(model, torch.tensor([ids]), 30, frequency_penalty=2.0, presence_penalty=1.0,
+                                          use_cache=False)[0, len(ids):].tolist())
+    assert penalised != alone(model, tokenizer, PROMPTS[6], 30)  # the penalties change this text
+    body = {**GOOD, "max_tokens": 30, "frequency_penalty": 2.0, "presence_penalty": 1.0}
+    assert within(10, lambda: post(server, body)).json()["choices"][0]["text"] == penalised
+
+
+def stop_strings_of_100_kb(server, model, tokenizer):  # never met (one ends with a piece of the text): no stall
+    full = alone(model, tokenizer, PROMPTS[0], 40)
+    for stream in (False, True):
+        body = {**GOOD, "prompt": PROMPTS[0], "max_tokens": 40, "stop": ["q" * 100_000, "x" * 99_990 + full[20:24]],
+                "stream": stream}
+        with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=30) as response:
+            raw = within(20, lambda: b"".join(response.iter_bytes()).decode())
+        pieces = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")] if stream \
+            else [json.loads(raw)]
+        assert "".join(p["choices"][0]["text"] for p in pieces) == full
+        assert pieces[-1]["choices"][0]["finish_reason"] == "length"
+
+
+HOSTILE = [a_body_over_the_limit, a_prompt_far_too_long_for_the_context, deeply_nested_json,
+           json_sent_as_another_content_type, an_unknown_path_and_a_wrong_method, null_for_the_optional_fields,
+           a_temperature_near_0, penalties_at_temperature_0, stop_strings_of_100_kb]
+
+
+@pytest.mark.parametrize("hostile", HOSTILE, ids=[case.__name__ for case in HOSTILE])
+def test_a_hostile_request_is_answered_at_once_and_another_clients_stream_goes_on(hostile, server, model, tokenizer,
+                                                                                monkeypatch):
+    slow_down(monkeypatch, server.engine_loop.engine, 0.01)  # the other client's stream runs 1.1 s or more
+    out = {}
+
+    def running():
+        with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60) as c:
+            out["text"] = stream_text(c, prompt=PROMPTS[7], max_tokens=110, temperature=0)[0]
+
+    thread = threading.Thread(target=running)
+    thread.start()
+    try:
+        wait_until(lambda: server.engine_loop.engine.running, what="the other client's stream runs")
+        hostile(server, model, tokenizer)
+    finally:
+        thread.join(60)
+    assert out["text"] == alone(model, tokenizer, PROMPTS[7], 110)
+    wait_until(lambda: engine_idle(server), what="every request leaves the engine")
+
+
+class ByteTokenizer:
+    """char-gpt's characters as bytes, but for two token ids: `first` decodes to b" \xc3" and `second` to b"\xa9",
+    so that together they are " \u00e9", whose "\u00e9" is split over the two (as byte-level BPE splits characters)."""
+
+    def __init__(self, chars, first: int, second: int):
+        self.chars, self.vocab_size = chars, chars.vocab_size
+        self.table = {i: chars.decode([i]).encode() for i in range(chars.vocab_size)}
+        self.table.update({first: b" \xc3", second: b"\xa9"})
+
+    def encode(self, text: str) -> list:
+        return self.chars.encode(text)
+
+    def decode(self, ids) -> str:
+        return b"".join(self.table[int(i)] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_a_stop_string_whose_first_character_is_split_over_two_tokens_releases_nothing_of_it(model, tokenizer,
+                                                                                             monkeypatch):
+    import course_lib.server as server_module
+
+    ids = tokenizer.encode(PROMPTS[0])
+    tokens = generate_cached(model, torch.tensor([ids]), 40)[0, len(ids):].tolist()
+    j = next(j for j in range(1, len(tokens) - 1) if tokens[j] != tokens[j + 1]
+             and tokens[j] not in tokens[:j] and tokens[j + 1] not in tokens[:j + 1])  # a pair met here first
+    fake = ByteTokenizer(tokenizer, tokens[j], tokens[j + 1])
+    want = fake.decode(tokens[:j])  # the text before " \u00e9", decoded on its own
+    monkeypatch.setattr(server_module, "_load", lambda name: (model, fake))
+    with Server(MODEL, num_blocks=64, block_size=8) as running:
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "stop": " \u00e9",
+                    "stream": stream}
+            with httpx.stream("POST", f"{running.url}/completions", json=body, timeout=30) as response:
+                raw = b"".join(response.iter_bytes()).decode()
+            pieces = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")] if stream \
+                else [json.loads(raw)]
+            assert "".join(p["choices"][0]["text"] for p in pieces) == want, stream  # no " " before the stop
+            assert pieces[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+class BlockingTokenizer:
+    """char-gpt's tokenizer, whose encode of a prompt holding "BLOCK" waits until the test lets it go; `encoded`: the
+    length of every text it was asked to encode."""
+
+    def __init__(self, chars):
+        self.chars, self.vocab_size = chars, chars.vocab_size
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.encoded = []
+
+    def encode(self, text: str) -> list:
+        self.encoded.append(len(text))
+        if "BLOCK" in text:
+            self.entered.set()
+            assert self.release.wait(30)
+        return self.chars.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.chars.decode(ids)
+
+
+def test_a_prompt_being_tokenized_holds_up_no_other_client_and_one_far_too_long_is_never_tokenized(model, tokenizer,
+                                                                                                   monkeypatch):
+    import course_lib.server as server_module
+
+    slow = BlockingTokenizer(tokenizer)
+    monkeypatch.setattr(server_module, "_load", lambda name: (model, slow))
+    with Server(MODEL, num_blocks=64, block_size=8) as running:
+        body = {"model": MODEL, "prompt": "BLOCK " + PROMPTS[1], "max_tokens": 4, "temperature": 0}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            blocked = pool.submit(post, running, body)
+            assert slow.entered.wait(10)  # its prompt is being tokenized, and stays so until released
+            try:  # meanwhile another client is served (tokenizing on the event loop would hold it until then)
+                reply = post(running, {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0},
+                             timeout=10)
+                assert reply.json()["choices"][0]["text"] == alone(model, tokenizer, PROMPTS[2], 6)
+                assert not blocked.done()
+            finally:
+                slow.release.set()
+            assert blocked.result(30).json()["choices"][0]["text"] == alone(model, tokenizer, "BLOCK " + PROMPTS[1], 4)
+        error = error_of(post(running, {**body, "prompt": "x" * 100_000}), 400)  # (a 9 s tokenization on bpe-gpt)
+        assert error["code"] == "context_length_exceeded" and 100_000 not in slow.encoded
 
 
 # ---------------------------------------------------------------------------------------------------- shutdown

@@ -1,0 +1,313 @@
+"""The engine: continuous batching over a paged KV cache (vLLM's ``engine/core.py``, nano-vllm's
+``engine/llm_engine.py``). Each step: the scheduler picks the chunks, the model runner runs them in one pass, the
+sampler picks each finished chunk's token; requests join and leave between steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import kernels
+from ..decoding import (apply_frequency_presence_penalty, apply_repetition_penalty, apply_temperature, min_p_filter,
+                        top_k_filter, top_p_filter)
+from ..validation import check_positive, is_count
+from .block_pool import PagedKVCache
+from .metrics import StepLog
+from .model_runner import paged_attention, paged_forward, slot_mapping
+from .request import Request, Result, Sequence, pending_requests, validate
+from .sampler import argmaxes, choose_token
+from .scheduler import schedule_step
+
+
+@dataclass
+class StepOutput:
+    """What one ``Engine.step`` did: the token each request got, and the requests that left the engine."""
+
+    tokens: dict = field(default_factory=dict)  # request name -> the token it got in this step (one at most)
+    finished: list = field(default_factory=list)  # names of the requests that left: all their tokens, or failed
+
+
+class Engine:
+    """Continuous batching over a paged KV cache for a course_lib.gpt.GPT: ``run`` serves a list of requests offline;
+    ``add_request``, ``step`` and ``abort`` serve them online (a server's loop). Every request fails alone.
+
+    num_blocks: blocks in the pool; block_size: token slots per block; token_budget: most tokens computed per step,
+    prompt chunks and decodes together (each >= 1); max_num_seqs (vLLM's name): most sequences running at once
+    (>= 1), None for no cap. State: ``results``, ``waiting``, ``running``, ``cache``, ``log``, ``clock`` (next step).
+    """
+
+    def __init__(self, model, num_blocks: int, block_size: int = 8, token_budget: int = 64, *,
+                 share_prefixes: bool = True, max_num_seqs: int | None = None):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("token_budget", token_budget)):
+            check_positive(name, value)
+        if max_num_seqs is not None and (not is_count(max_num_seqs) or max_num_seqs < 1):
+            raise ValueError(f"max_num_seqs must be None (no cap) or an integer >= 1 (most sequences running at once), "
+                             f"got {max_num_seqs!r}")
+        self.model = model.eval()
+        self.num_blocks, self.block_size, self.token_budget = num_blocks, block_size, token_budget
+        self.share_prefixes, self.max_num_seqs = share_prefixes, max_num_seqs
+        self.reset()
+
+    def reset(self, *, schedule_step=schedule_step, paged_attention=paged_attention, slot_mapping=slot_mapping,
+              apply_repetition_penalty=apply_repetition_penalty,
+              apply_frequency_presence_penalty=apply_frequency_presence_penalty, apply_temperature=apply_temperature,
+              top_k_filter=top_k_filter, top_p_filter=top_p_filter, min_p_filter=min_p_filter) -> None:
+        """Start afresh: an empty pool, no requests, step 0, an empty ``log``, the clock at 0 seconds.
+
+        schedule_step, paged_attention, slot_mapping, and chapter 06's processors (apply_repetition_penalty ...
+        min_p_filter, as ``process_logits`` takes them): the functions the steps run (the learner's, say)."""
+        self.schedule_step, self.paged_attention, self.slot_mapping = schedule_step, paged_attention, slot_mapping
+        self.processors = dict(apply_repetition_penalty=apply_repetition_penalty,
+                               apply_frequency_presence_penalty=apply_frequency_presence_penalty,
+                               apply_temperature=apply_temperature, top_k_filter=top_k_filter,
+                               top_p_filter=top_p_filter, min_p_filter=min_p_filter)  # process_logits's keywords
+        self.cache = PagedKVCache.for_model(self.model, self.num_blocks, self.block_size)
+        self.results: dict = {}  # name -> Result: every request added since the reset
+        self.waiting: list = []  # arrived, not running (new or preempted), first come first
+        self.running: list = []  # admitted, oldest admission first
+        self.log = StepLog()
+        self.clock = 0  # the next step's number (a logical clock: a run jumps over steps where nothing happens)
+        self.start_time = time.perf_counter()
+
+    def run(self, requests: list, **functions) -> tuple:
+        """Serve `requests` (names unique); returns ({name: Result}, StepLog). functions: the functions it runs on,
+        by the name of the course function each replaces (``reset``'s keywords: ``schedule_step=my_schedule_step``,
+        ``top_k_filter=my_top_k_filter``).
+
+        Offline serving of a trace: a fresh ``reset``, then each request arrives (``add_request``'s way) at its
+        arrival step, and ``step`` runs until every request has left. A Result whose ``error`` is None holds all
+        max_new_tokens tokens; otherwise ``error`` (the request's name first) says why, and the others are served as
+        if it had not come: rejected on arrival by ``validate`` (no tokens, no blocks), or failed in a step (its chunk
+        of the pass or its sampling raised: "request NAME: failed at step S: the exception"; the tokens generated
+        before are kept, finish_step stays None, its blocks go back). When a step's batched pass raises, each chunk
+        runs again alone and only those that raise alone fail. RuntimeError only for the engine's own faults (see
+        ``step``)."""
+        results, pending = pending_requests(requests)
+        self.reset(**functions)
+        self.results = results
+        while pending or self.waiting or self.running:
+            now = time.perf_counter() - self.start_time
+            while pending and pending[0].arrival <= self.clock:
+                self._arrive(pending.pop(0), now)
+            if not self.waiting and not self.running:
+                if pending:
+                    self.clock = pending[0].arrival  # nothing to do until then (the steps between change nothing)
+                continue
+            self.step()
+        self.log.seconds, self.log.steps = time.perf_counter() - self.start_time, self.clock
+        return self.results, self.log
+
+    def add_request(self, request: Request) -> Result:
+        """Online serving: `request` arrives now and joins at the next ``step`` (its ``arrival`` becomes that step).
+
+        Returns its ``Result``, which the steps fill in; if ``validate`` rejects it, its error is set at once and it
+        never runs. Its name must differ from every request added since the last ``reset`` (ValueError)."""
+        if request.name in self.results:
+            raise ValueError(f"request names must be unique (the results are keyed by name): {request.name!r} was "
+                             f"already added")
+        request = dataclasses.replace(request, arrival=self.clock)
+        self.results[request.name] = Result(request.name, arrival_step=self.clock)
+        self._arrive(request, time.perf_counter() - self.start_time)
+        return self.results[request.name]
+
+    def abort(self, name: str) -> bool:
+        """Online serving: request `name` leaves now (its client went away, or it met a stop string).
+
+        Its blocks go back to the pool; its Result keeps the tokens generated so far and its error says it was
+        aborted. Returns True, or False if it had already left the engine (finished, failed or rejected).
+        ValueError if no request of that name was added since the last ``reset``."""
+        if name not in self.results:
+            raise ValueError(f"name must be a request added since the last reset, got {name!r}")
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request.name == name:
+                    seq.result.error = f"request {name}: aborted at step {self.clock}"
+                    self.cache.release_all(seq.blocks)  # a waiting sequence's cached prefix (seq.hit) holds no reference yet
+                    seq.blocks = []
+                    queue.remove(seq)
+                    return True
+        return False
+
+    def _arrive(self, request: Request, now: float) -> None:
+        """`request` (its Result in self.results) arrives at `now` seconds: it waits, or its Result gets validate's error."""
+        result = self.results[request.name]
+        result.arrival_time = now
+        try:
+            validate(request, self.model.config.block_size, self.num_blocks, self.block_size,
+                     vocab_size=self.model.config.vocab_size)
+        except ValueError as error:
+            result.error = str(error)
+            return
+        self.waiting.append(Sequence(request, result, self.cache))
+
+    def step(self) -> StepOutput:
+        """One step of the scheduler and one forward pass over the chunks it scheduled.
+
+        Returns a ``StepOutput``: the token each request got in this step, and the requests that left the engine
+        (all their tokens, or failed: their Result's error says why). With no request waiting or running it does
+        nothing (the clock stays). RuntimeError for the engine's own faults, which would otherwise hang or corrupt
+        every request: a step that makes no progress (nothing scheduled, nothing preempted: blocks leaked, or a
+        replacement scheduler stalls; the message counts the free, held and leaked blocks), a scheduler that
+        schedules more blocks than are free, or a batched pass that raises while every chunk alone succeeds."""
+        cache, waiting, running, log, step = self.cache, self.waiting, self.running, self.log, self.clock
+        schedule_step, paged_attention, slot_mapping = self.schedule_step, self.paged_attention, self.slot_mapping
+        start_time = self.start_time
+        S = self.block_size
+        output = StepOutput()
+        if not waiting and not running:
+            return output
+        step_start = time.perf_counter() - start_time
+        for seq in waiting:
+            seq.find_prefix(self.share_prefixes)
+        admissible = waiting if self.max_num_seqs is None else waiting[:max(0, self.max_num_seqs - len(running))]
+        scheduled, preempted = schedule_step(running, admissible, len(cache.free), self.token_budget)
+        if not scheduled and not preempted:
+            raise RuntimeError(self._no_progress(cache, running, waiting, step))
+        for seq in preempted:  # give the blocks back (still cached); recompute later, keeping the tokens generated
+            cache.release_all(seq.blocks)
+            seq.blocks, seq.n_cached = [], 0
+            seq.result.preemptions += 1
+            running.remove(seq)
+        waiting = sorted(preempted, key=lambda s: s.request.arrival) + waiting
+        self.waiting = waiting
+        for seq, _ in scheduled:  # admitted: take the cached prefix first (before any allocation can evict it)
+            if seq in waiting:
+                waiting.remove(seq)
+                running.append(seq)
+                for b in seq.hit:
+                    cache.share(b)
+                seq.blocks, seq.hit = seq.hit, []
+                seq.result.admissions.append((seq.n_tokens, seq.n_cached))
+        chunks, prefill_tokens = [], 0
+        for seq, n in scheduled:
+            self._make_room(cache, seq, n)
+            if not (n == 1 and seq.prompt_len <= seq.n_cached == seq.n_tokens - 1):  # not a decode: a prompt chunk
+                prefill_tokens += n
+            chunks.append((seq.blocks, seq.n_cached, seq.tokens[seq.n_cached:seq.n_cached + n]))
+        failed = {}  # index in scheduled -> the exception its chunk raised alone
+        if chunks:
+            try:
+                logits = paged_forward(self.model, cache, chunks, paged_attention=paged_attention,
+                                       slot_mapping=slot_mapping)
+            except Exception as error:  # noqa: BLE001 - whose error is it? each chunk again, alone
+                logits, failed = self._forward_alone(cache, chunks, error, step, paged_attention, slot_mapping)
+            with kernels.threads(1):  # a small operation: on the caller's threads it would wait for each (see ONE_THREAD_WORK)
+                greedy = argmaxes(logits)
+        now = time.perf_counter() - start_time
+        states = {s.request.name: "waiting" for s in waiting}
+        for i, (seq, n) in enumerate(scheduled):
+            states[seq.request.name] = "decode" if seq.n_cached >= seq.prompt_len else "prefill"
+            if i in failed:
+                self._fail(cache, seq, running, step, failed[i])
+                output.finished.append(seq.request.name)
+                continue
+            seq.n_cached += n
+            self._register_full_blocks(cache, seq, seq.n_cached - n)
+            if seq.n_cached == seq.n_tokens:  # the chunk reached the end: a new token
+                try:
+                    token = choose_token(logits[i], greedy[i], seq.tokens, seq.prompt_len, seq.request.sampling,
+                                         seq.generator, self.processors)
+                except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone
+                    self._fail(cache, seq, running, step, error)
+                    output.finished.append(seq.request.name)
+                    continue
+                seq.tokens.append(token)
+                seq.result.tokens.append(token)
+                seq.result.token_times.append(now)
+                output.tokens[seq.request.name] = token
+                if seq.result.first_token_step is None:
+                    seq.result.first_token_step = step
+                if len(seq.result.tokens) == seq.request.max_new_tokens:
+                    seq.result.finish_step = step
+                    cache.release_all(seq.blocks)
+                    seq.blocks = []
+                    running.remove(seq)
+                    output.finished.append(seq.request.name)
+        for seq in running:  # running but not scheduled (the token budget ran out): ready, waiting its turn
+            states.setdefault(seq.request.name, "waiting")
+        for seq in preempted:
+            states[seq.request.name] = "preempted"
+        log.states.append(states)
+        held = cache.num_blocks - len(cache.free)
+        log.allocated.append(held * cache.block_bytes)
+        log.used.append(self._used_slots(cache, running) * cache.block_bytes // S)
+        log.batch.append(len(scheduled))
+        log.computed.append(sum(n for _, n in scheduled))
+        log.prefill.append(prefill_tokens)
+        log.step_seconds.append(time.perf_counter() - start_time - step_start)
+        log.clock.append(step)
+        log.evictions = cache.evictions
+        self.clock += 1
+        return output
+
+    def _forward_alone(self, cache: PagedKVCache, chunks: list, error: Exception, step: int, paged_attention,
+                      slot_mapping):
+        """The batched pass raised `error`: run each chunk alone. Returns (logits, {chunk index: its exception}).
+
+        A chunk's keys and values go to its own blocks (no sequence writes a block another holds), so
+        what the failed batched pass wrote is rewritten here or freed with a failed request's blocks."""
+        rows, failed = [], {}
+        for i, chunk in enumerate(chunks):
+            try:
+                rows.append(paged_forward(self.model, cache, [chunk], paged_attention=paged_attention,
+                                          slot_mapping=slot_mapping)[0])
+            except Exception as alone:  # noqa: BLE001 - this chunk's own error
+                failed[i] = alone
+                rows.append(torch.zeros(self.model.config.vocab_size))  # never read: its request fails
+        if not failed:
+            raise RuntimeError(f"step {step}: the batched forward pass over {len(chunks)} chunks raised, but every "
+                               f"chunk alone succeeded: an engine error, not a request's") from error
+        return torch.stack(rows), failed
+
+    @staticmethod
+    def _fail(cache: PagedKVCache, seq: Sequence, running: list, step: int, error: Exception) -> None:
+        """Record `error` on the request's Result and give its blocks back; it leaves the engine."""
+        seq.result.error = f"request {seq.request.name}: failed at step {step}: {type(error).__name__}: {error}"
+        cache.release_all(seq.blocks)
+        seq.blocks = []
+        running.remove(seq)
+
+    def _no_progress(self, cache: PagedKVCache, running: list, waiting: list, step: int) -> str:
+        """Why a step scheduled and preempted nothing: the blocks free, held by requests and held by none (leaked)."""
+        held = {b for seq in running for b in seq.blocks}
+        leaked = sorted(set(range(cache.num_blocks)) - set(cache.free) - held)
+        lines = [f"the engine made no progress at step {step}: the scheduler scheduled nothing and preempted nothing "
+                 f"({len(running)} running, {len(waiting)} waiting); {len(cache.free)} of {cache.num_blocks} blocks "
+                 f"are free, {len(held)} held by running requests, {len(leaked)} held by no request"]
+        if waiting:
+            seq = waiting[0]
+            n = min(seq.n_tokens - seq.n_cached, self.token_budget)
+            lines.append(f"the first waiting request, {seq.request.name}, needs {seq.blocks_needed(n)} blocks for its "
+                         f"next {n} tokens")
+        if leaked:
+            lines.append(f"blocks leaked (not on the free list, in no running request's block table): {leaked[:12]}"
+                         f"{' ...' if len(leaked) > 12 else ''}")
+        else:
+            lines.append("no block leaked: the scheduler returned nothing although it could schedule")
+        return "; ".join(lines)
+
+    @staticmethod
+    def _make_room(cache: PagedKVCache, seq: Sequence, n: int) -> None:
+        """Fresh blocks for positions n_cached .. n_cached + n - 1 (never a block another sequence holds: see find_prefix)."""
+        while len(seq.blocks) * cache.block_size < seq.n_cached + n:
+            seq.blocks.append(cache.allocate())
+
+    @staticmethod
+    def _register_full_blocks(cache: PagedKVCache, seq: Sequence, before: int) -> None:
+        """Remember every block this step filled (for the prefix cache)."""
+        S = cache.block_size
+        for i in range(before // S, seq.n_cached // S):
+            cache.register(tuple(seq.tokens[:(i + 1) * S]), seq.blocks[i])
+
+    @staticmethod
+    def _used_slots(cache: PagedKVCache, running: list) -> int:
+        """Slots holding a cached token, each shared block counted once: the running sequences' cached tokens, less a
+        block's S slots for each reference to a block beyond its first (only full blocks are shared, found by prefix;
+        every table holds just the blocks its n_cached fill)."""
+        tables = [seq.blocks for seq in running]
+        shared = sum(map(len, tables)) - len(set(itertools.chain.from_iterable(tables)))  # references beyond the first
+        return sum(seq.n_cached for seq in running) - cache.block_size * shared

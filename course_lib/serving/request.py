@@ -1,0 +1,209 @@
+"""A request, its sampling settings and its result; the checks a request passes on arrival; a request inside the engine
+(vLLM's ``request.py`` and ``sampling_params.py``, nano-vllm's ``engine/sequence.py`` and ``sampling_params.py``).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from ..validation import is_count
+from .block_pool import PagedKVCache
+
+
+@dataclass
+class Request:
+    """One user's request: a prompt (token ids), how many tokens to generate, when it arrives.
+
+    arrival: the engine step at which it arrives (a logical clock: step 0 is the first). sampling: None
+    for greedy, else chapter 06's processor settings (``process_logits``'s keyword arguments, e.g.
+    ``dict(temperature=0.8, top_k=20)``; ``SAMPLING`` lists them and their ranges), drawn with a
+    ``torch.Generator`` seeded with ``seed`` (other versions of the processor functions go to ``Engine.run``, by the
+    plug-in rule). ``validate`` checks every field on arrival.
+    The request always generates max_new_tokens tokens (no end-of-sequence token here).
+    """
+
+    name: str
+    prompt: list
+    max_new_tokens: int
+    arrival: int = 0
+    sampling: dict | None = None
+    seed: int = 0
+
+
+@dataclass
+class Result:
+    """What happened to one request: its generated tokens, or the error that rejected or failed it; when, in steps and seconds.
+
+    error is None exactly when the request finished (all max_new_tokens tokens). Otherwise it names the request and
+    says why: rejected on arrival (no tokens) or failed in a step (the tokens generated before it failed; finish_step
+    None). See ``Engine.run``."""
+
+    name: str
+    tokens: list = field(default_factory=list)
+    error: str | None = None
+    arrival_step: int = 0
+    first_token_step: int | None = None
+    finish_step: int | None = None
+    arrival_time: float = 0.0  # seconds since the start of the run when its arrival step began
+    token_times: list = field(default_factory=list)  # seconds since the start of the run, one per token
+    preemptions: int = 0
+    admissions: list = field(default_factory=list)  # per admission (the first, then one per resume after a preemption):
+    # (its tokens then, those of them found in the prefix cache)
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token, seconds: from the start of its arrival step to its first token."""
+        return self.token_times[0] - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first, seconds (None for a single token)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+def is_real_number(value) -> bool:
+    """A real number (int, float, numpy scalar) that is not a bool; NaN passes here and fails every range below."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+#: the sampling settings a request may carry (``process_logits``'s keyword arguments): a check and its range in words
+SAMPLING = {
+    "temperature": (lambda v: is_real_number(v) and 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)"),
+    "top_k": (lambda v: v is None or (is_count(v) and v >= 0), "None or an integer >= 0 (0 and None disable it)"),
+    "top_p": (lambda v: v is None or (is_real_number(v) and 0 < v <= 1), "None or a number in (0, 1]"),
+    "min_p": (lambda v: v is None or (is_real_number(v) and 0 <= v <= 1), "None or a number in [0, 1]"),
+    "repetition_penalty": (lambda v: v is None or (is_real_number(v) and 0 < v < math.inf),
+                           "None or a finite number > 0 (1 means no penalty)"),
+    "frequency_penalty": (lambda v: is_real_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "presence_penalty": (lambda v: is_real_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    # Processor functions carried by name: the old way, kept while chapter 12's notebook passes its processors here
+    # (it should pass them to Engine.run, by the plug-in rule; then these six entries go).
+    **{name: (callable, f"a function (the course's decoding.{name} by default)") for name in (
+        "apply_repetition_penalty", "apply_frequency_presence_penalty", "apply_temperature", "top_k_filter",
+        "top_p_filter", "min_p_filter")},
+}
+SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes: [-2**63, 2**64)
+
+
+def arrival_error(request: Request) -> str | None:
+    if not is_count(request.arrival) or request.arrival < 0:
+        return f"request {request.name}: arrival must be an integer >= 0 (an engine step), got {request.arrival!r}"
+    return None
+
+
+def validate(request: Request, context: int, num_blocks: int | None = None, block_size: int | None = None, *,
+             vocab_size: int | None = None) -> None:
+    """Raise ValueError, naming the request, the argument and its allowed range, if `request` cannot be served.
+
+    Checked: arrival (an integer >= 0); prompt (a non-empty list or tuple of integer token ids, each in
+    [0, vocab_size) when vocab_size is given); max_new_tokens (an integer >= 1); prompt + max_new_tokens within
+    the model's context length `context`; its blocks within a pool of num_blocks blocks of block_size tokens (when
+    given); sampling (None or a dict of the settings in ``SAMPLING``, each in its range); seed (an integer that
+    ``torch.Generator.manual_seed`` takes). Everything a request carries is checked here, once, on arrival: the
+    engine's steps check nothing per token. See ``Engine.run``.
+    """
+    name, prompt = request.name, request.prompt
+    arrival = arrival_error(request)
+    if arrival:
+        raise ValueError(arrival)
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"request {name}: prompt must be a list of token ids, got {type(prompt).__name__}")
+    if len(prompt) < 1:
+        raise ValueError(f"request {name}: prompt must hold at least 1 token, got an empty prompt")
+    for i, token in enumerate(prompt):
+        if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0 \
+                or (vocab_size is not None and token >= vocab_size):
+            allowed = "integers >= 0" if vocab_size is None else f"integers in [0, vocab_size = {vocab_size})"
+            raise ValueError(f"request {name}: prompt token ids must be {allowed}, got {token!r} at position {i}")
+    if not is_count(request.max_new_tokens) or request.max_new_tokens < 1:
+        raise ValueError(f"request {name}: max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
+    total = len(prompt) + request.max_new_tokens
+    if total > context:
+        raise ValueError(f"request {name}: prompt length + max_new_tokens must be <= the model's context length, "
+                         f"context = {context}, got {len(prompt)} + {request.max_new_tokens}")
+    if num_blocks is not None:
+        need = math.ceil(total / block_size)
+        if need > num_blocks:
+            raise ValueError(f"request {name}: num_blocks = {num_blocks} is too small: this request needs "
+                             f"{need} blocks of {block_size} tokens")
+    if request.sampling is not None:
+        if not isinstance(request.sampling, Mapping):
+            raise ValueError(f"request {name}: sampling must be None (greedy) or a dict of settings, "
+                             f"got {type(request.sampling).__name__}")
+        for key, value in request.sampling.items():
+            if key not in SAMPLING:
+                raise ValueError(f"request {name}: sampling has no setting {key!r}; the settings are "
+                                 f"{', '.join(SAMPLING)}")
+            check, allowed = SAMPLING[key]
+            if not check(value):
+                raise ValueError(f"request {name}: sampling {key} must be {allowed}, got {value!r}")
+    if not is_count(request.seed) or not SEED_RANGE[0] <= request.seed < SEED_RANGE[1]:
+        raise ValueError(f"request {name}: seed must be an integer in [-2**63, 2**64), got {request.seed!r}")
+
+
+def pending_requests(requests: list) -> tuple:
+    """({name: Result}, the requests to serve sorted by arrival). A request whose arrival is not an integer >= 0
+    gets its error at once (it has no arrival step to wait for). Names must be unique (results are keyed by them)."""
+    results = {}
+    for r in requests:
+        if r.name in results:
+            raise ValueError(f"request names must be unique (the results are keyed by name): {r.name!r} appears twice")
+        results[r.name] = Result(r.name, arrival_step=r.arrival)
+    timed = []
+    for r in requests:
+        error = arrival_error(r)
+        if error:
+            results[r.name].error = error
+        else:
+            timed.append(r)
+    return results, sorted(timed, key=lambda r: r.arrival)  # stable: equal arrivals keep their order
+
+
+class Sequence:
+    """A request inside the engine: its tokens so far, how many are cached, its block table."""
+
+    def __init__(self, request: Request, result: Result, cache: PagedKVCache):
+        self.request, self.result, self.cache = request, result, cache
+        self.tokens = list(request.prompt)
+        self.prompt_len = len(request.prompt)
+        self.n_cached = 0
+        self.blocks: list = []  # the block table
+        self.hit: list = []  # blocks of a cached prefix found while waiting (no reference taken yet)
+        self.generator = torch.Generator().manual_seed(request.seed)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    def find_prefix(self, share: bool) -> None:
+        """While waiting: find the cached blocks of its prefix (references are taken on admission), start after them.
+
+        The last token is always computed (its logits give the next token), so only blocks within the first
+        n_tokens - 1 tokens are looked up: when every block of the tokens is cached, the last one is computed
+        again into a fresh block (vLLM does the same), and no sequence ever writes into a block another holds."""
+        self.hit = self.cache.lookup(self.tokens[:-1]) if share else []
+        self.n_cached = len(self.hit) * self.cache.block_size
+
+    def blocks_needed(self, n: int) -> int:
+        """Blocks taken from the free list to cache n more tokens: new ones, and (waiting) cached ones now free.
+
+        Two waiting sequences that found the same free block both count it, so admission may stop a step early
+        (never take more blocks than are free)."""
+        S = self.cache.block_size
+        table = self.blocks or self.hit  # a waiting sequence's table will be its cached prefix
+        reused = 0 if self.blocks else sum(1 for b in self.hit if self.cache.refs[b] == 0)  # on the free list
+        return max(0, math.ceil((self.n_cached + n) / S) - len(table)) + reused
+
+    def blocks_freed(self) -> int:
+        """Blocks only this sequence holds (reference count 1): they go back to the free list if it is preempted.
+
+        A block it shares only with other sequences preempted in the same step is freed too but not counted
+        here, so the scheduler may then preempt more than it needs (never less)."""
+        return sum(1 for b in self.blocks if self.cache.refs[b] == 1)
+
