@@ -20,7 +20,8 @@ INSTRUCTOR_SERVER_EXTENSIONS = ("nbgrader.server_extensions.formgrader", "nbgrad
                                 "nbgrader.server_extensions.course_list")
 
 
-def lab_command(instructor: bool = False, extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+def lab_command(instructor: bool = False, extra: tuple[str, ...] = (), environ: dict | None = None,
+                root: Path | None = None) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of ``course lab``: JupyterLab on notebooks/ for a learner, on the course's
     root with nbgrader's instructor tools for an instructor (``--instructor``).
 
@@ -28,20 +29,24 @@ def lab_command(instructor: bool = False, extra: tuple[str, ...] = ()) -> tuple[
     terminals as interactive shells that keep that PATH (a login shell resets it), no news pop-up and no update check,
     and widget state saved with the notebook (a reopened notebook draws its sliders instead of "model not found");
     these settings are course_lib/jupyter/overrides.json, JupyterLab's app settings folder for this server.
+    `extra`: more arguments for jupyter lab; `environ`: the environment to start from (os.environ); `root`: the folder
+    the lab shows (notebooks/, or the course's root for an instructor).
     """
-    root = grading.repo_root()
+    environ = os.environ if environ is None else environ
+    course = grading.repo_root()
+    root = root or (course if instructor else course / grading.RELEASE_DIR)
     settings = Path(__file__).parent / "jupyter"
-    shell = os.environ.get("SHELL") or shutil.which("bash") or "/bin/sh"
+    shell = environ.get("SHELL") or shutil.which("bash") or "/bin/sh"
     command = [sys.executable, "-m", "jupyter", "lab",
-               f"--ServerApp.root_dir={root if instructor else root / grading.RELEASE_DIR}",
+               f"--ServerApp.root_dir={root}",
                f"--LabApp.app_settings_dir={settings}", "--LabApp.news_url=None",
                "--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate",
                f"--ServerApp.terminado_settings=shell_command={[shell]!r}"]
-    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    env = {**environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), environ.get("PATH", "")])}
     if not instructor:
         command += [f"--ServerApp.jpserver_extensions={name}=False" for name in INSTRUCTOR_SERVER_EXTENSIONS]
         env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(filter(None, [str(settings / "learner"),
-                                                                   os.environ.get("JUPYTER_CONFIG_PATH")]))
+                                                                   environ.get("JUPYTER_CONFIG_PATH")]))
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers and CI machines often run as root
         command.append("--allow-root")
     return command + list(extra), env
@@ -53,6 +58,11 @@ def _lab(args) -> int:
 
 
 def _check(args) -> int:
+    from .grading.engine import own_notebooks
+
+    chapter = grading.resolve_chapter(args.chapter)
+    for path in [args.notebook] if args.notebook else own_notebooks(chapter, grading.repo_root()):
+        print(f"grading a copy of {Path(path).resolve()} (save it first)")
     results = grading.check(args.chapter, args.notebook)
     for result in results:
         print(grading.format_report(result))
