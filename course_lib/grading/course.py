@@ -25,7 +25,8 @@ RELEASE_DIR = "notebooks"
 #: JupyterLab's tag for a cell expected to raise: Run All goes on past it. The release's visible test cells carry it, so
 #: that an unfinished exercise's failed check does not stop the chapter: the cells after it run the course's version.
 #: nbgrader executes every cell whatever its tags (it allows errors), so grading is unchanged. Never in solutions/:
-#: nbval reads the tag too, and would excuse a reference solution that fails its own check.
+#: nbval reads the tag too (an error there is allowed, not required), and would excuse a reference solution that fails
+#: its own check wherever outputs are not compared.
 RUNS_ON = "raises-exception"
 
 

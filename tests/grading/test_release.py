@@ -100,8 +100,10 @@ def test_every_visible_test_of_the_release_lets_run_all_go_on(chapter):
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_no_solution_carries_the_tag_nbval_would_read_as_an_excuse(chapter):
-    """nbval honours ``raises-exception`` (an error there is allowed): in solutions/ it would let a reference solution
-    fail its own visible check unnoticed. The tag is added by `course release`, to the release only."""
+    """nbval honours ``raises-exception`` (it does not require an error, it allows one): in solutions/, a reference
+    solution failing its own visible check would no longer fail nbval by itself, only by a differing output, and not at
+    all where outputs are not compared (NBVAL_IGNORE_OUTPUT, --nbval-lax) or the stored output is the error. The tag
+    is added by `course release`, to the release only."""
     from nbval.plugin import metadata_tags
 
     assert metadata_tags["raises-exception"] == "check_exception"  # what nbval does with it
