@@ -126,7 +126,7 @@ def release(chapter_names: list[str] | None = None, root: Path | None = None) ->
         _run_python(["-c", _GENERATE_ASSIGNMENTS, str(root), *names], f"nbgrader generate_assignment {' '.join(names)}", Path(tmp))
     folders = [root / RELEASE_DIR / name for name in names]
     for path in (path for folder in folders for path in sorted(folder.glob("*.ipynb"))):
-        _tag_visible_tests(path)
+        _finish_release(path)
     return folders
 
 
@@ -137,15 +137,16 @@ def is_visible_test(cell) -> bool:
     return cell.get("cell_type") == "code" and bool(meta.get("grade")) and not meta.get("solution") and bool(code)
 
 
-def _tag_visible_tests(path: Path) -> None:
-    """Tag the released notebook's visible test cells ``RUNS_ON`` (in place, and only if one lacks it)."""
+def _finish_release(path: Path) -> None:
+    """What nbgrader leaves to do in a released notebook (in place, written only if it changes): its visible test cells
+    tagged ``RUNS_ON``, and no widget state (the solution's widgets, whose outputs the release does not carry)."""
     import nbformat
 
     notebook = nbformat.read(path, as_version=4)
     untagged = [cell for cell in notebook.cells if is_visible_test(cell) and RUNS_ON not in cell.metadata.get("tags", [])]
     for cell in untagged:
         cell.metadata["tags"] = [*cell.metadata.get("tags", []), RUNS_ON]
-    if untagged:
+    if untagged or notebook.metadata.pop("widgets", None) is not None:
         nbformat.write(notebook, path)
 
 

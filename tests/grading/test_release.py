@@ -37,6 +37,7 @@ def test_release_contains_no_hidden_tests_no_solutions_and_no_outputs(chapter):
         assert "BEGIN HIDDEN TESTS" not in released_text and "BEGIN SOLUTION" not in released_text
         released = load_notebook(released_path)
         assert all(not c.get("outputs") for c in released["cells"] if c["cell_type"] == "code")
+        assert "widgets" not in released["metadata"], f"{released_path.name} carries the solution's widget state"
         released_cells = nbgrader_cells(released)
         for grade_id, cell in nbgrader_cells(source).items():
             text = "".join(cell["source"])
