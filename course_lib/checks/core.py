@@ -52,8 +52,7 @@ class NotWrittenYet(CheckFailed, NotImplementedError):
         code = tb.tb_frame.f_code if tb is not None else None
         name = getattr(code, "co_qualname", getattr(code, "co_name", "<module>")).rpartition("<locals>.")[2]
         what = "this exercise" if code is None or name.startswith("<") else f"{name}"
-        return cls(f"{what} is not written yet: its code still raises NotImplementedError (put your code in place of "
-                   "`raise NotImplementedError()` under # YOUR CODE HERE, and run its cell)")
+        return cls(f"{what} is not written yet: its code still raises NotImplementedError. Write it and run its cell.")
 
 
 def says_unfinished(check):

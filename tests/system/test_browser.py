@@ -3,7 +3,8 @@
 The test starts JupyterLab with `course lab`'s own command line and environment (``course_lib.cli.lab_command``:
 bound here to 127.0.0.1 with a random token and a free port, on a temporary folder holding *copies* of the released
 notebooks of chapters 00 and 14 — JupyterLab autosaves; the generated notebooks/ must not change — with a PATH that
-lacks the course's .venv/bin, fresh user settings and a fresh HOME), drives headless Chromium with Playwright at
+lacks the course's .venv/bin, a fresh HOME, and fresh user settings but for the terminal's screen reader mode, which
+puts the terminal's text into the page for the test to read), drives headless Chromium with Playwright at
 1440 x 900, and checks from the page itself that a learner
 
 1. finds none of nbgrader's instructor tools: no Nbgrader menu, no Create Assignment panel, the formgrader and the
@@ -156,6 +157,10 @@ def _course_lab(tmp: Path, instructor: bool = False):
     bin_dir = str(Path(sys.executable).parent)
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != bin_dir)
     (tmp / "home").mkdir()
+    # the test reads the terminal's text: xterm draws on a canvas, and writes its rows into the page for screen readers
+    terminal_settings = tmp / "lab-settings" / "@jupyterlab" / "terminal-extension" / "plugin.jupyterlab-settings"
+    terminal_settings.parent.mkdir(parents=True)
+    terminal_settings.write_text(json.dumps({"screenReaderMode": True}))
     environ = {**{k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "VIRTUAL_ENV"))},
                "PATH": path, "HOME": str(tmp / "home"), "SHELL": "/bin/bash", "JUPYTER_RUNTIME_DIR": str(tmp / "runtime")}
     command, env = lab_command(instructor, ("--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
@@ -476,7 +481,7 @@ def test_4_course_check_in_a_jupyterlab_terminal(page, lab):
         expect(terminal).to_be_visible()
         terminal.click()
         page.keyboard.type("course check 14\n")
-        rows = page.locator(".jp-Terminal .xterm-rows")
+        rows = page.locator(".jp-Terminal .xterm-accessibility-tree")
         expect(rows).to_contain_text(re.compile(r"total\s+\d+\s/\s12"), timeout=CHECK_MS)  # xterm: no-break spaces
         shown = " ".join(rows.text_content().split())
         assert "command not found" not in shown, shown
