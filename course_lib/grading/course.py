@@ -146,7 +146,8 @@ def _finish_release(path: Path) -> None:
     untagged = [cell for cell in notebook.cells if is_visible_test(cell) and RUNS_ON not in cell.metadata.get("tags", [])]
     for cell in untagged:
         cell.metadata["tags"] = [*cell.metadata.get("tags", []), RUNS_ON]
-    if untagged or notebook.metadata.pop("widgets", None) is not None:
+    widgets = notebook.metadata.pop("widgets", None)
+    if untagged or widgets is not None:
         nbformat.write(notebook, path)
 
 
