@@ -12,15 +12,57 @@ from pathlib import Path
 from . import grading
 
 
-def _lab(args) -> int:
-    root = grading.repo_root()
-    cmd = [sys.executable, "-m", "jupyter", "lab", f"--ServerApp.root_dir={root / grading.RELEASE_DIR}", *args.extra]
+#: nbgrader's instructor tools, off in the learner's lab: the formgrader (its Generate button rewrites notebooks/ without
+#: asking), the exchange's assignment and course lists (no exchange here: "Error fetching courses!"). Validate stays: it
+#: runs the open notebook in memory and reports each test, writing nothing. Their lab plugins are disabled in
+#: course_lib/jupyter/learner/labconfig/page_config.json (a Jupyter config folder put first on JUPYTER_CONFIG_PATH).
+INSTRUCTOR_SERVER_EXTENSIONS = ("nbgrader.server_extensions.formgrader", "nbgrader.server_extensions.assignment_list",
+                                "nbgrader.server_extensions.course_list")
+
+
+def lab_command(instructor: bool = False, extra: tuple[str, ...] = (), environ: dict | None = None,
+                root: Path | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``course lab``: JupyterLab on notebooks/ for a learner, on the course's
+    root with nbgrader's instructor tools for an instructor (``--instructor``).
+
+    Both: this interpreter's bin/ first on PATH (``course check`` in a terminal; nbgrader runs ``alembic`` by name),
+    terminals as interactive shells that keep that PATH (a login shell resets it), no news pop-up and no update check,
+    and widget state saved with the notebook (a reopened notebook draws its sliders instead of "model not found");
+    these settings are course_lib/jupyter/overrides.json, JupyterLab's app settings folder for this server.
+    `extra`: more arguments for jupyter lab; `environ`: the environment to start from (os.environ); `root`: the folder
+    the lab shows (notebooks/, or the course's root for an instructor).
+    """
+    environ = os.environ if environ is None else environ
+    course = grading.repo_root()
+    root = root or (course if instructor else course / grading.RELEASE_DIR)
+    settings = Path(__file__).parent / "jupyter"
+    shell = environ.get("SHELL") or shutil.which("bash") or "/bin/sh"
+    command = [sys.executable, "-m", "jupyter", "lab",
+               f"--ServerApp.root_dir={root}",
+               f"--LabApp.app_settings_dir={settings}", "--LabApp.news_url=None",
+               "--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate",
+               f"--ServerApp.terminado_settings=shell_command={[shell]!r}"]
+    env = {**environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), environ.get("PATH", "")])}
+    if not instructor:
+        command += [f"--ServerApp.jpserver_extensions={name}=False" for name in INSTRUCTOR_SERVER_EXTENSIONS]
+        env["JUPYTER_CONFIG_PATH"] = os.pathsep.join(filter(None, [str(settings / "learner"),
+                                                                   environ.get("JUPYTER_CONFIG_PATH")]))
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers and CI machines often run as root
-        cmd.append("--allow-root")
-    os.execv(sys.executable, cmd)
+        command.append("--allow-root")
+    return command + list(extra), env
+
+
+def _lab(args) -> int:
+    command, env = lab_command(args.instructor, tuple(args.extra))
+    os.execve(sys.executable, command, env)
 
 
 def _check(args) -> int:
+    from .grading.engine import own_notebooks
+
+    chapter = grading.resolve_chapter(args.chapter)
+    for path in [args.notebook] if args.notebook else own_notebooks(chapter, grading.repo_root()):
+        print(f"grading a copy of {Path(path).resolve()} (save it first)")
     results = grading.check(args.chapter, args.notebook)
     for result in results:
         print(grading.format_report(result))
@@ -145,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="course", description="From Attention to Decoding: course commands.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("lab", help="start JupyterLab on notebooks/")
+    p = sub.add_parser("lab", help="start JupyterLab on notebooks/ (--instructor: on the course, with nbgrader's formgrader)")
+    p.add_argument("--instructor", action="store_true",
+                   help="JupyterLab on the course's root with nbgrader's instructor tools (formgrader, Create Assignment): "
+                        "the formgrader's Generate rewrites notebooks/")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="extra arguments for jupyter lab")
     p.set_defaults(func=_lab)
 

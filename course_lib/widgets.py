@@ -34,7 +34,7 @@ def temperature_explorer(scores, labels, initial: float = 1.0):
     import ipywidgets as widgets
 
     slider = widgets.FloatLogSlider(value=initial, base=10, min=-1, max=1, step=0.05, description="temperature",
-                                    readout_format=".2f", continuous_update=True)
+                                    readout_format=".2f", continuous_update=True, style={"description_width": "initial"})
     output = widgets.Output()
 
     def redraw(temperature: float) -> None:
@@ -71,10 +71,11 @@ def sampler_explorer(logits, labels, shown: int = 16, **processors):
     base = torch.softmax(logits[0].double(), dim=-1)
     order = base.argsort(descending=True)[:shown]
     names = [labels[i] for i in order.tolist()]
-    temperature = widgets.FloatSlider(value=1.0, min=0.05, max=3.0, step=0.05, description="temperature")
-    top_k = widgets.IntSlider(value=0, min=0, max=logits.shape[-1], description="top-k (0 off)")
-    top_p = widgets.FloatSlider(value=1.0, min=0.05, max=1.0, step=0.01, description="top-p")
-    min_p = widgets.FloatSlider(value=0.0, min=0.0, max=0.5, step=0.01, description="min-p")
+    labels_fit = {"style": {"description_width": "7em"}}  # the longest label whole, the four sliders aligned
+    temperature = widgets.FloatSlider(value=1.0, min=0.05, max=3.0, step=0.05, description="temperature", **labels_fit)
+    top_k = widgets.IntSlider(value=0, min=0, max=logits.shape[-1], description="top-k (0 off)", **labels_fit)
+    top_p = widgets.FloatSlider(value=1.0, min=0.05, max=1.0, step=0.01, description="top-p", **labels_fit)
+    min_p = widgets.FloatSlider(value=0.0, min=0.0, max=0.5, step=0.01, description="min-p", **labels_fit)
     output = widgets.Output()
 
     def redraw(_=None) -> None:

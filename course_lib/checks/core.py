@@ -3,7 +3,9 @@
 Learner-facing checks: the visible test cells call these for instant, specific feedback.
 
 A failed check raises ``CheckFailed`` (an ``AssertionError``) whose message says what is
-wrong, with numbers: "row 2 of your weights sums to 0.87, expected 1". Expected values
+wrong, with numbers: "row 2 of your weights sums to 0.87, expected 1"; IPython shows that message alone,
+without the check's own frames. An unfinished exercise (its stub still raises ``NotImplementedError``) makes its
+check raise ``NotWrittenYet``, which says so and names the function. Expected values
 come from independent oracles (PyTorch built-ins or a float64 formula), never from
 ``course_lib``'s own reference solutions.
 
@@ -13,9 +15,11 @@ Tolerance policy, used everywhere in the course: float32 parity is checked with
 from __future__ import annotations
 
 
+import functools
+
 import torch
 
-__all__ = ["RTOL", "ATOL", "CheckFailed", "fail", "call_learner", "passed", "unpack_pair", "assert_tensor", "assert_shape",
+__all__ = ["RTOL", "ATOL", "CheckFailed", "NotWrittenYet", "explain", "says_unfinished", "fail", "call_learner", "passed", "unpack_pair", "assert_tensor", "assert_shape",
            "assert_finite", "assert_close", "assert_rows_sum_to_one", "assert_masked_are_zero", "greedy_oracle"]
 
 RTOL = 1e-5
@@ -23,7 +27,53 @@ ATOL = 1e-5
 
 
 class CheckFailed(AssertionError):
-    """A check found a specific, explained problem in the learner's code."""
+    """A check found a specific, explained problem in the learner's code.
+
+    In a notebook it reads as one message: IPython asks an exception for ``_render_traceback_`` before it formats a
+    traceback, and this one is the message alone (the check's frames and source say nothing to the learner; the
+    exception that led to it, if any, is named in the message). Validate shows the same lines.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[1;31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+class NotWrittenYet(CheckFailed, NotImplementedError):
+    """An exercise's check ran into the exercise's stub: ``raise NotImplementedError()`` is still its code.
+
+    Also a ``NotImplementedError``, so whatever expects the stub's own error still sees one."""
+
+    @classmethod
+    def from_error(cls, error: NotImplementedError) -> "NotWrittenYet":
+        """The message names the function whose code raised ``error`` (the innermost frame: the stub itself)."""
+        tb = error.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        code = tb.tb_frame.f_code if tb is not None else None
+        name = getattr(code, "co_qualname", getattr(code, "co_name", "<module>")).rpartition("<locals>.")[2]
+        what = "this exercise" if code is None or name.startswith("<") else f"{name}"
+        return cls(f"{what} is not written yet: its code still raises NotImplementedError. Write it and run its cell.")
+
+
+def says_unfinished(check):
+    """``check`` with an unfinished exercise's ``NotImplementedError`` raised as ``NotWrittenYet`` naming it."""
+    @functools.wraps(check)
+    def checked(*args, **kwargs):
+        try:
+            return check(*args, **kwargs)
+        except NotWrittenYet:
+            raise
+        except NotImplementedError as error:
+            raise NotWrittenYet.from_error(error) from error
+    return checked
+
+
+def explain(error: BaseException) -> str:
+    """What a failed test tells the learner: a check's message, "... is not written yet", else the error's type and
+    first words (``course check``'s report and the grading CSVs)."""
+    if isinstance(error, NotImplementedError) and not isinstance(error, NotWrittenYet):
+        error = NotWrittenYet.from_error(error)
+    return f"{type(error).__name__}: {error}".strip()
 
 
 def fail(message: str):
@@ -107,7 +157,7 @@ def assert_masked_are_zero(weights, mask, name: str = "your weights") -> None:
     if (leaked > 0).any():
         where = _index(int(leaked.flatten().argmax()), weights.shape)
         fail(
-            f"{name} gives weight {weights[where].item():.4g} to a masked position {where}; masked positions "
+            f"{name} give weight {weights[where].item():.4g} to a masked position {where}; masked positions "
             "(mask == False) must get exactly 0. Is the mask ignored or inverted?"
         )
 

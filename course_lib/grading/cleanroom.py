@@ -146,6 +146,8 @@ def _exercise_namespace(setup: dict, solutions: list[dict], exercise: str) -> tu
 
 
 def _run_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: dict, send) -> None:
+    from course_lib.checks.core import explain
+
     integrity = Integrity(_watched(setup))
     try:
         namespace, learner = _exercise_namespace(setup, solutions, exercise["name"])
@@ -166,7 +168,7 @@ def _run_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: di
             try:
                 exec(compile(test["source"], f"<{test['grade_id']}>", "exec"), dict(namespace))
             except BaseException as error:  # noqa: BLE001 - a failed test, whatever it raised
-                verdict["message"] = f"{type(error).__name__}: {error}".strip()
+                verdict["message"] = explain(error)
                 verdict["error"] = limit_hit(error, limits)
             else:
                 changed = integrity.changes()

@@ -23,6 +23,12 @@ CODE_STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
 CELL_TIMEOUT = 120
 SOURCE_DIR = "solutions"
 RELEASE_DIR = "notebooks"
+#: JupyterLab's tag for a cell expected to raise: Run All goes on past it. The release's visible test cells carry it, so
+#: that an unfinished exercise's failed check does not stop the chapter: the cells after it run the course's version.
+#: nbgrader executes every cell whatever its tags (it allows errors), so grading is unchanged. Never in solutions/:
+#: nbval reads the tag too (an error there is allowed, not required), and would excuse a reference solution that fails
+#: its own check wherever outputs are not compared.
+RUNS_ON = "raises-exception"
 
 
 def configure(c, cell_timeout: int = CELL_TIMEOUT) -> None:
@@ -119,7 +125,31 @@ def release(chapter_names: list[str] | None = None, root: Path | None = None) ->
         config.write_text(config_text(CELL_TIMEOUT))
         # nbgrader reads nbgrader_config.py from its working directory
         _run_python(["-c", _GENERATE_ASSIGNMENTS, str(root), *names], f"nbgrader generate_assignment {' '.join(names)}", Path(tmp))
-    return [root / RELEASE_DIR / name for name in names]
+    folders = [root / RELEASE_DIR / name for name in names]
+    for path in (path for folder in folders for path in sorted(folder.glob("*.ipynb"))):
+        _finish_release(path)
+    return folders
+
+
+def is_visible_test(cell) -> bool:
+    """A graded test cell with code a learner sees and runs (in the release, a hidden test cell is its comments only)."""
+    meta = cell.get("metadata", {}).get("nbgrader", {})
+    code = [line for line in "".join(cell.get("source", "")).splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return cell.get("cell_type") == "code" and bool(meta.get("grade")) and not meta.get("solution") and bool(code)
+
+
+def _finish_release(path: Path) -> None:
+    """What nbgrader leaves to do in a released notebook (in place, written only if it changes): its visible test cells
+    tagged ``RUNS_ON``, and no widget state (the solution's widgets, whose outputs the release does not carry)."""
+    import nbformat
+
+    notebook = nbformat.read(path, as_version=4)
+    untagged = [cell for cell in notebook.cells if is_visible_test(cell) and RUNS_ON not in cell.metadata.get("tags", [])]
+    for cell in untagged:
+        cell.metadata["tags"] = [*cell.metadata.get("tags", []), RUNS_ON]
+    widgets = notebook.metadata.pop("widgets", None)
+    if untagged or widgets is not None:
+        nbformat.write(notebook, path)
 
 
 #: load per core (the 1-minute load average over the cores this process may use) from which `course execute` calls the

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,6 +120,16 @@ def class_report(workdir: Path) -> str:
     return "\n".join(lines)
 
 
+REPORT_WIDTH = 120
+
+
+def _wrapped(message: str, indent: str = " " * 8) -> list[str]:
+    """A test's whole message, each of its lines wrapped to the report's width under its test (never cut)."""
+    return [textwrap.fill(line, REPORT_WIDTH, initial_indent=indent, subsequent_indent=indent,
+                          break_long_words=False, break_on_hyphens=False) or indent.rstrip()
+            for line in message.splitlines()]
+
+
 def format_report(result: NotebookResult) -> str:
     """A per-exercise report with points, and the reason each failed test gave."""
     lines = [f"{result.chapter}/{result.notebook}.ipynb ({result.student})"]
@@ -137,9 +148,6 @@ def format_report(result: NotebookResult) -> str:
         for t in tests:
             mark = "✓" if t.passed else "✗"
             line = f"    {mark} {t.grade_id:<38} {t.score:g} / {t.max_score:g}"
-            if t.message:
-                message = t.message if len(t.message) <= 200 else t.message[:197] + "..."
-                line += f"\n        {message}"
-            lines.append(line)
+            lines.append(line + "".join(f"\n{text}" for text in _wrapped(t.message)))
     lines.append(f"  {'total':<34} {result.score:g} / {result.max_score:g}")
     return "\n".join(lines)

@@ -3,12 +3,14 @@
 Each visible test cell (grade id ``<exercise>-visible``) calls ``checks.check_<name>(<the learner's names>)``.
 For each such cell, in every chapter: the course_lib reference of each name passes the check (it prints
 "all visible checks passed"), and the released notebook's unfinished answer cell (nothing filled in) makes
-the check raise the exercise's own NotImplementedError, not a check failure or a hint about shapes.
+the check raise the exercise's own NotImplementedError, not a check failure or a hint about shapes: a
+``NotWrittenYet`` (a NotImplementedError) saying which of the learner's names is not written yet.
 A chapter's own test file (tests/chapters/chNN/test_checks_NN.py) holds what differs: its planted bugs and correct alternatives.
 """
 from __future__ import annotations
 
 import ast
+import re
 import importlib
 import inspect
 import pkgutil
@@ -89,5 +91,6 @@ def test_the_reference_passes_the_visible_check(visible, capsys):
 @pytest.mark.parametrize("visible", CHECKS, ids=str)
 def test_an_unfinished_exercise_raises_its_own_not_implemented_error(visible):
     args = [unfinished(visible.chapter, visible.exercise, name) for name in visible.names]
-    with pytest.raises(NotImplementedError):
+    names = "|".join(map(re.escape, visible.names))
+    with pytest.raises(checks.NotWrittenYet, match=rf"^({names})(\.\w+)? is not written yet"):
         getattr(checks, visible.check)(*args)

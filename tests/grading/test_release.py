@@ -37,6 +37,7 @@ def test_release_contains_no_hidden_tests_no_solutions_and_no_outputs(chapter):
         assert "BEGIN HIDDEN TESTS" not in released_text and "BEGIN SOLUTION" not in released_text
         released = load_notebook(released_path)
         assert all(not c.get("outputs") for c in released["cells"] if c["cell_type"] == "code")
+        assert "widgets" not in released["metadata"], f"{released_path.name} carries the solution's widget state"
         released_cells = nbgrader_cells(released)
         for grade_id, cell in nbgrader_cells(source).items():
             text = "".join(cell["source"])
@@ -82,3 +83,31 @@ def test_nbval_markers_are_ones_nbval_honours(chapter):
                 comment = line.strip().lstrip("#").strip()
                 if line.strip().startswith("#") and comment.startswith("NBVAL"):
                     assert comment in comment_markers, f"{path.name}: {line.strip()!r} is not a marker nbval reads"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_visible_test_of_the_release_lets_run_all_go_on(chapter):
+    """Each released visible test cell (grade id ``<exercise>-visible``) carries JupyterLab's ``raises-exception`` tag,
+    so that Run All goes past an unfinished exercise's failed check; no other cell carries it (a demonstration that
+    raises must still stop Run All)."""
+    for path in (ROOT / "notebooks" / chapter).glob("*.ipynb"):
+        for cell in load_notebook(path)["cells"]:
+            grade_id = cell["metadata"].get("nbgrader", {}).get("grade_id", "")
+            tagged = "raises-exception" in cell["metadata"].get("tags", [])
+            assert tagged == grade_id.endswith("-visible"), (
+                f"{path.name} {grade_id or cell.get('id')}: " + ("tagged raises-exception, yet not a visible test"
+                                                                 if tagged else "a visible test without the tag"))
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_no_solution_carries_the_tag_nbval_would_read_as_an_excuse(chapter):
+    """nbval honours ``raises-exception`` (it does not require an error, it allows one): in solutions/, a reference
+    solution failing its own visible check would no longer fail nbval by itself, only by a differing output, and not at
+    all where outputs are not compared (NBVAL_IGNORE_OUTPUT, --nbval-lax) or the stored output is the error. The tag
+    is added by `course release`, to the release only."""
+    from nbval.plugin import metadata_tags
+
+    assert metadata_tags["raises-exception"] == "check_exception"  # what nbval does with it
+    for path in (ROOT / "solutions" / chapter).glob("*.ipynb"):
+        tagged = [cell.get("id") for cell in load_notebook(path)["cells"] if "raises-exception" in cell["metadata"].get("tags", [])]
+        assert not tagged, f"{path.name}: cells {tagged} carry raises-exception"

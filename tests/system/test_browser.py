@@ -1,17 +1,28 @@
-"""What a learner does, in a real browser: open JupyterLab, run chapter 00, move the slider.
+"""A fresh learner's first hour, in a real browser, on the JupyterLab that `course lab` starts.
 
-The test starts JupyterLab (bound to 127.0.0.1, random token, free port) on a temporary folder
-that holds *copies* of the notebooks (JupyterLab autosaves; the generated notebooks/ must not
-change), drives headless Chromium with Playwright, and checks from the page itself that
+The test starts JupyterLab with `course lab`'s own command line and environment (``course_lib.cli.lab_command``:
+bound here to 127.0.0.1 with a random token and a free port, on a temporary folder holding *copies* of the released
+notebooks of chapters 00 and 14 — JupyterLab autosaves; the generated notebooks/ must not change — with a PATH that
+lacks the course's .venv/bin, a fresh HOME, and fresh user settings but for the terminal's screen reader mode, which
+puts the terminal's text into the page for the test to read), drives headless Chromium with Playwright at
+1440 x 900, and checks from the page itself that a learner
 
-* every cell of notebooks/00-orientation runs without an error output,
-* the matplotlib figure and the ipywidgets temperature explorer render, and moving the slider
-  changes the printed probabilities (checked against ``softmax(scores / T)``),
-* the nbgrader JupyterLab extension is there on the solutions of chapter 01: the "Nbgrader" menu,
-  the "Validate" button and the "Create Assignment" panel with the notebook's grade ids and points.
+1. finds none of nbgrader's instructor tools: no Nbgrader menu, no Create Assignment panel, the formgrader and the
+   exchange's pages are not served (nothing that rewrites notebooks/), no news pop-up; the Validate button is there;
+2. runs all of chapter 00 without an error: the figure and the temperature explorer render, moving the slider
+   changes the printed probabilities (checked against ``softmax(scores / T)``), its label is whole; after save,
+   close, a kernel shut down and reopen, the slider is drawn again (no "Error displaying widget: model not found");
+3. runs all of chapter 14 with nothing written: Run All reaches the last cell, each unfinished exercise's check says
+   "... is not written yet" in a line or two, the course's version runs below, the plots are drawn;
+4. writes a wrong online_softmax: its check is one short message, on screen without scrolling a traceback;
+5. runs `course check 14` in a JupyterLab terminal and reads the report, whole messages included.
 
-Screenshots (and the server log) are written to test-artifacts/browser/. The test is skipped,
-with the reason, when Playwright or the Debian Chromium (/usr/bin/chromium) is missing.
+and, in a second server started as `course lab --instructor`, that the instructor's nbgrader is all there: the
+Nbgrader menu, the formgrader, the Create Assignment panel with a solution notebook's grade ids and points.
+
+Screenshots of each step, the server logs and the browser console are written to test-artifacts/browser/ (ignored
+by git; emptied at the start of each run). The test is skipped, with the reason, when Playwright or the Debian
+Chromium (/usr/bin/chromium) is missing.
 """
 from __future__ import annotations
 
@@ -32,6 +43,7 @@ from pathlib import Path
 
 import pytest
 
+from course_lib.cli import lab_command
 from tests.helpers import ROOT
 
 try:
@@ -44,22 +56,32 @@ pytestmark = pytest.mark.skipif(
     not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (Debian: apt-get install -y chromium)")
 
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
-ORIENTATION = "notebooks/00-orientation/orientation.ipynb"
+ORIENTATION = "00-orientation/orientation.ipynb"
+UNFINISHED = "14-tiled-attention/tiled_attention.ipynb"
 SOLUTION = "solutions/01-attention/attention.ipynb"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--no-proxy-server"]
-# JupyterLab user settings for the test server: no news feed, no update check (no requests
-# leave 127.0.0.1) and so no "Would you like to get notified..." toast over the page.
-LAB_SETTINGS = {"@jupyterlab/apputils-extension/notification.jupyterlab-settings":
-                {"fetchNews": "false", "checkForUpdates": False}}
+VIEWPORT = {"width": 1440, "height": 900}
 
 SERVER_START_S = 60      # JupyterLab answering on /api
 KERNEL_IDLE_MS = 60_000  # kernel started and idle
-RUN_ALL_MS = 90_000      # every cell of chapter 00 executed
+RUN_ALL_MS = 180_000     # every cell of a chapter executed
+CHECK_MS = 240_000       # `course check 14` in the terminal
 UI_MS = 30_000           # any other wait on the page
 # What chapter 00's temperature explorer shows: softmax(SCORES / T) over LABELS.
 SCORES = [2.0, 1.0, 0.5, -1.0]
 EXPLORER_LINE = re.compile(r"^T = (\d+\.\d\d) → p\(mat\) = (\d\.\d{3}),")
+# A learner's online_softmax with the classic bug: the running sum is not rescaled when the max grows.
+WRONG_ONLINE_SOFTMAX = """def online_softmax(blocks):
+    m = l = None
+    for x in blocks:
+        top = x.max(-1).values
+        m = top if m is None else torch.maximum(m, top)
+        s = torch.exp(x - m[..., None]).sum(-1)
+        l = s if l is None else l + s
+    return m, l"""
+# Pages of nbgrader's instructor tools and exchange: the formgrader's Generate rewrites notebooks/<chapter>/.
+INSTRUCTOR_PAGES = ["/formgrader", "/formgrader/api/assignments", "/assignments", "/courses"]
 
 
 # --------------------------------------------------------------------------- JupyterLab server
@@ -85,16 +107,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _prepare_root(tmp: Path) -> Path:
-    """A folder laid out like the course, with copies of the two notebooks and the nbgrader config."""
-    root = tmp / "course"
-    for relative in (ORIENTATION, SOLUTION, "nbgrader_config.py"):
-        (root / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / relative, root / relative)
-    for name, settings in LAB_SETTINGS.items():
-        path = tmp / "lab-settings" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(settings))
+def _prepare_root(tmp: Path, instructor: bool) -> Path:
+    """The folder the server shows: copies of the released notebooks (a learner), or of a solution notebook and the
+    nbgrader config in a folder laid out like the course (an instructor)."""
+    root = tmp / ("course" if instructor else "notebooks")
+    copies = {SOLUTION: SOLUTION, "nbgrader_config.py": "nbgrader_config.py"} if instructor else {
+        f"notebooks/{path}": path for path in (ORIENTATION, UNFINISHED)}
+    for source, target in copies.items():
+        (root / target).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / source, root / target)
     return root
 
 
@@ -126,23 +147,28 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait(timeout=5)
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """A JupyterLab server on copies of the notebooks; yields its base URL and token."""
-    tmp = tmp_path_factory.mktemp("lab")
-    root = _prepare_root(tmp)
+@contextmanager
+def _course_lab(tmp: Path, instructor: bool = False):
+    """`course lab` (or `course lab --instructor`) on a copy; yields its base URL, token and root folder.
+
+    Its PATH lacks the interpreter's bin/ (`course lab` must add it), HOME and the Jupyter user folders are empty."""
+    root = _prepare_root(tmp, instructor)
     port, token = _free_port(), secrets.token_hex(16)
-    command = [sys.executable, "-m", "jupyter", "lab", "--no-browser",
-               "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-               f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-               f"--LabApp.user_settings_dir={tmp / 'lab-settings'}",
-               f"--LabApp.workspaces_dir={tmp / 'lab-workspaces'}",
-               "--LabApp.news_url=None", "--LabApp.extension_manager=readonly",
-               "--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate"]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers and CI machines often run as root
-        command.append("--allow-root")
-    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp / "runtime")}
-    log = _artifact("jupyter-server.log")
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != bin_dir)
+    (tmp / "home").mkdir()
+    # the test reads the terminal's text: xterm draws on a canvas, and writes its rows into the page for screen readers
+    terminal_settings = tmp / "lab-settings" / "@jupyterlab" / "terminal-extension" / "plugin.jupyterlab-settings"
+    terminal_settings.parent.mkdir(parents=True)
+    terminal_settings.write_text(json.dumps({"screenReaderMode": True}))
+    environ = {**{k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "VIRTUAL_ENV"))},
+               "PATH": path, "HOME": str(tmp / "home"), "SHELL": "/bin/bash", "JUPYTER_RUNTIME_DIR": str(tmp / "runtime")}
+    command, env = lab_command(instructor, ("--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+                                            "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+                                            "--LabApp.extension_manager=readonly",
+                                            f"--LabApp.user_settings_dir={tmp / 'lab-settings'}",
+                                            f"--LabApp.workspaces_dir={tmp / 'lab-workspaces'}"), environ, root)
+    log = _artifact(f"jupyter-server{'-instructor' if instructor else ''}.log")
     with open(log, "w") as log_file:
         process = subprocess.Popen(command, cwd=root, env=env, stdin=subprocess.DEVNULL,
                                    stdout=log_file, stderr=subprocess.STDOUT)
@@ -151,6 +177,20 @@ def lab(tmp_path_factory):
         yield {"url": f"http://127.0.0.1:{port}", "token": token, "root": root}
     finally:
         _stop(process)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """`course lab` as a learner starts it."""
+    with _course_lab(tmp_path_factory.mktemp("lab")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def instructor_lab(tmp_path_factory):
+    """`course lab --instructor`."""
+    with _course_lab(tmp_path_factory.mktemp("instructor-lab"), instructor=True) as server:
+        yield server
 
 
 # --------------------------------------------------------------------------- browser
@@ -170,7 +210,7 @@ def browser():
 @pytest.fixture
 def page(browser, request):
     """A fresh page; its console messages go to test-artifacts/browser/<test>.console.log."""
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context = browser.new_context(viewport=VIEWPORT)
     context.set_default_timeout(UI_MS)
     expect.set_options(timeout=UI_MS)
     new_page = context.new_page()
@@ -290,10 +330,49 @@ def _move_slider(handle, key: str, presses: int) -> None:
 # --------------------------------------------------------------------------- the tests
 
 
-def test_orientation_runs_and_its_widget_responds(page, lab):
-    """Chapter 00 in JupyterLab: run all cells, no error, a figure, a working temperature slider."""
-    notebook = json.loads((lab["root"] / ORIENTATION).read_text())
-    code_cells = sum(cell["cell_type"] == "code" for cell in notebook["cells"])
+def _code_cells(lab: dict, path: str) -> int:
+    return sum(cell["cell_type"] == "code" for cell in json.loads((lab["root"] / path).read_text())["cells"])
+
+
+def _save(page: Page, panel) -> None:
+    """Ctrl+S, and wait until the tab no longer shows unsaved changes."""
+    panel.locator(".jp-Notebook").click(position={"x": 5, "y": 5})
+    page.keyboard.press("Control+s")
+    expect(page.locator(".lm-TabBar-tab.jp-mod-dirty")).to_have_count(0)
+
+
+def _shut_down_kernels(page: Page, lab: dict) -> None:
+    """What a restart of the server does to the widgets' models: gone from the kernel."""
+    headers = {"Authorization": f"token {lab['token']}"}
+    for kernel in page.request.get(f"{lab['url']}/api/kernels", headers=headers).json():
+        assert page.request.delete(f"{lab['url']}/api/kernels/{kernel['id']}", headers=headers).status == 204
+
+
+def test_1_the_learners_lab_has_no_instructor_tools(page, lab):
+    """No Nbgrader menu, no Create Assignment panel, no formgrader or exchange pages, no news pop-up; Validate is there."""
+    with _screenshot_on_failure(page, "learner-lab"):
+        panel = _open_notebook(page, lab, ORIENTATION)
+        expect(panel.locator(".jp-Toolbar").get_by_text("Validate", exact=True)).to_be_visible()
+        menus = page.locator(".lm-MenuBar-item")
+        expect(menus.filter(has_text="Run")).to_have_count(1)
+        assert "Nbgrader" not in menus.all_text_contents(), menus.all_text_contents()
+        expect(page.locator(".nbgrader-CreateAssignmentWidget")).to_have_count(0)
+        expect(page.get_by_text(re.compile("Create Assignment|Formgrader|Assignment List|Course List", re.I))).to_have_count(0)
+        for address in INSTRUCTOR_PAGES:
+            response = page.request.get(f"{lab['url']}{address}?token={lab['token']}")
+            assert response.status == 404, f"{address} answers {response.status} in the learner's lab"
+        generate = page.request.post(f"{lab['url']}/formgrader/api/assignment/14-tiled-attention/generate",
+                                     headers={"Authorization": f"token {lab['token']}"})
+        assert generate.status == 404, generate.status
+        page.wait_for_timeout(1000)  # the news question came within a second of the page
+        expect(page.get_by_text(re.compile("official Jupyter news|notified", re.I))).to_have_count(0)
+        _screenshot(page, "01-learner-lab-no-instructor-tools")
+
+
+def test_2_orientation_runs_and_its_widget_responds_and_comes_back(page, lab):
+    """Chapter 00: run all cells, no error, a figure, a working temperature slider with its whole label; saved,
+    closed, its kernel gone and reopened, the slider is drawn from the saved state."""
+    code_cells = _code_cells(lab, ORIENTATION)
     with _screenshot_on_failure(page, "orientation"):
         panel = _open_notebook(page, lab, ORIENTATION)
         _wait_for_idle_kernel(page, panel)
@@ -302,11 +381,13 @@ def test_orientation_runs_and_its_widget_responds(page, lab):
         # every code cell ran once, top to bottom, in this fresh kernel
         expect(prompts).to_have_text([f"[{n}]:" for n in range(1, code_cells + 1)])
         _assert_figure_rendered(panel)
-        _screenshot(page, "01-orientation-after-run-all")
+        _screenshot(page, "02-orientation-after-run-all")
 
         explorer = panel.locator(".jupyter-widgets.widget-vbox").filter(has=page.locator(".widget-slider"))
         expect(explorer).to_have_count(1)
-        expect(explorer.locator(".widget-label")).to_have_text("temperature")
+        label = explorer.locator(".widget-label").first
+        expect(label).to_have_text("temperature")
+        assert label.evaluate("e => e.scrollWidth <= e.clientWidth"), "the slider's label is cut"
         line = explorer.locator(".widget-output .jp-OutputArea-output").first
         chart = explorer.locator('.widget-output [data-mime-type="image/png"] img')
         readout = explorer.locator(".widget-readout")
@@ -325,10 +406,89 @@ def test_orientation_runs_and_its_widget_responds(page, lab):
         assert p_mat == pytest.approx(_p_mat(temperature), abs=2e-3), (temperature, p_mat)
         assert p_mat < 0.609, "a higher temperature must flatten the distribution"
         expect(chart).not_to_have_attribute("src", chart_before or "")
-        _screenshot(page, "02-orientation-slider-moved")
+        _screenshot(page, "03-orientation-slider-moved")
 
         _move_slider(handle, "ArrowLeft", 3)
         expect(line).to_have_text(re.compile(r"^T = 1\.00 → p\(mat\) = 0\.609"))
+
+        _save(page, panel)
+        assert json.loads((lab["root"] / ORIENTATION).read_text())["metadata"].get("widgets"), "no widget state saved"
+        _menu(page, "File", "Close Tab")
+        expect(panel).to_have_count(0)
+        _shut_down_kernels(page, lab)
+        panel = _open_notebook(page, lab, ORIENTATION)
+        explorer = panel.locator(".jupyter-widgets.widget-vbox").filter(has=page.locator(".widget-slider"))
+        explorer.scroll_into_view_if_needed()
+        expect(explorer.locator(".widget-label").first).to_have_text("temperature")
+        expect(explorer.locator(".noUi-handle")).to_be_visible()
+        expect(panel.get_by_text("Error displaying widget")).to_have_count(0)
+        _screenshot(page, "04-orientation-reopened")
+
+
+def test_3_run_all_reaches_the_end_of_an_unfinished_chapter_and_a_failed_check_is_one_message(page, lab):
+    """Chapter 14 with nothing written: Run All runs every cell; each check says what is not written yet; the course's
+    version runs below and draws. Then a wrong online_softmax: its check's message, whole and short, on screen."""
+    code_cells = _code_cells(lab, UNFINISHED)
+    with _screenshot_on_failure(page, "unfinished"):
+        panel = _open_notebook(page, lab, UNFINISHED)
+        _wait_for_idle_kernel(page, panel)
+        prompts = _run_all_cells(page, panel, code_cells)
+        expect(prompts).to_have_text([f"[{n}]:" for n in range(1, code_cells + 1)], timeout=RUN_ALL_MS)
+        errors = panel.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
+        texts = errors.all_text_contents()
+        assert len(texts) == 3, texts  # the three visible tests, nothing else
+        for text in texts:
+            assert re.match(r"^NotWrittenYet: \w+ is not written yet", text) and "Traceback" not in text, text
+        outputs = " ".join(panel.locator(".jp-OutputArea-output").all_text_contents())
+        assert "does not pass its check yet: the course's version runs below" in outputs
+        assert panel.locator('.jp-OutputArea-output[data-mime-type="image/png"] img').count() >= 2
+        errors.first.scroll_into_view_if_needed()
+        expect(errors.first).to_be_visible()
+        _screenshot(page, "05-unfinished-chapter-check-says-not-written-yet")
+        last = panel.locator(".jp-CodeCell").last
+        last.scroll_into_view_if_needed()
+        expect(last.locator(".jp-InputArea-prompt")).to_be_visible()
+        _screenshot(page, "06-unfinished-chapter-last-cell-ran")
+
+        answer = panel.locator(".jp-CodeCell").filter(has_text="def online_softmax").first
+        answer.scroll_into_view_if_needed()
+        answer.locator(".cm-content").click()
+        page.keyboard.press("Control+a")
+        page.keyboard.insert_text(WRONG_ONLINE_SOFTMAX)
+        page.keyboard.press("Shift+Enter")  # runs the answer, selects its visible test
+        page.keyboard.press("Shift+Enter")  # runs the check
+        check = panel.locator(".jp-CodeCell").filter(has_text="checks.check_online_softmax(online_softmax)")
+        message = check.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
+        expect(message).to_contain_text("the running sum is not rescaled")
+        text = message.text_content()
+        assert text.startswith("CheckFailed: ") and "Traceback" not in text and "course_lib" not in text, text
+        check.scroll_into_view_if_needed()
+        box, height = message.bounding_box(), page.viewport_size["height"]
+        assert box["height"] < 160 and 0 <= box["y"] and box["y"] + box["height"] <= height, box
+        _screenshot(page, "07-a-failed-check-is-one-message")
+        _save(page, panel)
+
+
+def test_4_course_check_in_a_jupyterlab_terminal(page, lab):
+    """File > New > Terminal, `course check 14`: the report, with the whole message of the failed check."""
+    with _screenshot_on_failure(page, "terminal"):
+        page.goto(f"{lab['url']}/lab?token={lab['token']}&reset")
+        expect(page.locator(".lm-MenuBar-item").filter(has_text="File")).to_have_count(1)
+        page.locator(".lm-MenuBar-item", has_text=re.compile("^File$")).click()
+        page.locator(".lm-Menu:visible .lm-Menu-itemLabel", has_text=re.compile("^New$")).hover()
+        page.locator(".lm-Menu:visible .lm-Menu-itemLabel", has_text=re.compile("^Terminal$")).click()
+        terminal = page.locator(".jp-Terminal .xterm")
+        expect(terminal).to_be_visible()
+        terminal.click()
+        page.keyboard.type("course check 14\n")
+        rows = page.locator(".jp-Terminal .xterm-accessibility-tree")
+        expect(rows).to_contain_text(re.compile(r"total\s+\d+\s/\s12"), timeout=CHECK_MS)  # xterm: no-break spaces
+        shown = " ".join(rows.text_content().split())
+        assert "command not found" not in shown, shown
+        assert f"grading a copy of {lab['root'] / UNFINISHED}" in shown, shown  # the learner's notebook, saved
+        assert "online_softmax-visible 0 / 1" in shown and "the running sum is not rescaled" in shown, shown
+        assert "multiply it by exp(m_old - m_new)" in shown, "the message is cut: " + shown
+        _screenshot(page, "08-course-check-in-a-terminal")
 
 
 GRADED = {"tests", "manual", "task"}  # the nbgrader cell types that carry points
@@ -356,8 +516,12 @@ def _expected_nbgrader_cells(notebook: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
-def test_nbgrader_extension_on_a_solution_notebook(page, lab):
-    """solutions/01: the Nbgrader menu, the Validate button and the Create Assignment panel."""
+def test_5_the_instructors_lab_has_nbgrader(page, instructor_lab):
+    """`course lab --instructor` on solutions/01: the formgrader, the Nbgrader menu, the Validate button and the Create
+    Assignment panel."""
+    lab = instructor_lab
+    formgrader = page.request.get(f"{lab['url']}/formgrader?token={lab['token']}")
+    assert formgrader.status == 200, formgrader.status
     notebook = json.loads((lab["root"] / SOLUTION).read_text())
     expected = _expected_nbgrader_cells(notebook)
     assert expected, f"{SOLUTION} has no nbgrader cells"
@@ -368,7 +532,7 @@ def test_nbgrader_extension_on_a_solution_notebook(page, lab):
         items = _open_menu(page, "Nbgrader")
         # a "Formgrader (local)" item may come too (nbgrader_config.py is in the server's folder)
         expect(items).to_contain_text(["Assignment List", "Course List", "Formgrader", "Create assignment"])
-        _screenshot(page, "03-nbgrader-menu")
+        _screenshot(page, "09-instructor-nbgrader-menu")
         items.filter(has_text=re.compile("^Create assignment$")).click()
 
         sidebar = page.locator(".nbgrader-CreateAssignmentWidget")
@@ -392,4 +556,4 @@ def test_nbgrader_extension_on_a_solution_notebook(page, lab):
         active = sidebar.locator(".nbgrader-CellWidget.nbgrader-mod-active")
         expect(active.locator(".nbgrader-CellId input")).to_have_value(first_id)
         active.scroll_into_view_if_needed()
-        _screenshot(page, "04-nbgrader-create-assignment")
+        _screenshot(page, "10-instructor-create-assignment")

@@ -75,3 +75,33 @@ def test_course_check_finds_a_notebook_fetched_on_a_hub(tmp_path):
     assert proc.returncode == 0, proc.stderr
     total = sum(CH.points.values())
     assert f"{total:g} / {total:g}" in proc.stdout.splitlines()[-1]  # the solved copy, not the untouched notebooks/
+
+
+def test_course_lab_keeps_the_instructors_tools_out_of_the_learners_lab():
+    """`course lab`: nbgrader's formgrader and exchange lists off, their lab plugins disabled (ids the installed
+    nbgrader really has), Validate kept; PATH starts with this interpreter's bin/ (which holds `course`), terminals
+    are not login shells (a login shell resets PATH). `course lab --instructor`: all of nbgrader, the course's root."""
+    import json
+    from pathlib import Path
+
+    from course_lib import grading
+    from course_lib.cli import INSTRUCTOR_SERVER_EXTENSIONS, lab_command
+
+    environ = {"PATH": "/usr/bin:/bin", "SHELL": "/bin/bash"}
+    learner, env = lab_command(environ=environ)
+    assert f"--ServerApp.root_dir={ROOT / grading.RELEASE_DIR}" in learner
+    assert {f"--ServerApp.jpserver_extensions={name}=False" for name in INSTRUCTOR_SERVER_EXTENSIONS} <= set(learner)
+    assert not any("validate_assignment" in arg for arg in learner)
+    assert "--ServerApp.terminado_settings=shell_command=['/bin/bash']" in learner
+    bin_dir = Path(env["PATH"].split(":")[0])
+    assert bin_dir == Path(sys.executable).parent and (bin_dir / "course").exists() and env["PATH"].endswith("/usr/bin:/bin")
+    page_config = Path(env["JUPYTER_CONFIG_PATH"].split(":")[0]) / "labconfig" / "page_config.json"
+    disabled = json.loads(page_config.read_text())["disabledExtensions"]
+    bundle = "".join(p.read_text() for p in (Path(sys.prefix) / "share/jupyter/labextensions/@jupyter/nbgrader/static").glob("*.js"))
+    for plugin in ("formgrader", "create-assignment", "assignment-list", "course-list"):
+        assert disabled[f"@jupyter/nbgrader:{plugin}"] is True and f'"@jupyter/nbgrader:{plugin}"' in bundle
+    assert '"@jupyter/nbgrader:validate-assignment"' not in disabled
+
+    instructor, env = lab_command(instructor=True, environ=environ)
+    assert f"--ServerApp.root_dir={ROOT}" in instructor and "JUPYTER_CONFIG_PATH" not in env
+    assert not any("jpserver_extensions" in arg for arg in instructor)
