@@ -82,11 +82,6 @@ SAMPLING = {
                            "None or a finite number > 0 (1 means no penalty)"),
     "frequency_penalty": (lambda v: is_real_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
     "presence_penalty": (lambda v: is_real_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
-    # Processor functions carried by name: the old way, kept while chapter 12's notebook passes its processors here
-    # (it should pass them to Engine.run, by the plug-in rule; then these six entries go).
-    **{name: (callable, f"a function (the course's decoding.{name} by default)") for name in (
-        "apply_repetition_penalty", "apply_frequency_presence_penalty", "apply_temperature", "top_k_filter",
-        "top_p_filter", "min_p_filter")},
 }
 SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes: [-2**63, 2**64)
 
