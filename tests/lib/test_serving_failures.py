@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import course_lib.serving as serving
-from course_lib.decoding import process_logits, top_k_filter
+from course_lib.decoding import min_p_filter, process_logits
 from course_lib.gpt import GPT, GPTConfig
 from course_lib.kv_cache import generate_cached
 from course_lib.serving import Engine, Request, make_trace, paged_attention, schedule_step, static_batching
@@ -127,7 +127,7 @@ BAD = [  # (request, the words its error must contain: the field and its allowed
     (Request("pres", [1, 2, 3], 4, sampling=dict(presence_penalty="1")), "sampling presence_penalty must be a number in [-2, 2]"),
     (Request("typo", [1, 2, 3], 4, sampling=dict(temprature=0.5)), "sampling has no setting 'temprature'; the settings are temperature"),
     (Request("notdict", [1, 2, 3], 4, sampling=0.8), "sampling must be None (greedy) or a dict of settings"),
-    (Request("fn", [1, 2, 3], 4, sampling=dict(top_k_filter="abs")), "sampling top_k_filter must be a function"),
+    (Request("fn", [1, 2, 3], 4, sampling=dict(top_k_filter=abs)), "sampling has no setting 'top_k_filter'"),  # Engine.run's
     (Request("fns", [1, 2, 3], 4, sampling=dict(functions={"top_k_filter": abs})), "sampling has no setting 'functions'"),
     (Request("seed", [1, 2, 3], 4, seed=2 ** 64), "seed must be an integer in [-2**63, 2**64)"),
     (Request("seedf", [1, 2, 3], 4, seed=1.5), "seed must be an integer in [-2**63, 2**64)"),
@@ -202,12 +202,12 @@ def failing_after(calls: int, function):
 def test_a_request_whose_sampling_raises_mid_run_fails_alone_and_keeps_its_tokens_so_far(small, pools, engine, calls):
     requests = batch()
     doomed = Request("doomed", PREFIX + [3, 1, 4, 1, 5], 9, arrival=1, seed=5,  # shares the others' prefix blocks
-                     sampling=dict(top_k=6, top_k_filter=failing_after(calls, top_k_filter)))
+                     sampling=dict(min_p=0.05))  # the only request with min_p: the only one its filter breaks
     requests.insert(2, doomed)
-    results, trace = serve(small, pools, requests, engine)
+    results, trace = serve(small, pools, requests, engine, min_p_filter=failing_after(calls, min_p_filter))
     error = results["doomed"].error
     assert error.startswith("request doomed: failed at step ") and f"FloatingPointError: planted: call {calls + 1}" in error
-    assert results["doomed"].tokens == sampled_alone(small, doomed, dict(top_k=6))[:calls]  # its tokens before
+    assert results["doomed"].tokens == sampled_alone(small, doomed)[:calls]  # its tokens before
     assert results["doomed"].finish_step is None
     assert_the_others_exact(small, results, requests, {"doomed"})
 
