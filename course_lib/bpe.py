@@ -172,17 +172,17 @@ class BPETokenizer:
 
     Built from merges ({(a, b): new_id}, new ids 256, 257, ... in order), or trained: ``BPETokenizer.train(text,
     vocab_size)``; ``BPETokenizer.from_hf(tokenizer)`` takes a Hugging Face byte-level BPE's merges.
-    ``encode`` and ``decode`` are the functions it runs, ``bpe_encode(text, merges)`` and ``bpe_decode(ids, vocab)``
-    unless given (chapter 09 passes the learner's).
+    It runs ``bpe_encode(text, merges)`` and ``bpe_decode(ids, vocab)``: the course's, or those given in their place
+    (chapter 09 passes the learner's, by the plug-in rule).
     """
 
-    def __init__(self, merges: dict, *, encode=None, decode=None):
+    def __init__(self, merges: dict, *, bpe_encode=bpe_encode, bpe_decode=bpe_decode):
         expected = list(range(BYTE_VOCAB, BYTE_VOCAB + len(merges)))
         if sorted(merges.values()) != expected:
             raise ValueError(f"merges must map pairs to the new ids {BYTE_VOCAB}..{BYTE_VOCAB + len(merges) - 1}, one each")
         self.merges = dict(sorted(merges.items(), key=lambda item: item[1]))
         self.vocab = vocab_from_merges(self.merges)
-        self._encode, self._decode = encode or bpe_encode, decode or bpe_decode
+        self._encode, self._decode = bpe_encode, bpe_decode
         self._cache: dict = {}
 
     @classmethod
@@ -198,7 +198,7 @@ class BPETokenizer:
         return len(self.vocab)
 
     def encode(self, text: str) -> list[int]:
-        """bpe_encode(text, self.merges) (or the ``encode`` given), with each distinct chunk encoded once (cached)."""
+        """bpe_encode(text, self.merges) (the one given, or the course's), with each distinct chunk encoded once (cached)."""
         ids = []
         for chunk in pretokenize(text):
             if chunk not in self._cache:

@@ -28,10 +28,21 @@ def _check(args) -> int:
 
 
 def _execute(args) -> int:
-    names = [grading.resolve_chapter(c) for c in args.chapters] or None
-    for path in grading.execute_solutions(names):
+    names = [grading.resolve_chapter(c) for c in args.chapters] or grading.chapters()
+    load, cores = grading.load_per_core()
+    busy = load >= grading.BUSY_LOAD_PER_CORE
+    print(f"machine load: {load:.2f} per core over the last minute ({cores} cores): "
+          + (f"busy (at or above {grading.BUSY_LOAD_PER_CORE})" if busy else "quiet"))
+    refused = grading.refused_when_busy(names, load, args.busy_ok)
+    if refused:
+        print(f"course execute: not re-executing the timed chapters {', '.join(refused)} on a busy machine: their stored "
+              "timings would contradict their prose. Wait until the machine is quiet, or pass --busy-ok to store them "
+              "anyway (to be re-executed quietly before a release)", file=sys.stderr)
+    elif busy and args.busy_ok:
+        print("--busy-ok: the timed chapters' stored timings come from a busy machine", file=sys.stderr)
+    for path in grading.execute_solutions([name for name in names if name not in refused]):
         print(f"executed {path.relative_to(grading.repo_root())}")
-    return 0
+    return 1 if refused else 0
 
 
 def _release(args) -> int:
@@ -146,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("execute", help="re-execute reference notebooks in solutions/ so their stored outputs are current")
     p.add_argument("chapters", nargs="*", help="chapters to execute (default: all)")
+    p.add_argument("--busy-ok", action="store_true", help="re-execute the timed chapters (the Makefile's TIMED list) even "
+                                                          "when the load per core says the machine is busy")
     p.set_defaults(func=_execute)
 
     p = sub.add_parser("release", help="regenerate notebooks/ from solutions/ (nbgrader generate_assignment)")

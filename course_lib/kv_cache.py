@@ -53,6 +53,8 @@ class StaticKVCache:
       stores them and returns (keys, values), each (B, H_kv, length + T, Dh), the cached tokens first
       (oldest first), then the new ones. It raises ValueError ("the cache is full") exactly when
       length + T > max_len. ``length`` does not change until ``advance(T)``, called once every layer is updated.
+    * ``check_room(T)``: raises that ValueError unless T more tokens fit (length + T <= max_len); ``update`` calls it.
+    * The storage has the dtype and device given (``for_model``: the model's), and ``update`` returns them.
     """
 
     window = None  # no sliding window: a new token may attend to every cached slot
@@ -79,7 +81,7 @@ class StaticKVCache:
         return self.storage.shape[2]
 
     def check_room(self, T: int) -> None:
-        """ValueError unless T more tokens fit: length + T <= max_len."""
+        """ValueError ("the cache is full") unless T more tokens fit: length + T <= max_len."""
         if self.length + T > self.max_len:
             raise ValueError(f"the cache is full: it holds max_len = {self.max_len} tokens, "
                              f"{self.length} are cached and {T} more were given")

@@ -168,18 +168,20 @@ def train_reversal(model: GRUSeq2Seq, steps: int = 400, batch_size: int = 64, lr
 
 
 @torch.no_grad()
-def evaluate_reversal(model: GRUSeq2Seq, batch: Seq2SeqBatch, decode=None) -> dict:
+def evaluate_reversal(model: GRUSeq2Seq, batch: Seq2SeqBatch, *, greedy_translate=greedy_translate) -> dict:
     """Exact-match accuracy per example and the alignment accuracy of the attention.
 
-    decode(model, src, src_lengths, max_len) -> (tokens, weights) decodes; model.greedy_decode by default
-    (greedy_translate, or a learner's version of it, gives the same for a model with attention).
+    A model with attention is decoded by ``greedy_translate`` (the course's; chapter 01 passes the learner's version
+    under that name, which shadows the course's here); a model without attention, which greedy_translate refuses,
+    by its own ``greedy_decode``. Both decode greedily for as many steps as the targets are long.
 
     Alignment accuracy: over all output positions i < L (L = source length), the fraction
     whose attention argmax is source position L - 1 - i, the digit being copied.
     Returns {"exact": (B,) bool, "alignment": float or None, "tokens", "weights"}.
     """
-    decode = decode or type(model).greedy_decode
-    tokens, weights = decode(model, batch.src, batch.src_lengths, max_len=batch.tgt.shape[1])
+    decode = greedy_translate if model.use_attention else type(model).greedy_decode
+    with torch.no_grad():
+        tokens, weights = decode(model, batch.src, batch.src_lengths, max_len=batch.tgt.shape[1])
     # Exact match: every target token up to and including EOS is right.
     real = batch.tgt != PAD
     exact = ((tokens == batch.tgt) | ~real).all(dim=1)

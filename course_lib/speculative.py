@@ -163,7 +163,9 @@ def speculative_generate(target, draft, input_ids, max_new_tokens: int, *, num_d
     What the tests check:
     * tokens (1, T + max_new_tokens), the prompt first: with do_sample=False exactly the target's greedy
       tokens; with do_sample=True they follow the target's distribution softmax(logits / temperature), and
-      every random draw uses `generator` (the same seed gives the same tokens).
+      every random draw uses `generator`, in this order in each round: the k proposals (draw_token), then
+      u = torch.rand(k, generator=generator, dtype=torch.float64), then the round's last token (draw_token);
+      so the same seed gives the same tokens as the course's loop.
     * a round that starts with r tokens still to generate proposes k = min(K, r - 1) tokens (the last
       round may propose none), calls ``speculative_accept`` once, and adds its a kept proposals and one token
       drawn from next_probs.

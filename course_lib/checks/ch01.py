@@ -11,7 +11,7 @@ from .core import (assert_close, assert_masked_are_zero, assert_rows_sum_to_one,
                    unpack_pair)
 
 __all__ = ["check_masked_softmax", "check_additive_attention", "check_scaled_dot_product_attention", "additive_attention_oracle",
-           "check_attention_decoder", "attention_decoder_oracle"]
+           "check_attention_decoder", "attention_decoder_oracle", "assert_same_tokens"]
 
 
 def _softmax64(scores, mask=None):
@@ -258,6 +258,18 @@ def _check_step(decoder_step) -> None:
         fail("your logits are the readout of the state before this step; the readout reads the NEW state: "
              "model.readout(torch.cat([new state, context, embedding]))")
     assert_close(logits, expected_logits, "your logits, compared with model.readout(torch.cat([new state, context, embedding]))")
+
+
+def assert_same_tokens(actual, expected, name: str) -> None:
+    """Token ids equal, exactly (no tolerance: they are integers); the message names the first entry that differs."""
+    assert_shape(actual, expected.shape, name)
+    if actual.is_floating_point():
+        fail(f"{name} are {actual.dtype} numbers: token ids are integers (argmax returns int64)")
+    wrong = (actual != expected).nonzero()
+    if len(wrong):
+        where = tuple(int(i) for i in wrong[0])
+        fail(f"{name} differ in {len(wrong)} of {actual.numel()} entries; the first at index {where}: token "
+             f"{int(actual[where])}, expected {int(expected[where])}")
 
 
 def _check_translation(greedy_translate) -> None:

@@ -14,7 +14,8 @@ from .core import (assert_close, assert_finite, assert_rows_sum_to_one, assert_s
                    passed, unpack_pair)
 
 __all__ = ["check_heads", "check_multi_head_attention", "check_sinusoidal_encoding", "check_apply_rope",
-           "torch_multihead_attention", "randomize_parameters", "sinusoidal_oracle", "rope_oracle"]
+           "torch_multihead_attention", "randomize_parameters", "sinusoidal_oracle", "rope_oracle",
+           "assert_per_head_weights", "assert_weights_close", "assert_no_bias"]
 
 
 def _close(actual, expected, tol: float = 1e-5) -> bool:
@@ -115,6 +116,38 @@ def _mha_weights_hint(module, x, weights) -> None:
              "self.W_k(key), values self.W_v(value)")
 
 
+def assert_per_head_weights(weights, shape: tuple, what: str) -> None:
+    """Weights of shape (B, H, Tq, Tk) = `shape`; weights averaged over the heads, (B, Tq, Tk), get their mistake named."""
+    assert_tensor(weights, what)
+    batch, n_heads, tq, tk = shape
+    if tuple(weights.shape) == (batch, tq, tk) and n_heads > 1:
+        fail(f"{what} have shape {tuple(weights.shape)} = (B, Tq, Tk), one map for all {n_heads} heads: they look "
+             f"averaged over the heads (nn.MultiheadAttention's default, average_attn_weights=True). Return the per-head "
+             f"weights, {shape} = (B, H, Tq, Tk): weights[b, h] is head h's own map")
+    assert_shape(weights, shape, what)
+
+
+def assert_weights_close(weights, expected, what: str, **tolerance) -> None:
+    """Attention weights against the expected per-head ones (B, H, Tq, Tk), for a test whose subject is not their
+    shape (the scale, say): weights averaged over the heads, (B, Tq, Tk), are compared with the heads' mean, so that
+    this one mistake costs only the tests that grade the per-head shape."""
+    if isinstance(weights, torch.Tensor) and expected.dim() == 4 and weights.dim() == 3:
+        assert_close(weights, expected.mean(1), f"{what} (averaged over the heads, as yours are)", **tolerance)
+    else:
+        assert_close(weights, expected, what, **tolerance)
+
+
+def assert_no_bias(module: nn.Module, d_model: int, what: str) -> None:
+    """A module built with bias=False has W_q, W_k, W_v and W_o without biases: 4 D^2 parameters, not 4 D^2 + 4 D."""
+    count = sum(p.numel() for p in module.parameters())
+    with_bias = [name for name in ("W_q", "W_k", "W_v", "W_o") if getattr(module, name).bias is not None]
+    if with_bias or count != 4 * d_model ** 2:
+        fail(f"{what} has {count:,} parameters, expected 4 D^2 = {4 * d_model ** 2:,} (D = {d_model}): "
+             + (f"{', '.join(with_bias)} still {'has a bias' if len(with_bias) == 1 else 'have biases'}. Pass bias on to "
+                "each projection: nn.Linear(d_model, d_model, bias=bias)" if with_bias else
+                "only the four (D, D) projection matrices may be parameters"))
+
+
 def check_multi_head_attention(MultiHeadAttention) -> None:
     """Visible checks for exercise 2 against torch.nn.MultiheadAttention: self-attention without a mask, then
     cross-attention (3 queries, 6 keys) with a padding mask, a query with no key, and the ValueError of a d_model that
@@ -126,7 +159,7 @@ def check_multi_head_attention(MultiHeadAttention) -> None:
     with torch.no_grad():
         out, weights = unpack_pair(module(x, x, x), "MultiHeadAttention.forward", ("out", "weights"))
         expected_out, expected_weights = oracle(x, x, x, average_attn_weights=False)
-    assert_shape(weights, (2, n_heads, 5, 5), "the weights for batch 2, 4 heads, 5 queries and 5 keys")
+    assert_per_head_weights(weights, (2, n_heads, 5, 5), "the weights for batch 2, 4 heads, 5 queries and 5 keys")
     assert_shape(out, (2, 5, d_model), "out for batch 2, 5 queries, d_model 16")
     _mha_weights_hint(module, x, weights)
     assert_rows_sum_to_one(weights, "your per-head weights")
@@ -170,7 +203,7 @@ def check_multi_head_attention(MultiHeadAttention) -> None:
     if isinstance(weights, torch.Tensor) and tuple(weights.shape) == (2, n_heads, 3, 3):
         fail("in cross-attention (3 queries, 6 keys) your weights have shape (2, 4, 3, 3), expected (2, 4, 3, 6): your keys "
              "come from `query`. Project keys from `key` and values from `value`: self.W_k(key), self.W_v(value)")
-    assert_shape(weights, (2, n_heads, 3, 6), "the weights of cross-attention with 3 queries and 6 keys")
+    assert_per_head_weights(weights, (2, n_heads, 3, 6), "the weights of cross-attention with 3 queries and 6 keys")
     if _close(weights, inverted):
         fail("with a padding mask your weights fall on the padding keys only: your mask is inverted. In this course (and in "
              "F.scaled_dot_product_attention) True means *may attend*; pass the mask to masked_softmax as it is")
@@ -194,7 +227,7 @@ def check_multi_head_attention(MultiHeadAttention) -> None:
     none_for_one[1, 0, 1] = False
     with torch.no_grad():
         out, weights = unpack_pair(module(query, key, value, none_for_one), "MultiHeadAttention.forward", ("out", "weights"))
-    assert_shape(weights, (2, n_heads, 3, 6), "the weights of cross-attention with a query that has no key")
+    assert_per_head_weights(weights, (2, n_heads, 3, 6), "the weights of cross-attention with a query that has no key")
     row, out_row = weights[1, :, 1], out[1, 1]
     if not (torch.isfinite(row).all() and torch.isfinite(out_row).all()):
         fail(f"with a mask (2, 1, 3, 6) that leaves query 1 of batch element 1 no key at all, your weights for that query "
@@ -217,6 +250,7 @@ def check_multi_head_attention(MultiHeadAttention) -> None:
     else:
         fail("MultiHeadAttention(10, 4) built a module: 4 heads do not divide d_model = 10. Raise ValueError naming d_model "
              "and n_heads")
+    assert_no_bias(MultiHeadAttention(d_model, n_heads, bias=False), d_model, f"MultiHeadAttention({d_model}, {n_heads}, bias=False)")
     passed("MultiHeadAttention")
 
 

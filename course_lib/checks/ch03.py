@@ -225,19 +225,32 @@ def _parity(ours, expected, name: str, oracle: str, hint: str) -> None:
     assert_close(ours, expected, f"{name} compared with {oracle} holding the same weights ({hint})")
 
 
+def _check_dropout_off(build, run, expected, name: str) -> None:
+    """In eval mode dropout is off: the layer built with dropout=0.5 (the same weights) gives the output of dropout 0."""
+    layer = build(0.5)
+    with torch.no_grad():
+        out = _run(lambda: run(layer), f"{name}(dropout=0.5) after .eval()", "dropout acts in training mode only")
+    if not _close(out, expected):
+        fail(f"{name}(dropout=0.5) after .eval() gives another output than with dropout 0 and the same weights: dropout is "
+             "still on in eval mode. F.dropout(x, p) drops whatever eval() says (its `training` defaults to True): use the "
+             "nn.Dropout modules (self.dropout1(...)), or pass training=self.training")
+
+
 POST_LN_ENCODER = "post-LN: x = norm1(x + self_attn(x, x, x, mask)[0]), then x = norm2(x + ffn(x))"
 PRE_LN_ENCODER = ("pre-LN: h = norm1(x); x = x + self_attn(h, h, h, mask)[0], then x = x + ffn(norm2(x)); "
                   "the residual adds the un-normalised x")
 
 
 def check_encoder_layer(EncoderLayer) -> None:
-    """Visible checks of the encoder layer against torch.nn.TransformerEncoderLayer: post-LN and pre-LN, with a padding mask."""
+    """Visible checks of the encoder layer against torch.nn.TransformerEncoderLayer: post-LN and pre-LN, with a padding mask;
+    dropout=0.5 off after eval()."""
     _check_encoder(EncoderLayer)
     passed("EncoderLayer")
 
 
 def check_decoder_layer(DecoderLayer) -> None:
-    """Visible checks of the decoder layer: post-LN and pre-LN with target (padding & causal) and memory padding masks."""
+    """Visible checks of the decoder layer: post-LN and pre-LN with target (padding & causal) and memory padding masks;
+    dropout=0.5 off after eval()."""
     _check_decoder(DecoderLayer)
     passed("DecoderLayer")
 
@@ -277,6 +290,9 @@ def _check_encoder(EncoderLayer) -> None:
             })
         _parity(out, expected, f"{name} with a padding mask", f"torch.nn.TransformerEncoderLayer(norm_first={norm_first})",
                 PRE_LN_ENCODER if norm_first else POST_LN_ENCODER)
+        _check_dropout_off(lambda p: seeded_parameters(EncoderLayer(d_model, n_heads, d_ff, dropout=p, norm_first=norm_first),
+                                                   seed=303).eval(),
+                           lambda layer: layer(x, real[:, None, None, :]), out, f"your {arrangement} EncoderLayer")
 
 
 POST_LN_DECODER = ("post-LN: x = norm1(x + self_attn(x, x, x, tgt_mask)[0]), x = norm2(x + cross_attn(x, memory, memory, "
@@ -339,3 +355,6 @@ def _check_decoder(DecoderLayer) -> None:
                              f"True = may attend; pass {mask_name} to the attention as it is (only PyTorch's layers want ~mask)")
         _parity(out, expected, f"{name} with target and memory masks", f"torch.nn.TransformerDecoderLayer(norm_first={norm_first})",
                 PRE_LN_DECODER if norm_first else POST_LN_DECODER)
+        _check_dropout_off(lambda p: seeded_parameters(DecoderLayer(d_model, n_heads, d_ff, dropout=p, norm_first=norm_first),
+                                                   seed=305).eval(),
+                           lambda layer: layer(x, memory, tgt_mask, memory_mask), out, f"your {arrangement} DecoderLayer")

@@ -180,7 +180,7 @@ def check_static_kv_cache(cache_class) -> None:
 def _check_cache(cache_class) -> None:
     """2 layers, 3 rows, 2 heads of size 4, room for 5 tokens, filled by a chunk of 3 tokens then 2: update must
     return exactly what was stored so far (torch.cat of the inputs) and a sixth token must raise ValueError;
-    for_model sizes a cache after a small GPT."""
+    for_model sizes a cache after a small GPT, in its dtype (a float64 one)."""
     g = torch.Generator().manual_seed(505)
     cache = cache_class(2, 3, 2, 4, 5)
     if cache.length != 0:
@@ -221,6 +221,13 @@ def _check_cache(cache_class) -> None:
         if (made.batch_size, made.max_len, made.length) != (2, expected, 0):
             fail(f"for_model(model, 2, {max_len}) for a GPT of block_size 32: batch_size, max_len, length are "
                  f"{(made.batch_size, made.max_len, made.length)}, expected {(2, expected, 0)}")
+    made = cache_class.for_model(model.double(), 3, 5)  # a float64 GPT: its cache holds float64
+    k = torch.randn(3, 2, 1, 8, generator=g, dtype=torch.float64)
+    keys, _ = made.update(0, k, k)
+    if keys.dtype != torch.float64 or not torch.equal(keys, k):
+        fail(f"for_model on a float64 GPT made a cache that returns {keys.dtype} keys"
+             f"{'' if keys.dtype == torch.float64 else ', rounded'}: the cache takes the model's dtype and device, from its "
+             "weights (model.transformer.wte.weight), so that a float64 or bfloat16 model gets a cache of its own dtype")
 
 
 def check_generate_cached(generate_cached, cache_class=None) -> None:
@@ -263,8 +270,8 @@ def check_generate_cached(generate_cached, cache_class=None) -> None:
 #: Mistakes of the left-padded path, each with the flags of padded_greedy_oracle that plant it.
 PADDING_MISTAKES = [
     ("the attention mask is ignored altogether: the padding is attended to and counted in the positions "
-     "(pass the mask to cached_forward, mask[:, :T] for the prefill and mask[:, :t + 1] for each decode step, "
-     "and take the positions from position_ids(attention_mask, ...))",
+     "(pass the mask to cached_forward, mask[:, :T] for the prefill and mask[:, :t + 1] for each decode step; "
+     "cached_forward then counts the positions from it, or pass position_ids(attention_mask, ...))",
      dict(mask_padding=False, shift_prompt=False, shift_new=False)),
     ("the padding is attended to: the mask does not reach cached_forward (mask[:, :T] for the prefill, "
      "mask[:, :t + 1] for each decode step)", dict(mask_padding=False)),

@@ -14,7 +14,7 @@ from .core import assert_close, assert_shape, assert_tensor, fail, passed
 
 __all__ = ["check_apply_temperature", "check_top_k_filter", "check_top_p_filter", "check_apply_repetition_penalty",
            "check_greedy_search", "check_beam_search", "table_model", "greedy_table_oracle", "table_gpt",
-           "brute_force_beam_target", "random_sharp_gpt", "TRAP_PROBS"]
+           "brute_force_beam_target", "random_sharp_gpt", "TRAP_PROBS", "beam_difference", "EARLY_STOPPING_RULES"]
 
 
 
@@ -322,6 +322,47 @@ def _check_score(score: float, expected: float, n: int, prompt_len: int, name: s
              "generated tokens divided by their number ** length_penalty")
 
 
+#: what each early_stopping value means (Hugging Face's), for the messages that find one treated as another
+EARLY_STOPPING_RULES = {
+    False: "early_stopping=False: a row stops when its best running beam, scored at its CURRENT length, cannot beat its "
+           "worst of K finished hypotheses",
+    True: "early_stopping=True: a row stops as soon as it has K finished hypotheses",
+    "never": "early_stopping=\"never\": a row stops only when its best running beam, scored at the LONGEST length it can "
+             "reach (max_new_tokens generated, when length_penalty > 0), cannot beat its worst of K finished hypotheses",
+}
+
+
+def beam_difference(ours, theirs, prompt_len: int) -> str:
+    """Where beam search's sequences `ours` first differ from `theirs` (both (B, T + n)), in a few words."""
+    if not isinstance(ours, torch.Tensor) or ours.dim() != 2 or ours.shape[0] != theirs.shape[0]:
+        return f"your sequences are {type(ours).__name__} {tuple(getattr(ours, 'shape', ()))}, expected {tuple(theirs.shape)}"
+    width = max(ours.shape[1], theirs.shape[1])
+    pad = lambda t: torch.cat([t, t.new_full((t.shape[0], width - t.shape[1]), -1)], dim=1)  # noqa: E731 (-1: past the end)
+    ours_, theirs_ = pad(ours), pad(theirs)
+    rows = (ours_ != theirs_).any(1).nonzero().flatten().tolist()
+    if not rows:
+        return "the same tokens"
+    row = rows[0]
+    col = int((ours_[row] != theirs_[row]).nonzero()[0])
+    show = lambda v: "(ended)" if v < 0 else str(v)  # noqa: E731
+    return (f"row {row} differs from generated token {col - prompt_len} on: yours {show(int(ours_[row, col]))}, "
+            f"Hugging Face's {show(int(theirs_[row, col]))} (lengths {ours.shape[1]} and {theirs.shape[1]})")
+
+
+def _check_early_stopping(beam_search, model, x, mask, eos: int, free) -> None:
+    """early_stopping True and "never" on the left-padded batch, against Hugging Face; a result that is the learner's
+    own early_stopping=False result gets the rule named. `free`: the learner's result with early_stopping=False."""
+    for rule in (True, "never"):
+        theirs, _ = _hf_beams(model, x, mask, 10, num_beams=3, eos_token_id=eos, pad_token_id=12, early_stopping=rule)
+        ours, _ = _result(beam_search(model, x, 10, 3, eos_token_id=eos, pad_token_id=12, attention_mask=mask,
+                                      early_stopping=rule), f"beam_search(..., early_stopping={rule!r})", 2)
+        if ours.shape == theirs.shape and torch.equal(ours, theirs):
+            continue
+        same = " Your result is your early_stopping=False one: is the rule ignored?" if torch.equal(ours, free) else ""
+        fail(f"early_stopping={rule!r} on the left-padded batch: {beam_difference(ours, theirs, x.shape[1])}.{same} "
+             f"{EARLY_STOPPING_RULES[rule]}. Yours: {ours.tolist()}; Hugging Face's: {theirs.tolist()}")
+
+
 def _diagnose_batch(beam_search, model, x, mask, row: int, eos: int) -> str:
     """Which part of beam search makes `row` of the batch differ from Hugging Face: the row alone without padding
     and without EOS (the search itself), alone with EOS (the finished hypotheses and the stopping rule), alone
@@ -354,7 +395,8 @@ def _diagnose_batch(beam_search, model, x, mask, row: int, eos: int) -> str:
 
 def check_beam_search(beam_search) -> None:
     """A trap greedy falls into (the best sequence known by brute force), the length penalty over the generated
-    tokens only, and Hugging Face's generate(num_beams=3) on a random GPT with a left-padded batch and EOS."""
+    tokens only, and Hugging Face's generate(num_beams=3) on a random GPT with a left-padded batch and EOS, with
+    early_stopping False, True and "never"."""
     model, eos = table_gpt(TRAP_PROBS.log().float()), 4
     prompt = torch.tensor([[0]])
     target, target_score = brute_force_beam_target(TRAP_PROBS.log(), [0], 3, eos, 1.0)
@@ -396,4 +438,5 @@ def check_beam_search(beam_search) -> None:
             fail(f"{name}: row {row} is {sequences[row].tolist()}, Hugging Face's generate gives "
                  f"{theirs[row].tolist()}. {_diagnose_batch(beam_search, model, x, mask, row, eos)}")
     assert_close(scores, their_scores, f"the scores of {name} (Hugging Face's sequences_scores)", rtol=1e-4, atol=1e-4)
+    _check_early_stopping(beam_search, model, x, mask, eos, sequences)
     passed("beam_search")

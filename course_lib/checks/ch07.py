@@ -239,8 +239,11 @@ class AcceptSpy:
             want_q = self._probs(draft, context)[n - 1:n - 1 + k]  # (k, V)
             if not torch.allclose(q, want_q, atol=1e-4, rtol=0):
                 if self.do_sample and torch.allclose(q, self._probs(draft, context, 1.0)[n - 1:n - 1 + k], atol=1e-4, rtol=0):
-                    fail(f"{at}): the q you passed to speculative_accept ignores the temperature ({self.temperature:g}): "
-                         "q must be the distribution each proposal was drawn from, probs_from_logits(logits, do_sample, temperature)")
+                    fail(f"{at}): the q you passed to speculative_accept ignores the temperature: it is the draft's "
+                         f"distribution at temperature 1, not at {self.temperature:g}. The contract samples both models "
+                         "at the temperature asked, probs_from_logits(logits, do_sample, temperature): draw the proposals "
+                         "from that q and pass it. (A draft sampled at temperature 1 and reported as such would still give "
+                         "the target's distribution, since any q does, section 3, but it is not this contract)")
                 fail(f"{at}): the q you passed to speculative_accept is not the draft's distribution after the committed "
                      f"tokens and the proposals before each one (full forward passes of the draft disagree by "
                      f"{(q - want_q).abs().max():.3g})" + (": does the draft's cache still hold rejected proposals of an "
@@ -387,6 +390,53 @@ def _check_drawn(speculative_generate, target, draft, prompt) -> None:
              "(draw_token(next_probs, generator)), do not take its argmax")
 
 
+def _check_draw_order(speculative_generate, target, draft, prompt) -> None:
+    """The contract's order of random draws in each round: the k proposals (torch.multinomial(q_i, 1, generator), as
+    draw_token), then u = torch.rand(k, generator=generator, dtype=torch.float64), then the round's last token from
+    next_probs. A replay generator, seeded alike, makes the same draws in that order; the first round whose proposals
+    or u differ is named, and a loop that draws u before the proposals is told so."""
+    what, seed = "sampling, K = 3, 16 new tokens, seeded", 5
+    replay = torch.Generator().manual_seed(seed)
+    committed = [prompt]
+
+    def draws(state, q, k, u_first):
+        replay.set_state(state)
+        u = torch.rand(k, generator=replay, dtype=torch.float64) if u_first else None
+        x = [int(torch.multinomial(q[i], 1, generator=replay)) for i in range(k)]
+        return x, torch.rand(k, generator=replay, dtype=torch.float64) if u is None else u
+
+    def spy(p, q, draft_tokens, u):
+        p, q, u = torch.as_tensor(p).double(), torch.as_tensor(q).double(), torch.as_tensor(u).double()
+        x, k, state = torch.as_tensor(draft_tokens).long(), len(draft_tokens), replay.get_state()
+        want_x, want_u = draws(state, q, k, u_first=False)
+        if x.tolist() != want_x or not torch.equal(u, want_u):
+            at = f"{what}, round {len(committed)}"
+            alt_x, alt_u = draws(state, q, k, u_first=True)
+            if k and x.tolist() == alt_x and torch.equal(u, alt_u):
+                fail(f"{at}: you draw u before the proposals. The contract fixes the order of the draws in each round: "
+                     "the k proposals (draw_token, one per draft pass), then u = torch.rand(k, generator=generator, "
+                     "dtype=torch.float64), then the round's last token. Another order follows the target's "
+                     "distribution too, but gives other tokens for the same seed, and the chapter's measured numbers "
+                     "are those of the contract's order")
+            fail(f"{at}: your proposals {x.tolist()} and u {[round(v, 4) for v in u.tolist()]} are not the draws the "
+                 f"contract's order gives from the seeded generator ({want_x} and {[round(v, 4) for v in want_u.tolist()]}): "
+                 "in each round draw the k proposals (draw_token(q_i, generator)), then u (torch.rand(k, "
+                 "generator=generator, dtype=torch.float64)), then the round's last token (draw_token(next_probs, "
+                 "generator)), and nothing else from the generator")
+        n, probs = speculative_accept_oracle(p, q, x, u) if k else (0, p[0])
+        committed.append(torch.tensor([want_x[:n] + [int(torch.multinomial(probs, 1, generator=replay))]]))
+        spy.calls.append((p, q, x, u, n, probs))
+        return n, probs
+
+    spy.calls = []  # as AcceptSpy's: _run_generate reads how far the rounds got when the loop raises
+    out = _run_generate(speculative_generate, what, target, draft, prompt, 16, 3, spy, do_sample=True,
+                        generator=torch.Generator().manual_seed(seed))
+    want = torch.cat(committed, dim=1)
+    if not torch.equal(out.tokens, want):
+        fail(f"{what}: your tokens {out.tokens[0].tolist()} are not those of the contract's order of draws "
+             f"{want[0].tolist()}: end each round with draw_token(next_probs, generator), after its proposals and u")
+
+
 def check_speculative_generate(speculative_generate) -> None:
     """Visible checks for chapter 07, exercise 2, with the course's acceptance rule (so only the loop is tested)."""
     import copy
@@ -441,4 +491,6 @@ def check_speculative_generate(speculative_generate) -> None:
         fail(f"two sampled runs with the same seeded generator gave different tokens ({runs[0]}, then {runs[1]}): every "
              "random draw must use `generator`: the proposals, u (torch.rand(k, generator=generator, ...)) and each "
              "round's last token")
+    # 5. the contract's order of the draws
+    _check_draw_order(speculative_generate, target, draft, prompt)
     passed("speculative_generate")

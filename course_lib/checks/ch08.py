@@ -578,6 +578,12 @@ def _check_int8_layer(layer, linear, name: str) -> None:
         fail(f"{name}: expected a buffer `q` holding the int8 levels, got {getattr(q, 'dtype', type(q).__name__)} "
              "(register_buffer('q', ...) with the int8 tensor of quantize_int8)")
     assert_shape(q, tuple(linear.weight.shape), f"{name}.q, (out, in)")
+    kept = set(layer.state_dict())
+    plain = [n for n in ("q", "scale", "bias") if n not in kept and (n != "bias" or linear.bias is not None)]
+    if plain:
+        fail(f"{name}: {', '.join(plain)} should be registered buffers (self.register_buffer({plain[0]!r}, ...)), not plain "
+             "attributes: a plain attribute is not in the layer's state_dict (saving and loading the model lose it), "
+             "and .to() or .double() leaves it behind")
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
         fail(f"{name}: expected a float32 buffer `scale`, got {getattr(scale, 'dtype', type(scale).__name__)}")
     w = linear.weight.detach().double()

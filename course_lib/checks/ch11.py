@@ -328,23 +328,29 @@ def _check_from_hf(llama_from_hf, transformers) -> None:
         fail(f"llama_from_hf(hf_model) for a MistralForCausalLM with sliding_window = 4: the model's config.window is "
              f"{ours.config.window!r}, expected 4 (Hugging Face's sliding_window)")
     _compare_logits(ours, mistral, "the logits of llama_from_hf(hf_model) for a MistralForCausalLM with sliding_window = 4, on 12 tokens")
-    gelu = _hf_llama(transformers, n_layer=1, hidden_act="gelu")
-    try:
-        llama_from_hf(gelu)
-    except ValueError as error:
-        if "hidden_act" not in str(error):
-            fail(f"llama_from_hf(hf_model) for a LlamaForCausalLM with hidden_act='gelu' raised ValueError({str(error)!r}): "
-                 "name the setting it refuses, hidden_act")
-    else:
-        fail("llama_from_hf(hf_model) converted a LlamaForCausalLM with hidden_act='gelu', which our Llama (SiLU gate) "
-             "cannot represent: it would be another function, with no error. Raise a ValueError naming hidden_act, "
-             "and likewise for the other settings of the docstring (scaled RoPE, biases, head_dim)")
+    for setting, word, why in ((dict(hidden_act="gelu"), "hidden_act", "our Llama (SiLU gate) cannot represent GELU"),
+                               (dict(mlp_bias=True), "bias", "our Llama's MLP has no biases")):
+        shown = ", ".join(f"{key}={value!r}" for key, value in setting.items())
+        refused = _hf_llama(transformers, n_layer=1, **setting)
+        try:
+            llama_from_hf(refused)
+        except ValueError as error:
+            if word not in str(error):
+                fail(f"llama_from_hf(hf_model) for a LlamaForCausalLM with {shown} raised ValueError({str(error)!r}): "
+                     f"name the setting it refuses, {word}")
+        except Exception as error:  # noqa: BLE001 - the learner's code may raise anything; say what was expected
+            fail(f"llama_from_hf(hf_model) for a LlamaForCausalLM with {shown} raised {type(error).__name__} "
+                 f"({' '.join(str(error).split())[:120]}), expected a ValueError naming {word} ({why}): check the settings first")
+        else:
+            fail(f"llama_from_hf(hf_model) converted a LlamaForCausalLM with {shown}, which {why}: it would be "
+                 f"another function, with no error. Raise a ValueError naming {word}, and likewise for the other "
+                 "settings of the docstring (scaled RoPE, biases, head_dim)")
 
 
 def check_llama_conversion(llama_to_hf, llama_from_hf) -> None:
     """Visible checks for chapter 11, exercise 5: our Llama to Hugging Face's and back, with grouped-query heads,
     the interleaved RoPE layout, eps and rope_base away from every default, an untied head and a sliding window;
-    a GELU model refused."""
+    a GELU model and one with MLP biases refused."""
     import transformers
 
     from ..llama import Llama, LlamaConfig

@@ -13,14 +13,16 @@
     reports.py     results, the CSVs, the class report and the learner's report
     bench.py       ``course bench grade``: seconds per chapter and learner, students per minute
 """
-from .course import (CELL_TIMEOUT, CODE_STUB, COURSE_ID, RELEASE_DIR, SOURCE_DIR, chapters, configure,
-                     configure_course_folder, execute_solutions, release, repo_root, resolve_chapter, run_nbgrader)
+from .course import (BUSY_LOAD_PER_CORE, CELL_TIMEOUT, CODE_STUB, COURSE_ID, RELEASE_DIR, SOURCE_DIR, chapters, configure,
+                     configure_course_folder, execute_solutions, load_per_core, refused_when_busy, release, repo_root,
+                     resolve_chapter, run_nbgrader, timed_chapters)
 from .grading_run import check, grade
 from .exchange import collect_and_grade
 from .limits import Limits
 from .reports import NotebookResult, TestResult, class_report, format_report, write_csvs
 from .submission import exercise_of
 
-__all__ = ["CELL_TIMEOUT", "CODE_STUB", "COURSE_ID", "RELEASE_DIR", "SOURCE_DIR", "Limits", "NotebookResult", "TestResult",
+__all__ = ["BUSY_LOAD_PER_CORE", "CELL_TIMEOUT", "CODE_STUB", "COURSE_ID", "RELEASE_DIR", "SOURCE_DIR", "Limits", "NotebookResult", "TestResult",
            "chapters", "check", "class_report", "collect_and_grade", "configure", "configure_course_folder",
-           "execute_solutions", "exercise_of", "format_report", "grade", "release", "repo_root", "resolve_chapter", "run_nbgrader", "write_csvs"]
+           "execute_solutions", "exercise_of", "format_report", "grade", "load_per_core", "refused_when_busy", "release", "repo_root",
+           "resolve_chapter", "run_nbgrader", "timed_chapters", "write_csvs"]

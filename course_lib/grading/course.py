@@ -11,6 +11,7 @@ nbgrader_config.py, ``course release`` and ``course grade`` share.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -121,6 +122,39 @@ def release(chapter_names: list[str] | None = None, root: Path | None = None) ->
     return [root / RELEASE_DIR / name for name in names]
 
 
+#: load per core (the 1-minute load average over the cores this process may use) from which `course execute` calls the
+#: machine busy: half the cores already taken by other work. Timings stored then contradict their prose (a second
+#: thread that buys nothing, a step that slows with no kernel changed).
+BUSY_LOAD_PER_CORE = 0.5
+
+
+def timed_chapters(root: Path | None = None) -> list[str]:
+    """The chapters whose stored outputs hold timings: the folders of the Makefile's TIMED list (the one list: ``make
+    busy`` re-executes them on a busy machine), e.g. ['05-kv-cache', '07-speculative', ...]."""
+    makefile = (root or repo_root()) / "Makefile"
+    text = makefile.read_text().replace("\\\n", " ")
+    match = re.search(r"^TIMED\s*[:?]?=(.*)$", text, flags=re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"{makefile} has no TIMED = ... line: the timed chapters are listed there")
+    return [Path(folder).name for folder in match.group(1).split()]
+
+
+def load_per_core() -> tuple[float, int]:
+    """(load, cores): the 1-minute load average divided by the cores this process may run on (1.0: every core has a
+    runnable process on average), and that number of cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return os.getloadavg()[0] / cores, cores
+
+
+def refused_when_busy(chapter_names: list[str], load: float, busy_ok: bool = False, root: Path | None = None) -> list[str]:
+    """The timed chapters among `chapter_names` that `course execute` must not re-execute at this load per core:
+    all of them when load >= BUSY_LOAD_PER_CORE, unless `busy_ok`; none otherwise."""
+    if busy_ok or load < BUSY_LOAD_PER_CORE:
+        return []
+    timed = set(timed_chapters(root))
+    return [name for name in chapter_names if name in timed]
+
+
 def execute_solutions(chapter_names: list[str] | None = None, root: Path | None = None, timeout: int = 600) -> list[Path]:
     """Re-execute reference notebooks in place so their stored outputs are current (for nbval).
 
@@ -131,7 +165,7 @@ def execute_solutions(chapter_names: list[str] | None = None, root: Path | None 
 
     root = root or repo_root()
     done = []
-    for name in chapter_names or chapters(root):
+    for name in chapters(root) if chapter_names is None else chapter_names:
         for path in sorted((root / SOURCE_DIR / name).glob("*.ipynb")):
             notebook = nbformat.read(path, as_version=4)
             NotebookClient(notebook, timeout=timeout, kernel_name="python3", record_timing=False,

@@ -153,6 +153,15 @@ def test_the_cached_encoder_equals_bpe_encode(corpus):
     assert tokenizer.encode(corpus[1][:5000]) == bpe.bpe_encode(corpus[1][:5000], tokenizer.merges)
 
 
+def test_the_tokenizer_takes_the_learners_functions_by_the_plug_in_rule():
+    """Keywords named after the course functions they replace, defaulting to the course's own (no None fallback)."""
+    import inspect
+
+    parameters = inspect.signature(bpe.BPETokenizer).parameters
+    assert parameters["bpe_encode"].default is bpe.bpe_encode and parameters["bpe_decode"].default is bpe.bpe_decode
+    assert "encode" not in parameters and "decode" not in parameters
+
+
 def test_the_tokenizer_runs_the_encode_and_decode_it_is_given():
     merges = {(104, 105): 256}  # 'h' 'i'
     calls = []
@@ -161,7 +170,7 @@ def test_the_tokenizer_runs_the_encode_and_decode_it_is_given():
         calls.append(text)
         return bpe.bpe_encode(text, merges)
 
-    tokenizer = bpe.BPETokenizer(merges, encode=encode, decode=lambda ids, vocab: "decoded")
+    tokenizer = bpe.BPETokenizer(merges, bpe_encode=encode, bpe_decode=lambda ids, vocab: "decoded")
     assert tokenizer.encode("hi hi") == [256, 32, 256] and calls == ["hi", " hi"]
     assert tokenizer.encode("hi") == [256] and calls == ["hi", " hi"]  # each distinct chunk encoded once
     assert tokenizer.decode([256]) == "decoded"

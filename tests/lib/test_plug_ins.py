@@ -27,15 +27,6 @@ import pytest
 
 import course_lib
 
-#: violations left in course_lib on this branch, by qualified name, each with the branch that fixes it; the lead
-#: empties this set when those branches are merged
-KNOWN: dict[str, str] = {
-    "course_lib.bpe.BPETokenizer.__init__(encode)": "fixed on the chapter 09 helper's branch",
-    "course_lib.bpe.BPETokenizer.__init__(decode)": "fixed on the chapter 09 helper's branch",
-    "course_lib.seq2seq.evaluate_reversal(decode)": "fixed on the chapter 01 helper's branch",
-}
-
-
 def _functions(module: types.ModuleType):
     """The functions and methods a module defines (not those it imports or aliases): (qualified name, function)."""
     def walk(owner, qualified: str):
@@ -178,9 +169,7 @@ def test_every_course_lib_signature_keeps_the_plug_in_rule():
     found = {}
     for module in course_modules():
         found.update(plug_in_violations(module))
-    unexpected = {k: v for k, v in found.items() if k not in KNOWN}
-    assert not unexpected, "\n".join(f"{k}: {v}" for k, v in sorted(unexpected.items()))
-    assert set(KNOWN) <= set(found), f"fixed, so leave KNOWN: {sorted(set(KNOWN) - set(found))}"
+    assert not found, "\n".join(f"{k}: {v}" for k, v in sorted(found.items()))
 
 
 #: each exception's old form, as course_lib had it, in a scratch module, with the violation the checker must name

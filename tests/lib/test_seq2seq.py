@@ -51,15 +51,14 @@ def test_evaluation_of_a_perfect_oracle_model():
     """exact match and alignment are 1.0 for a model that copies the right digit (built by hand)."""
     batch = reversal_batch(8, generator=torch.Generator().manual_seed(3))
 
-    class Oracle(GRUSeq2Seq):
-        def greedy_decode(self, src, src_lengths, max_len):
-            weights = torch.zeros(src.shape[0], max_len, src.shape[1])
-            for row, n in enumerate(src_lengths.tolist()):
-                for i in range(n):
-                    weights[row, i, n - 1 - i] = 1.0
-            return batch.tgt.clone(), weights
+    def oracle(model, src, src_lengths, max_len):  # a translator that copies the right digit, looking at it
+        weights = torch.zeros(src.shape[0], max_len, src.shape[1])
+        for row, n in enumerate(src_lengths.tolist()):
+            for i in range(n):
+                weights[row, i, n - 1 - i] = 1.0
+        return batch.tgt.clone(), weights
 
-    result = evaluate_reversal(Oracle(), batch)
+    result = evaluate_reversal(GRUSeq2Seq(), batch, greedy_translate=oracle)
     assert result["exact"].all() and result["alignment"] == 1.0
 
 
@@ -101,8 +100,30 @@ def test_greedy_translate_writes_the_trained_models_tokens():
         expected_tokens, expected_weights = model.greedy_decode(batch.src, batch.src_lengths, 11)
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-5)
-    ours, theirs = evaluate_reversal(model, batch, greedy_translate), evaluate_reversal(model, batch)
+    ours, theirs = evaluate_reversal(model, batch), evaluate_reversal(model, batch, greedy_translate=GRUSeq2Seq.greedy_decode)
     assert torch.equal(ours["exact"], theirs["exact"]) and ours["alignment"] == theirs["alignment"]
+
+
+def test_evaluate_reversal_takes_the_learners_translator_by_the_name_of_the_course_function():
+    """The plug-in rule (README): a keyword named greedy_translate, keyword-only, defaulting to the course's own
+    greedy_translate, which it then calls for a model with attention (a model without attention: its greedy_decode)."""
+    import inspect
+
+    from course_lib import assets, seq2seq
+
+    parameter = inspect.signature(evaluate_reversal).parameters["greedy_translate"]
+    assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is seq2seq.greedy_translate
+    batch = reversal_batch(3, generator=torch.Generator().manual_seed(5))
+    calls = []
+
+    def spy(model, src, src_lengths, max_len):
+        calls.append(max_len)
+        return seq2seq.greedy_translate(model, src, src_lengths, max_len)
+
+    evaluate_reversal(assets.load("gru-reversal-attention"), batch, greedy_translate=spy)
+    assert calls == [batch.tgt.shape[1]]
+    evaluate_reversal(assets.load("gru-reversal-baseline"), batch, greedy_translate=spy)  # refused by greedy_translate
+    assert calls == [batch.tgt.shape[1]]
 
 
 def test_the_decoder_rejects_bad_arguments():

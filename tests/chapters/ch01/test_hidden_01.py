@@ -8,6 +8,7 @@ The slower nbgrader round trip (tests/chapters/ch01/test_grading_01.py) checks t
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -103,3 +104,22 @@ def test_the_reference_passes_every_test(exercise):
 @pytest.mark.parametrize("exercise,bug,solution,must_fail", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
 def test_each_bug_fails_exactly_the_tests_that_target_it(exercise, bug, solution, must_fail):
     assert failing_tests(exercise, solution) == must_fail
+
+
+def test_the_loop_and_padding_tests_compare_tokens_exactly_and_say_so():
+    """issue 41: the `loop` test quoted a float tolerance (rtol, atol) for integer tokens; it names the token that
+    differs. Planted: a translator whose argmax is not fed back (every step's input stays BOS)."""
+    bug = dict(CASES_BY_NAME)["the argmax not fed back"]
+    namespace = dict(HARNESS.namespace)
+    for code in REFERENCE.values():
+        exec(code, namespace)  # noqa: S102 - the notebook's own reference code
+    exec(bug, namespace)  # noqa: S102
+    with pytest.raises(checks.CheckFailed) as failure:
+        exec(CELLS["attention_decoder-loop"], dict(namespace))  # noqa: S102
+    message = str(failure.value)
+    assert "tolerance" not in message and "rtol" not in message
+    assert re.fullmatch(r"the tokens of step \d+ \(max_len = 14\), compared with a plain loop, differ in \d of 4 entries; "
+                        r"the first at index \(\d,\): token \d+, expected \d+", message), message
+
+
+CASES_BY_NAME = [(bug, solution) for _, bug, solution, _ in CASES]

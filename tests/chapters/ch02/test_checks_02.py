@@ -125,6 +125,17 @@ class NegInfFill(attention.MultiHeadAttention):
         return self.W_o(attention.merge_heads(weights @ v)), weights
 
 
+class AlwaysBias(attention.MultiHeadAttention):
+    def __init__(self, d_model, n_heads, dropout=0.0, bias=True):
+        super().__init__(d_model, n_heads, dropout)  # issue 41: bias=False still builds the biases (4 D^2 + 4 D parameters)
+
+
+class HeadAveraged(attention.MultiHeadAttention):
+    def forward(self, query, key, value, mask=None):
+        out, weights = super().forward(query, key, value, mask)
+        return out, weights.mean(1)  # issue 41: nn.MultiheadAttention's default, one map for all heads
+
+
 class KeyValueSwapped(attention.MultiHeadAttention):
     def forward(self, query, key, value, mask=None):
         return super().forward(query, value, key, mask)
@@ -195,6 +206,9 @@ def rope_positions_flattened(x, positions=None, base=10000.0):
     (lambda: checks.check_multi_head_attention(_mha_variant(kv_projections_swapped=True)), r"keys are projected with W_v .*swapped"),
     (lambda: checks.check_multi_head_attention(NoValueError), r"MultiHeadAttention\(10, 4\) built a module: 4 heads do not divide d_model = 10"),
     (lambda: checks.check_multi_head_attention(_mha_variant(keys_from_query=True)), r"raised RuntimeError: .*keys come from `key`, values from `value`"),
+    (lambda: checks.check_multi_head_attention(AlwaysBias),
+     r"MultiHeadAttention\(16, 4, bias=False\) has 1,088 parameters, expected 4 D\^2 = 1,024 .*W_q, W_k, W_v, W_o still have biases"),
+    (lambda: checks.check_multi_head_attention(HeadAveraged), r"shape \(2, 5, 5\) = \(B, Tq, Tk\), one map for all 4 heads: they look averaged"),
     (lambda: checks.check_apply_rope(rope_rotate_half), r"paired feature i with feature i \+ Dh/2"),
     (lambda: checks.check_apply_rope(rope_not_a_rotation), r"changed the length of a vector by up to \d\.\d+"),
     (lambda: checks.check_apply_rope(rope_clockwise), r"your rotation goes the wrong way"),

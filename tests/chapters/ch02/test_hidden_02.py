@@ -104,6 +104,15 @@ CASES = [
     ("multi_head_attention", "k and v projections swapped", mutate("multi_head_attention", ("self.W_k(key)", "self.W_v(key)"),
                                                                    ("self.W_v(value)", "self.W_k(value)")),
      {"multi_head_attention-visible", "multi_head_attention-scale", "multi_head_attention-cross", "multi_head_attention-oracle"}),
+    # issue 41: a module that always builds its biases (4,224 parameters for D = 32 instead of 4 D^2 = 4,096)
+    ("multi_head_attention", "bias=False ignored", mutate("multi_head_attention", *[
+        (f"self.{name} = nn.Linear(d_model, d_model, bias=bias)", f"self.{name} = nn.Linear(d_model, d_model)")
+        for name in ("W_q", "W_k", "W_v", "W_o")]),
+     {"multi_head_attention-visible", "multi_head_attention-oracle"}),
+    # issue 41: weights averaged over the heads cost the tests that grade the per-head shape, not the scale, mask, ... ones
+    ("multi_head_attention", "weights averaged over the heads", mutate("multi_head_attention", (
+        "return self.W_o(merge_heads(heads)), weights", "return self.W_o(merge_heads(heads)), weights.mean(1)")),
+     {"multi_head_attention-visible", "multi_head_attention-cross", "multi_head_attention-oracle"}),  # cross: its output is read head by head
     ("multi_head_attention", "no ValueError for d_model % n_heads", mutate("multi_head_attention", (
         "if d_model % n_heads != 0:", "if False:"),
         ("self.d_head = d_model, n_heads, d_model // n_heads", "self.d_head = d_model, n_heads, math.ceil(d_model / n_heads)")),

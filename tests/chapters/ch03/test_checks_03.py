@@ -74,6 +74,24 @@ def ln_bias_before_weight(x, weight, bias, eps=1e-5):
     return (F.layer_norm(x, x.shape[-1:], eps=eps) + bias) * weight
 
 
+class EncoderFunctionalDropout(EncoderLayer):
+    """issue 41: dropout by F.dropout, whose training flag defaults to True: on whatever eval() says."""
+    def forward(self, x, mask=None):
+        if self.norm_first:
+            return super().forward(x, mask)
+        x = self.norm1(x + F.dropout(self.self_attn(x, x, x, mask)[0], self.dropout1.p))
+        return self.norm2(x + F.dropout(self.ffn(x), self.dropout2.p))
+
+
+class DecoderFunctionalDropout(DecoderLayer):
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
+        if self.norm_first:
+            return super().forward(x, memory, tgt_mask, memory_mask)
+        x = self.norm1(x + self.dropout1(self.self_attn(x, x, x, tgt_mask)[0]))
+        x = self.norm2(x + self.dropout2(self.cross_attn(x, memory, memory, memory_mask)[0]))
+        return self.norm3(x + F.dropout(self.ffn(x), self.dropout3.p))
+
+
 class EncoderIgnoringMask(EncoderLayer):
     def forward(self, x, mask=None):
         return super().forward(x, None)
@@ -180,6 +198,8 @@ MASKS = (make_padding_mask, make_causal_mask, make_target_mask)
     (checks.check_decoder_layer, (DecoderNormalisingMemory,), r"pre-LN DecoderLayer .* normalises memory too"),
     (checks.check_decoder_layer, (DecoderInvertingTargetMask,), r"post-LN DecoderLayer \(norm_first=False\) inverts tgt_mask"),
     (checks.check_decoder_layer, (DecoderInvertingMemoryMask,), r"post-LN DecoderLayer \(norm_first=False\) inverts memory_mask"),
+    (checks.check_encoder_layer, (EncoderFunctionalDropout,), r"post-LN EncoderLayer\(dropout=0.5\) after .eval\(\) gives another output .*F.dropout"),
+    (checks.check_layers, (EncoderLayer, DecoderFunctionalDropout), r"post-LN DecoderLayer\(dropout=0.5\) after .eval\(\) gives another output"),
     (checks.check_masks, (padding_with_pad_id_zero, make_causal_mask, make_target_mask),
      r"left-padded tokens .* with pad_id 3.*your mask is tokens != 0: the pad id is hard-coded"),
     (checks.check_masks, (padding_assumed_at_the_end, make_causal_mask, make_target_mask),

@@ -102,7 +102,7 @@ CASES = {
     "encoder_mask_ignored": (L, in_class("EncoderLayer", ("h, h, h, mask)", "h, h, h)"), ("x, x, x, mask)", "x, x, x)")),
                              {"layers-visible", "layers-encoder_padding", "layers-encoder_pre_ln"}),  # pre_ln has a padding mask
     "encoder_dropout_in_eval": (L, in_class("EncoderLayer", ("self.dropout2(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout2.p)")),
-                                {"layers-encoder_dropout_eval"}),
+                                {"layers-visible", "layers-encoder_dropout_eval"}),  # visible: since issue 41
     # the visible check compares both arrangements with PyTorch, so pre-LN mistakes fail it too
     "encoder_always_post_ln": (L, in_class("EncoderLayer", ("if self.norm_first:", "if False:")), {"layers-visible", "layers-encoder_pre_ln"}),
     "encoder_arrangements_swapped": (L, in_class("EncoderLayer", ("if self.norm_first:", "if not self.norm_first:")),
@@ -128,7 +128,7 @@ CASES = {
                                                                       "self.cross_attn(self.norm2(x), self.norm2(memory), self.norm2(memory),")),
                                          {"layers-visible", "layers-decoder_pre_ln"}),  # visible: its pre-LN case
     "decoder_dropout_in_eval": (L, in_class("DecoderLayer", ("self.dropout3(self.ffn(x))", "F.dropout(self.ffn(x), self.dropout3.p)")),
-                                {"layers-decoder_dropout_eval"}),
+                                {"layers-visible", "layers-decoder_dropout_eval"}),  # visible: since issue 41
     "decoder_always_post_ln": (L, in_class("DecoderLayer", ("if self.norm_first:", "if False:")), {"layers-visible", "layers-decoder_pre_ln"}),
     "decoder_arrangements_swapped": (L, in_class("DecoderLayer", ("if self.norm_first:", "if not self.norm_first:")),
                                      {"layers-visible", "layers-decoder_pre_ln"}),

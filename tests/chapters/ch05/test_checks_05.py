@@ -120,6 +120,13 @@ class CacheNeverFull(StaticKVCache):  # silently drops what does not fit
         pass
 
 
+class CacheAlwaysFloat32(StaticKVCache):  # issue 41: for_model ignores the model's dtype
+    @classmethod
+    def for_model(cls, model, batch_size, max_len=None, **options):
+        c = model.config
+        return cls(c.n_layer, batch_size, c.n_head, c.n_embd // c.n_head, c.block_size if max_len is None else max_len, **options)
+
+
 class CacheNotAdvanced(StaticKVCache):
     def advance(self, T):
         pass
@@ -141,6 +148,8 @@ class CacheNotAdvanced(StaticKVCache):
      r"shape \(3, 2, 5, 4\), expected \(3, 2, 3, 4\) = \(B, H_kv, length \+ T, Dh\): return the cached and the new slots only"),
     (checks.check_static_kv_cache, CacheFullTooEarly, r"update of 2 tokens with 3 cached and max_len = 5 raised ValueError"),
     (checks.check_static_kv_cache, CacheNeverFull, r"holding 5 tokens accepted a sixth"),
+    (checks.check_static_kv_cache, CacheAlwaysFloat32, r"^for_model on a float64 GPT made a cache that returns torch.float32 keys, "
+     r"rounded: the cache takes the model's dtype and device"),
     (checks.check_static_kv_cache, CacheNotAdvanced, r"after advance\(3\) with 0 cached, length should be 3, got 0"),
     (checks.check_generate_cached, generate_reprefilling, r"the model embedded \d+ tokens .*re-feeds the prefix, so it "
      r"does not use the cache"),

@@ -71,6 +71,15 @@ CASES = [
         "if self.length + T > self.max_len:", "if self.length + T >= self.max_len:")),
      {f"{GEN}-visible", f"{GEN}-full"}),  # generate_cached never fills its cache: only the cache's own tests see it
     (GEN, "no cache-full check at all", mutate(GEN, ("        self.check_room(T)\n", "")), {f"{GEN}-visible", f"{GEN}-full"}),
+    # issue 41: every generate_cached test used a float32 model, so a cache that is always float32 got full marks
+    (GEN, "cache always float32", mutate(GEN, ("dtype=weight.dtype, device=weight.device, **options", "device=weight.device, **options")),
+     {f"{GEN}-visible", f"{GEN}-dtype"}),
+    # issue 41: check_room is in the contract now; one that never refuses (update checking by itself) fails its test
+    (GEN, "check_room never refuses", mutate(GEN, (
+        '"""ValueError ("the cache is full") unless T more tokens fit: length + T <= max_len."""\n',
+        '"""ValueError ("the cache is full") unless T more tokens fit: length + T <= max_len."""\n        return\n'), (
+        "        self.check_room(T)\n", "        if self.length + T > self.max_len:\n            raise ValueError('the cache is full')\n")),
+     {f"{GEN}-full"}),
     (GEN, "no cache use: every step re-runs the whole prefix through a fresh cache", '''
 @torch.inference_mode()
 def generate_cached(model, idx, max_new_tokens, attention_mask=None):

@@ -164,6 +164,9 @@ cache_not_reordered = beam_variant(("        cache.reorder((source + rows * K).v
 ended_run_on = beam_variant(("alive = scores.masked_fill(ends, -inf)", "alive = scores.masked_fill(ends & (cur_len + 1 == max_len), -inf)"))
 first_row_done_stops_all = beam_variant(("if not searching.any():", "if not searching.all():"))
 stopped_rows_take_hypotheses = beam_variant(("ends & searching[:, None]", "ends"))
+never_as_false = beam_variant(('best_len = max_len - T0 if early_stopping == "never" and length_penalty > 0 else cur_len + 1 - T0',
+                               "best_len = cur_len + 1 - T0"))  # issue 41: caught by the hidden Hugging Face test only
+true_as_false = beam_variant(("        if early_stopping is True:\n            searching &= finished_scores[:, -1] == -inf\n", ""))
 
 
 @pytest.mark.parametrize("check, fn, message", [
@@ -195,6 +198,11 @@ stopped_rows_take_hypotheses = beam_variant(("ends & searching[:, None]", "ends"
     (checks.check_beam_search, cache_not_reordered, "without any EOS already differs: the search itself"),
     (checks.check_beam_search, ended_run_on, "right without EOS, wrong with eos_token_id=10: the finished hypotheses"),
     (checks.check_beam_search, first_row_done_stops_all, "but not in a batch: the rows affect each other"),
+    (checks.check_beam_search, never_as_false, "early_stopping='never' on the left-padded batch: row 1 differs from generated "
+     "token 3 on: yours 10, Hugging Face's 6 (lengths 16 and 16). Your result is your early_stopping=False one: is the rule ignored?"),
+    (checks.check_beam_search, true_as_false, "early_stopping=True on the left-padded batch: row 0 differs from generated token 5 "
+     "on: yours 1, Hugging Face's 10 (lengths 16 and 12). Your result is your early_stopping=False one: is the rule ignored? "
+     "early_stopping=True: a row stops as soon as it has K finished hypotheses"),
     (checks.check_beam_search, stopped_rows_take_hypotheses, "but not in a batch: the rows affect each other"),
 ])
 def test_each_classic_bug_gets_a_specific_message(check, fn, message):

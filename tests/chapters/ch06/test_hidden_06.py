@@ -37,6 +37,7 @@ PENALTY = "score = torch.where(score < 0, score * penalty, score / penalty)"
 ARGMAX = "next_token = logits[:, -1, :].argmax(dim=-1)  # (B,)"
 ALL_DONE = "if finished.all():"
 LENGTH = "(cur_len + 1 - T0) ** length_penalty"
+NEVER_LENGTH = 'best_len = max_len - T0 if early_stopping == "never" and length_penalty > 0 else cur_len + 1 - T0'
 EARLY_TRUE = """        if early_stopping is True:
             searching &= finished_scores[:, -1] == -inf
 """
@@ -119,12 +120,16 @@ CASES = [
         "running_scores[:, 0] = 0.0", "running_scores[:, :] = 0.0")), failing(BEAM, "visible", "hf", "rows", "brute")),
     (BEAM, "attention mask ignored", mutate(BEAM, ("cached_forward(model, new, cache, mask)",
                                                    "cached_forward(model, new, cache)")), failing(BEAM, "visible", "rows")),
-    (BEAM, "early_stopping=True treated as False", mutate(BEAM, (EARLY_TRUE, "")), failing(BEAM, "hf")),
+    (BEAM, "early_stopping=True treated as False", mutate(BEAM, (EARLY_TRUE, "")), failing(BEAM, "visible", "hf")),
+    # issue 41: "never" treated as False was caught by the hidden Hugging Face test only
+    (BEAM, 'early_stopping="never" treated as False', mutate(BEAM, (NEVER_LENGTH, "best_len = cur_len + 1 - T0")),
+     failing(BEAM, "visible", "hf")),
     (BEAM, "pad_token_id=None pads with 0, not the EOS id", mutate(BEAM, (
         "pad = pad_token_id if pad_token_id is not None else max(eos, 0)", "pad = pad_token_id if pad_token_id is not None else 0")),
      failing(BEAM, "eos")),
     (BEAM, "returns every sequence at full length", mutate(BEAM, (
-        "finished[:, 0, :int(finished_len[:, 0].max())]", "finished[:, 0]")), failing(BEAM, "hf", "eos")),
+        "finished[:, 0, :int(finished_len[:, 0].max())]", "finished[:, 0]")), failing(BEAM, "visible", "hf", "eos")),
+    # visible: its early_stopping=True case ends both rows before max_new_tokens (issue 41)
     (BEAM, "correct: no cache kept, the whole prefix recomputed each step", mutate(BEAM, (
         "log_probs = cached_forward(model, new, cache, mask)[:, -1]",
         "log_probs = cached_forward(model, running[:, :, :cur_len].reshape(B * K, cur_len), KVCache.for_model("

@@ -96,6 +96,13 @@ q_without_temperature = planted(  # drafts drawn at the temperature, but q repor
     G, "probs = probs_from_logits(cached_forward(draft, new, draft_cache)[0, -1], do_sample, temperature)",
     "logits_d = cached_forward(draft, new, draft_cache)[0, -1]; probs = probs_from_logits(logits_d, do_sample, temperature)",
     "q.append(probs)", "q.append(probs_from_logits(logits_d, do_sample, 1.0))")
+draft_at_temperature_one = planted(  # drafts drawn at temperature 1 and q reported as such: exact, but not the contract
+    G, "probs = probs_from_logits(cached_forward(draft, new, draft_cache)[0, -1], do_sample, temperature)",
+    "probs = probs_from_logits(cached_forward(draft, new, draft_cache)[0, -1], do_sample, 1.0)")
+u_drawn_first = planted(  # a correct loop that draws u before the proposals: the other order of draws
+    G, "        u = torch.rand(K, generator=generator, dtype=torch.float64)\n", "",
+    "new, drafted, q = tokens[:, draft_cache.length:], [], []",
+    "new, drafted, q = tokens[:, draft_cache.length:], [], []\n        u = torch.rand(K, generator=generator, dtype=torch.float64)")
 fails_at_k_zero = planted(G, "torch.stack(q) if K else p[:0]", "torch.stack(q)")
 cropped_too_far = planted(G, CROP_T, "target_cache.crop(n + a - 1)", CROP_D, "draft_cache.crop(min(draft_cache.length, n + a - 1))")
 draft_cropped_without_min = planted(G, CROP_D, "draft_cache.crop(n + a)")
@@ -121,6 +128,8 @@ separate_prefill = planted(G, "        # 2. verify", "        if target_cache.le
     (checks.check_speculative_generate, u_without_generator, r"same seeded generator gave different tokens .*u \(torch.rand\(k, generator=generator"),
     (checks.check_speculative_generate, target_ignores_temperature, r"the p you passed to speculative_accept ignores the temperature"),
     (checks.check_speculative_generate, q_without_temperature, r"the q you passed to speculative_accept ignores the temperature"),
+    (checks.check_speculative_generate, draft_at_temperature_one, r"ignores the temperature: it is the draft's distribution at temperature 1, not at 2\. The contract samples both models"),
+    (checks.check_speculative_generate, u_drawn_first, r"round 1: you draw u before the proposals\. The contract fixes the order of the draws"),
     (checks.check_speculative_generate, fails_at_k_zero, r"room for no proposal at all, k = 0"),
     (checks.check_speculative_generate, cropped_too_far, r"target passes read \d+ positions in all, expected T \+ proposals \+ rounds - 1"),
     (checks.check_speculative_generate, draft_cropped_without_min, r"crop can only forget slots: the draft's cache never fed its last proposal"),

@@ -1,7 +1,8 @@
 """Chapter 07's grading round trip through nbgrader, with real submission notebooks.
 
-One `grading.grade` run grades three students: the reference (full marks), the untouched release
-(zero) and one student with two planted bugs, one per exercise, whose targeted tests are disjoint:
+One `grading.grade` run grades four students: the reference (full marks), the untouched release
+(zero), one whose correct loop draws u before its proposals (the visible test only: the contract fixes the
+order of the draws) and one student with two planted bugs, one per exercise, whose targeted tests are disjoint:
 
 * speculative_accept: p and q swapped in the acceptance ratio (accept when u < q/p) -> the visible
   test and `swapped` only: the residual is still the right one wherever the student rejects, and p == q
@@ -34,11 +35,20 @@ def planted() -> dict:
     })
 
 
+def u_drawn_first() -> dict:
+    """A correct loop whose uniforms come before its proposals: the other order of the draws, which the contract
+    rules out (its seeded runs are not the chapter's): the visible test only, which names the order."""
+    U = "        u = torch.rand(K, generator=generator, dtype=torch.float64)\n"
+    DRAFT = "        new, drafted, q = tokens[:, draft_cache.length:], [], []\n"
+    return CH.solved({GEN: CH.mutate(GEN, U, "").replace(DRAFT, DRAFT + U)})
+
+
 STUDENTS = {
     "reference": (CH.solved, set()),
     "untouched": (CH.untouched, set(CH.points)),
     "planted": (planted, failing("speculative_accept", "visible", "swapped")
                 | failing("speculative_generate", "visible", "greedy", "rounds", "distribution")),
+    "u_first": (u_drawn_first, failing("speculative_generate", "visible")),
 }
 
 
@@ -51,3 +61,4 @@ def test_failures_carry_the_checks_messages(graded):
     messages = roundtrip.messages(graded, CH, "planted")
     assert "are p and q swapped?" in messages["speculative_accept-visible"]
     assert "do your caches still hold rejected proposals?" in messages["speculative_generate-visible"]
+    assert "you draw u before the proposals" in roundtrip.messages(graded, CH, "u_first")["speculative_generate-visible"]

@@ -41,6 +41,11 @@ FROM = "q, scale = quantize_int8(linear.weight)"
 OWN = "w = linear.weight.detach().float()\n        {scale}\n        q = {rounding}(w / scale[:, None]).clamp(-127, 127).to(torch.int8)"
 KEEP = "return cls(q, scale, linear.bias)"
 WALK = "for module in list(model.modules()):"
+FORWARD = "return int8_linear(x, self.q, self.scale, self.bias)"
+PLAIN_ATTRIBUTES = (('self.register_buffer("q", q.detach().contiguous())', "self.q = q.detach().contiguous()"),
+                    ('self.register_buffer("scale", scale.detach().float())', "self.scale = scale.detach().float()"),
+                    ('self.register_buffer("bias", None if bias is None else bias.detach().float())',
+                     "self.bias = None if bias is None else bias.detach().float()"))
 
 
 
@@ -154,6 +159,10 @@ def int8_linear(x, q, scale, bias=None):
     (MODEL, "no checks of the arguments", mutate(MODEL, ("raise ValueError(f\"linear must", "pass  # (f\"linear must"),
                                                  ("if not isinstance(model, nn.Module):\n        raise", "if False:\n        raise")),
      failing(MODEL, "errors")),
+    (MODEL, "q, scale and bias plain attributes, not buffers", mutate(MODEL, *PLAIN_ATTRIBUTES),
+     failing(MODEL, "visible", "layer", "bias")),
+    (MODEL, "a float64 input returned as float32", mutate(MODEL, (FORWARD, "return int8_linear(x.float(), self.q, self.scale, self.bias)")),
+     failing(MODEL, "layer")),
     (MODEL, "correct: the weight dequantized in forward, the tree walked by name", '''
 class Int8Linear(nn.Module):
     def __init__(self, q, scale, bias=None):
@@ -207,3 +216,31 @@ def test_the_reference_passes_every_test(exercise):
 @pytest.mark.parametrize("exercise,bug,solution,must_fail", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
 def test_each_bug_fails_exactly_the_tests_that_target_it(exercise, bug, solution, must_fail):
     assert failing_tests(exercise, solution) == must_fail
+
+
+def _hidden_test_message(grade_id: str, solution: str) -> str:
+    """The message of the AssertionError that test cell `grade_id` raises for `solution` (ONE planted bug)."""
+    namespace = dict(HARNESS.namespace)
+    for code in REFERENCE.values():
+        exec(code, namespace)  # noqa: S102 - the notebook's own reference code
+    exec(solution, namespace)  # noqa: S102
+    with pytest.raises(AssertionError) as error:
+        exec(CELLS[grade_id], namespace)  # noqa: S102
+    return str(error.value)
+
+
+def test_a_float64_input_returned_as_float32_is_named_by_its_dtype():
+    solution = mutate(MODEL, (FORWARD, "return int8_linear(x.float(), self.q, self.scale, self.bias)"))
+    assert "a float64 input should give a float64 output (x's dtype), got torch.float32" in _hidden_test_message(
+        "quantize_model-layer", solution)
+
+
+def test_plain_attributes_are_named_with_what_they_lose():
+    message = _hidden_test_message("quantize_model-layer", mutate(MODEL, *PLAIN_ATTRIBUTES))
+    assert "registered buffers" in message and "state_dict holds []" in message
+    with pytest.raises(checks.CheckFailed, match=r"q, scale, bias should be registered buffers .* not in the layer's state_dict"):
+        namespace = dict(HARNESS.namespace)
+        for code in REFERENCE.values():
+            exec(code, namespace)  # noqa: S102
+        exec(mutate(MODEL, *PLAIN_ATTRIBUTES), namespace)  # noqa: S102
+        checks.check_quantize_model(namespace["quantize_model"])

@@ -53,7 +53,8 @@ def overlaps_from_the_right(ids, pair, new_id):
 
 
 def naive_trainer(choose=lambda counts: min(counts, key=lambda p: (-counts[p], p)), chunk_ids=lambda chunk: list(chunk.encode("utf-8")),
-                  weighted=True, overlaps=True, pretokenized=True, stops=True, extra=0, recount=True, checks_size=True):
+                  weighted=True, overlaps=True, pretokenized=True, stops=True, extra=0, recount=True, checks_size=True,
+                  min_count=1):
     """A learner's trainer (every pair recounted after every merge), correct with the defaults; each option plants one bug."""
     def train_bpe(text, vocab_size):
         if checks_size and vocab_size < 256:
@@ -66,7 +67,7 @@ def naive_trainer(choose=lambda counts: min(counts, key=lambda p: (-counts[p], p
                 for ids, n in words:
                     for pair in (zip(ids, ids[1:]) if overlaps else set(zip(ids, ids[1:]))):
                         counts[pair] = counts.get(pair, 0) + n * (1 if overlaps else len(ids) - len(bpe.bpe_merge(ids, pair, -1)))
-            if not counts and stops:
+            if (not counts or max(counts.values()) < min_count) and stops:
                 break
             pair = choose(counts)
             merges[pair] = 256 + len(merges)
@@ -176,6 +177,8 @@ def ignoring_decode(ids, vocab):
      r"merges 0..1 agree; merge 2 .* which no longer occurs once merges 0..1 are applied: count the pairs again"),
     (checks.check_train_bpe, naive_trainer(stops=False),
      r"train_bpe\('abab', 1000\) raised ValueError: .* training stops early, below vocab_size"),
+    (checks.check_train_bpe, naive_trainer(min_count=2),
+     r"returned \d+ merges, expected \d+: you stopped when the most frequent pair occurs only once .* A pair that occurs once is still merged"),
     (checks.check_train_bpe, naive_trainer(extra=1), r"returned 7 merges, expected 6: .* so vocab_size - 256 merges"),
     (checks.check_train_bpe, naive_trainer(extra=-1), r"returned 5 merges, expected 6: the vocabulary is the 256 bytes plus"),
     (checks.check_train_bpe, naive_trainer(checks_size=False), r"train_bpe\('abc', 255\) returned \{\}, expected ValueError"),

@@ -206,6 +206,8 @@ def test_the_course_conversion_passes_and_each_half_is_judged_with_the_others():
     (TO, mutated(FROM, ("eps=c.rms_norm_eps, ", "")), r"config.eps is 1e-05, expected 0.001, from Hugging Face's rms_norm_eps"),
     (TO, mutated(FROM, ('window=getattr(c, "sliding_window", None)', "window=None")), r"config.window is None, expected 4"),
     (TO, mutated(FROM, ("raise ValueError(", "print(")), r"converted a LlamaForCausalLM with hidden_act='gelu'"),
+    (TO, mutated(FROM, (' or getattr(c, "mlp_bias", False)', "")),
+     r"with mlp_bias=True raised RuntimeError \(.*\), expected a ValueError naming bias \(our Llama's MLP has no biases\)"),
 ])
 def test_conversion_bugs_get_specific_messages(to_hf, from_hf, message):
     with pytest.raises(checks.CheckFailed, match=message):

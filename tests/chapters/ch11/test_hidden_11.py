@@ -87,6 +87,8 @@ def targets(exercise: str, *names: str) -> set[str]:
     return {f"{exercise}-{name}" for name in names}
 
 
+MLP_BIAS_UNCHECKED = (' or getattr(c, "mlp_bias", False)', "")
+
 CASES = [
     # RMSNorm
     (RMS, "eps outside the square root", mutate(RMS, (RMS_LINE, "return x / (torch.sqrt(mean_square) + eps) * weight")),
@@ -149,6 +151,7 @@ def expand_kv_heads(kv, n_rep):
                                                                          ('window=getattr(c, "sliding_window", None)', "window=None")),
      targets(CONV, "visible", "logits", "roundtrip")),
     (CONV, "nothing refused", mutate(CONV, ("raise ValueError(", "print(")), targets(CONV, "visible", "errors")),
+    (CONV, "MLP biases not refused", mutate(CONV, MLP_BIAS_UNCHECKED), targets(CONV, "visible", "errors")),
     (CONV, "the inverse permutation both ways", mutate(CONV, (TO_Q, "weight = rope_to_interleaved(weight, c.n_head)"),
                                                         (TO_K, "weight = rope_to_interleaved(weight, c.n_kv_head)"),
                                                         (FROM_Q, "weight = rope_to_half(weight, config.n_head)"),
@@ -178,3 +181,14 @@ def test_the_reference_passes_every_test(exercise):
 @pytest.mark.parametrize("exercise,bug,solution,must_fail", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
 def test_each_bug_fails_exactly_the_tests_that_target_it(exercise, bug, solution, must_fail):
     assert failing_tests(exercise, solution) == must_fail
+
+
+def test_a_refusal_that_is_not_a_valueerror_says_one_was_expected():
+    """llama_from_hf without the mlp_bias check fails later, in load_state_dict (a RuntimeError): the hidden test says
+    which error was expected, not only the learner's raw one."""
+    namespace = dict(HARNESS.namespace)
+    for code in REFERENCE.values():
+        exec(code, namespace)  # noqa: S102 - the notebook's own reference code
+    exec(mutate(CONV, MLP_BIAS_UNCHECKED), namespace)  # noqa: S102
+    with pytest.raises(AssertionError, match=r"mlp_bias.*expected a ValueError naming 'bias' .* got RuntimeError"):
+        exec(CELLS["llama_conversion-errors"], namespace)  # noqa: S102
