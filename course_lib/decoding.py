@@ -149,6 +149,16 @@ def process_logits(logits: torch.Tensor, input_ids: torch.Tensor, generated_ids:
     return logits
 
 
+def check_settings(vocab_size: int, **settings) -> None:
+    """Range-check sampling settings (``process_logits``'s keywords, processor functions included) where each is
+    checked, by the processor that applies it, as Hugging Face's processors check theirs when built: every processor
+    the settings ask for runs once on a probe row of vocab_size logits. Raises that processor's ValueError, which names
+    the setting and its range; ``generate``, ``serving.validate`` and the server call this, and check no range
+    themselves."""
+    probe_ids = torch.zeros(1, 1, dtype=torch.long)
+    process_logits(torch.zeros(1, vocab_size), probe_ids, probe_ids, **settings)
+
+
 # ----------------------------------------------------------------------------------------------------
 # greedy search (the plain loop of the exercise) and the cached decoding loop of generate
 
@@ -390,10 +400,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: 
     penalties = dict(repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                      presence_penalty=presence_penalty)
     warpers = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    # each setting's range is checked once, by the processor that applies it (as Hugging Face's processors check
-    # theirs when built): every processor asked for runs once on a probe row before the first step, greedy or not
-    probe_ids = input_ids.new_zeros(1, 1)
-    process_logits(torch.zeros(1, model.config.vocab_size), probe_ids, probe_ids, **penalties, **warpers, **processors)
+    check_settings(model.config.vocab_size, **penalties, **warpers, **processors)  # greedy or not
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
                          f"got {tuple(attention_mask.shape)}")

@@ -219,17 +219,18 @@ def gpt_layers(model: GPT, x, attend: Callable | None = None):
     return tr.ln_f(x)
 
 
-def gpt_logits(model: GPT, idx, positions=None, attend: Callable | None = None, last: bool = False):
+def gpt_logits(model: GPT, idx, positions=None, attend: Callable | None = None, at=None):
     """The forward pass of a GPT without the loss, the one every way of running it but ``GPT.forward`` (chapter 04's
     exercise) calls: embed, ``gpt_layers``, LM head. idx (B, T) int64; positions (B, T) or (T,) int64, the tokens'
-    positions (default 0..T-1); attend as ``gpt_layers``'s. Returns logits (B, T, V), or with last=True those of the
-    last position only (B, V), the head then run over it alone. Dropout acts as in GPT.forward (in training mode only).
+    positions (default 0..T-1); attend as ``gpt_layers``'s. Returns logits (B, T, V); with `at`, an index into the T
+    positions, only theirs, the head run over them alone: at=-1 the last position's (B, V), at a (R,) int64 tensor
+    those R positions' (B, R, V). Dropout acts as in GPT.forward (in training mode only).
     """
     tr = model.transformer
     if positions is None:
         positions = torch.arange(idx.shape[1], device=idx.device)
     x = gpt_layers(model, tr.drop(tr.wte(idx) + tr.wpe(positions)), attend)  # (B, T, C)
-    return model.lm_head(x[:, -1] if last else x)
+    return model.lm_head(x if at is None else x[:, at])
 
 
 def gpt_param_count(config: GPTConfig, tied: bool = True) -> int:

@@ -197,7 +197,8 @@ def use_fastest_kernels(model: nn.Module, rows=(1,)) -> nn.Module:
 
 @contextlib.contextmanager
 def threads(n: int):
-    """Run the block with n torch threads (n >= 1), then restore the count it found, even on an error; yields n.
+    """Run the block with n torch threads (n >= 1), then restore the count it found, even on an error, and even if the
+    block set another; yields n.
 
     The count is set only if it differs (a step's small operations ask for the count they already have)."""
     check_positive("threads", n)
@@ -207,7 +208,7 @@ def threads(n: int):
     try:
         yield n
     finally:
-        if n != previous:
+        if torch.get_num_threads() != previous:
             torch.set_num_threads(previous)
 
 

@@ -49,6 +49,7 @@ from collections import deque
 from contextlib import asynccontextmanager
 
 from . import assets
+from .decoding import check_settings
 from .serving import SEED_RANGE, Engine, Request, StepLog, is_real_number
 from .validation import is_count
 
@@ -128,10 +129,13 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
         raise BadRequest(f"max_tokens is too large for the server's pool of {num_blocks} blocks of {block_size} tokens: "
                          f"the prompt holds {len(ids)} tokens, so max_tokens must be <= "
                          f"{num_blocks * block_size - len(ids)}, got {max_tokens}", "max_tokens")
-    temperature = _setting(body, "temperature", 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2] (0 is greedy)")
-    top_p = _setting(body, "top_p", 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
-    presence = _setting(body, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]")
-    frequency = _setting(body, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]")
+    temperature = _setting(body, "temperature", 1.0, vocab_size)
+    if temperature > 2:  # OpenAI's cap (the processor takes any temperature >= 0)
+        raise BadRequest(f"temperature must be at most 2 (OpenAI's range is [0, 2]), got {body['temperature']!r}",
+                         "temperature")
+    top_p = _setting(body, "top_p", 1.0, vocab_size)
+    presence = _setting(body, "presence_penalty", 0.0, vocab_size)
+    frequency = _setting(body, "frequency_penalty", 0.0, vocab_size)
     seed = body.get("seed")
     if seed is None:
         seed = random.randrange(2 ** 63)
@@ -188,12 +192,18 @@ def _kind(value) -> str:
     return "null" if value is None else f"{type(value).__name__} {value!r}"[:80]
 
 
-def _setting(body: dict, key: str, default: float, check, allowed: str) -> float:
+def _setting(body: dict, key: str, default: float, vocab_size: int) -> float:
+    """The sampling setting `key` of the body as a float (`default` when missing or null): a 400 naming it unless it is
+    a finite number in the range its processor checks (``decoding.check_settings``, whose ValueError says the range)."""
     value = body.get(key)
     if value is None:
         return default
-    if not is_real_number(value) or not check(value):
-        raise BadRequest(f"{key} must be {allowed}, got {value!r}", key)
+    if not is_real_number(value) or not math.isfinite(value):
+        raise BadRequest(f"{key} must be a finite number, got {_kind(value)}", key)
+    try:
+        check_settings(vocab_size, **{key: float(value)})
+    except ValueError as error:
+        raise BadRequest(str(error), key) from None
     return float(value)
 
 

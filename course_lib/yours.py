@@ -49,6 +49,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 import torch
 
+from . import kernels
 from .answers import student_definitions
 
 F = TypeVar("F", bound=Callable)
@@ -229,12 +230,11 @@ def _chooses(source: str) -> bool:
 def _quiet_and_reproducible():
     """What the earlier notebook prints is dropped, and the random states and thread count it sets (its set-up cell
     calls setup_notebook) are given back, so that the cells after a yours_from draw the same numbers either way."""
-    python_state, numpy_state, threads = random.getstate(), np.random.get_state(), torch.get_num_threads()
+    python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), torch.random.fork_rng():
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                torch.random.fork_rng(), kernels.threads(torch.get_num_threads()):
             yield
     finally:
         random.setstate(python_state)
         np.random.set_state(numpy_state)
-        if torch.get_num_threads() != threads:  # (setting it is not free: OpenMP's pool resizes)
-            torch.set_num_threads(threads)

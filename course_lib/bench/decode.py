@@ -53,7 +53,7 @@ LLAMA_MAX_TOKENS = 128
 def greedy_uncached(model, idx, max_new_tokens: int):
     """Greedy decoding without a cache: every step runs the blocks over the whole sequence so far and
     the LM head over its last position only. (B, T) -> (B, T + max_new_tokens)."""
-    return extend(idx, max_new_tokens, lambda tokens, new: gpt_logits(model, tokens, last=True), greedy_choice)
+    return extend(idx, max_new_tokens, lambda tokens, new: gpt_logits(model, tokens, at=-1), greedy_choice)
 
 
 #: The input widths ``read_bandwidths`` reads a tensor as, as a weight (out, in): GPT-2 small's (n_embd, 4 n_embd).

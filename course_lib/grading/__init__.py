@@ -8,7 +8,7 @@
     sandbox.py     the closed box (bubblewrap): no network, clean environment, hidden folders
     limits.py      time, memory and process caps, and their plain-words errors
     books.py       nbgrader's gradebook, autograded notebooks and feedback
-    engine.py      ``grade`` (a class) and ``check`` (a learner's own notebook)
+    grading_run.py ``grade`` (a class: the grading run, submissions to gradebook) and ``check`` (a learner's own notebook)
     exchange.py    ``collect_and_grade``: a chapter from nbgrader's exchange on a hub, feedback back
     reports.py     results, the CSVs, the class report and the learner's report
     bench.py       ``course bench grade``: seconds per chapter and learner, students per minute
@@ -16,7 +16,7 @@
 from .course import (BUSY_LOAD_PER_CORE, CELL_TIMEOUT, CODE_STUB, COURSE_ID, RELEASE_DIR, RUNS_ON, SOURCE_DIR, chapters,
                      configure, configure_course_folder, execute_solutions, is_visible_test, load_per_core,
                      refused_when_busy, release, repo_root, resolve_chapter, run_nbgrader, timed_chapters)
-from .engine import check, grade
+from .grading_run import check, grade
 from .exchange import collect_and_grade
 from .limits import Limits
 from .reports import NotebookResult, TestResult, class_report, format_report, write_csvs

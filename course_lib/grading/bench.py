@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import books, sandbox
 from .course import SOURCE_DIR, chapters, repo_root, resolve_chapter
-from .engine import grade_students
+from .grading_run import grade_students
 from .limits import Limits
 
 

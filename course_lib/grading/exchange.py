@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .course import repo_root, resolve_chapter, run_nbgrader
-from .engine import grade
+from .grading_run import grade
 from .limits import Limits
 from .reports import NotebookResult
 

@@ -46,8 +46,8 @@ class PagedKVCache:
             check_positive(name, value)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.storage = torch.zeros(n_layer, 2, num_blocks, block_size, n_head, head_dim, dtype=dtype)
-        #: per layer, views of its pool made once: (its slots (2, N * S, H * Dh), key pool, value pool (N, S, H, Dh))
-        self.layers = [(pool.view(2, -1, n_head * head_dim), pool[0], pool[1]) for pool in self.storage]
+        #: per layer, views of its pool made once: (key pool, value pool), each (N, S, H, Dh)
+        self.layers = [(pool[0], pool[1]) for pool in self.storage]
         self.free = OrderedDict.fromkeys(range(num_blocks))  # the free list, least recently freed first
         self.refs = [0] * num_blocks  # reference counts
         self.cached: dict = {}  # block hash -> the block remembered under it

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from ..gpt import gpt_layers
+from ..gpt import gpt_logits, qkv_heads
 from .block_pool import PagedKVCache
 
 
@@ -135,8 +135,6 @@ def _prefill_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torc
     return F.scaled_dot_product_attention(queries, keys, values, attn_mask=layout.prefill_allowed).transpose(1, 2)
 
 
-#: Multiply-adds of one layer's linear products in a pass (tokens x 12 C^2) below which the pass runs on one thread.
-
 @torch.inference_mode()
 def paged_forward(model, cache: PagedKVCache, chunks: list, *, paged_attention=paged_attention,
                   slot_mapping=slot_mapping) -> torch.Tensor:
@@ -144,7 +142,7 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, paged_attention=p
 
     chunks: list of (block_table (n,) int64, start, tokens (T,) int64), each table and tokens a tensor or a list of
     ints: tokens at positions start..start+T-1, their blocks already allocated. Every token goes through the linear
-    layers in one (sum T, C) matrix. In each layer, the new keys and values go to their slots in one copy; attention
+    layers in one (sum T, C) matrix. In each layer, the new keys and values go to their slots (one copy each); attention
     reads each sequence's keys and values through its block table: one ``paged_attention`` for all the
     chunks of one token (decodes), their block tables padded into one tensor, and one masked attention for all the
     longer chunks (prefill), padded into one batch. The slots come from slot_mapping, called twice per pass whatever the
@@ -170,18 +168,16 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, paged_attention=p
 
 
 def _paged_forward(model, cache: PagedKVCache, chunks: list, paged_attention, slot_mapping) -> torch.Tensor:
-    """``paged_forward``'s pass, on the threads it chose."""
-    tr, S = model.transformer, cache.block_size
-    layout = _layout(chunks, S, slot_mapping)
-    x = tr.wte(layout.ids) + tr.wpe(layout.positions)  # (N, C)
-    N, C = x.shape
+    """``paged_forward``'s pass, on the threads it chose: the GPT's one forward pass (``gpt_logits``) over every chunk's
+    tokens as one row of N, the attention step reading and writing the pool."""
+    layout = _layout(chunks, cache.block_size, slot_mapping)
+    N = len(layout.ids)
 
-    def attend(layer, attn, h):  # every chunk's attention in block `layer`, through the block tables
-        H = attn.n_head
-        qkv = attn.c_attn(h)  # (N, 3C): queries, keys, values
-        q = qkv[:, :C].view(N, H, C // H)
-        slots, key_pool, value_pool = cache.layers[layer]  # views of the layer's pool
-        slots.index_copy_(1, layout.slots, qkv[:, C:].view(N, 2, C).transpose(0, 1))  # the new keys, values: their slots
+    def attend(layer, attn, h):  # every chunk's attention in block `layer`, through the block tables: h (1, N, C)
+        q, k, v = (t[0].transpose(0, 1) for t in qkv_heads(attn, h))  # each (N, H, Dh)
+        key_pool, value_pool = cache.layers[layer]  # (N_blocks, S, H, Dh) each
+        for pool, new in ((key_pool, k), (value_pool, v)):  # the new keys and values: their slots
+            pool.view(-1, *new.shape[1:]).index_copy_(0, layout.slots, new)
         if layout.prefill_rows is None:  # a decode-only step: every row is a decode, in order
             y = paged_attention(q, key_pool, value_pool, layout.decode_tables, layout.decode_lens)
         else:
@@ -191,6 +187,6 @@ def _paged_forward(model, cache: PagedKVCache, chunks: list, paged_attention, sl
                                                   layout.decode_lens)
             chunked = _prefill_attention(q, key_pool, value_pool, layout)  # (P, T_p, H, Dh), padding included
             y[layout.prefill_rows[layout.prefill_real]] = chunked[layout.prefill_real]
-        return attn.c_proj(y.reshape(N, C))
+        return attn.c_proj(y.reshape(1, N, -1))
 
-    return model.lm_head(gpt_layers(model, x, attend)[layout.last])  # (len(chunks), V): each chunk's last token
+    return gpt_logits(model, layout.ids[None], layout.positions, attend, at=layout.last)[0]  # (len(chunks), V)

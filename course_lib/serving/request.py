@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import Mapping
 
 import torch
 
+from ..decoding import check_settings, process_logits
 from ..validation import is_count
 from .block_pool import PagedKVCache
 
@@ -68,26 +70,15 @@ class Result:
 
 
 def is_real_number(value) -> bool:
-    """A real number (int, float, numpy scalar) that is not a bool; NaN passes here and fails every range below."""
+    """A real number (int, float, numpy scalar) that is not a bool (NaN and infinities pass here)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-#: the sampling settings a request may carry (``process_logits``'s keyword arguments): a check and its range in words
-SAMPLING = {
-    "temperature": (lambda v: is_real_number(v) and 0 <= v < math.inf, "a finite number >= 0 (0 means greedy)"),
-    "top_k": (lambda v: v is None or (is_count(v) and v >= 0), "None or an integer >= 0 (0 and None disable it)"),
-    "top_p": (lambda v: v is None or (is_real_number(v) and 0 < v <= 1), "None or a number in (0, 1]"),
-    "min_p": (lambda v: v is None or (is_real_number(v) and 0 <= v <= 1), "None or a number in [0, 1]"),
-    "repetition_penalty": (lambda v: v is None or (is_real_number(v) and 0 < v < math.inf),
-                           "None or a finite number > 0 (1 means no penalty)"),
-    "frequency_penalty": (lambda v: is_real_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
-    "presence_penalty": (lambda v: is_real_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
-    # Processor functions carried by name: the old way, kept while chapter 12's notebook passes its processors here
-    # (it should pass them to Engine.run, by the plug-in rule; then these six entries go).
-    **{name: (callable, f"a function (the course's decoding.{name} by default)") for name in (
-        "apply_repetition_penalty", "apply_frequency_presence_penalty", "apply_temperature", "top_k_filter",
-        "top_p_filter", "min_p_filter")},
-}
+#: the sampling settings a request may carry, ``process_logits``'s keywords that are not functions, and their defaults
+#: (a setting whose default is None may be None); each setting's range is checked by its processor
+#: (``decoding.check_settings``), not here
+SAMPLING = {name: p.default for name, p in inspect.signature(process_logits).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and not callable(p.default)}
 SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes: [-2**63, 2**64)
 
 
@@ -104,7 +95,8 @@ def validate(request: Request, context: int, num_blocks: int | None = None, bloc
     Checked: arrival (an integer >= 0); prompt (a non-empty list or tuple of integer token ids, each in
     [0, vocab_size) when vocab_size is given); max_new_tokens (an integer >= 1); prompt + max_new_tokens within
     the model's context length `context`; its blocks within a pool of num_blocks blocks of block_size tokens (when
-    given); sampling (None or a dict of the settings in ``SAMPLING``, each in its range); seed (an integer that
+    given); sampling (None or a dict of the settings in ``SAMPLING``, each a finite number (or None where its
+    default is), in the range its processor checks: ``decoding.check_settings``); seed (an integer that
     ``torch.Generator.manual_seed`` takes). Everything a request carries is checked here, once, on arrival: the
     engine's steps check nothing per token. See ``Engine.run``.
     """
@@ -140,9 +132,13 @@ def validate(request: Request, context: int, num_blocks: int | None = None, bloc
             if key not in SAMPLING:
                 raise ValueError(f"request {name}: sampling has no setting {key!r}; the settings are "
                                  f"{', '.join(SAMPLING)}")
-            check, allowed = SAMPLING[key]
-            if not check(value):
+            if not (value is None and SAMPLING[key] is None) and not (is_real_number(value) and math.isfinite(value)):
+                allowed = "None or a finite number" if SAMPLING[key] is None else "a finite number"
                 raise ValueError(f"request {name}: sampling {key} must be {allowed}, got {value!r}")
+            try:
+                check_settings(vocab_size or 1, **{key: value})
+            except ValueError as error:
+                raise ValueError(f"request {name}: sampling {key}: {error}") from None
     if not is_count(request.seed) or not SEED_RANGE[0] <= request.seed < SEED_RANGE[1]:
         raise ValueError(f"request {name}: seed must be an integer in [-2**63, 2**64), got {request.seed!r}")
 

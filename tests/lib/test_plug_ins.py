@@ -8,7 +8,9 @@ forms break it, and ``plug_in_violations`` finds both in any module:
   cannot tell from the keyword which course function it replaces (a class may be named in snake case:
   ``encoder_layer=EncoderLayer``);
 * a ``None`` default that the body replaces with a course function (``decode = decode or greedy_decode``,
-  ``model_class or MODEL_CLASSES[model]``): the function the keyword stands for hides in the body.
+  ``model_class or MODEL_CLASSES[model]``): the function the keyword stands for hides in the body;
+* a module-level table keyed by such a keyword (``SAMPLING = {"top_k_filter": ...}``): the same function passed a
+  second way, by its name (a name-to-function mapping).
 """
 from __future__ import annotations
 
@@ -120,6 +122,41 @@ def plug_in_violations(module: types.ModuleType) -> dict[str, str]:
         for name, text in _fallbacks(function).items():
             found[f"{qualname}({name})"] = (f"{name}=None falls back to a course function ({text}): default {name!r} "
                                             "to it under its own name")
+    found.update(_tables_by_name(module))
+    return found
+
+
+def _plug_in_keywords(package: str) -> set[str]:
+    """The keywords of the package's functions that take a course function under its own name (``top_k_filter``)."""
+    keywords = set()
+    for module in [m for m in list(sys.modules.values()) if (getattr(m, "__name__", "") or "").split(".")[0] == package]:
+        for _, function in _functions(module):
+            try:
+                parameters = inspect.signature(function).parameters
+            except (TypeError, ValueError):
+                continue
+            keywords |= {name for name, p in parameters.items() if callable(p.default)
+                         and getattr(p.default, "__module__", "").startswith(package) and name in _names_of(p.default)}
+    return keywords
+
+
+def _tables_by_name(module: types.ModuleType) -> dict[str, str]:
+    """The module-level tables (dicts) `module` defines with a key that is a plug-in keyword: a second way to pass that
+    function, by its name inside a table (the old ``serving.SAMPLING``, whose requests carried ``top_k_filter``)."""
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    defined = {target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for target in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(target, ast.Name)}
+    keywords = _plug_in_keywords(module.__name__.split(".")[0])
+    found = {}
+    for name in sorted(defined):
+        table = vars(module).get(name)
+        if isinstance(table, dict):
+            for key in sorted(k for k in table if isinstance(k, str) and k in keywords):
+                found[f"{module.__name__}.{name}[{key!r}]"] = (f"the table {name} is keyed by the plug-in keyword {key!r}: a "
+                                                               "name-to-function mapping; pass the function by keyword")
     return found
 
 
@@ -188,6 +225,19 @@ def greedy_choice(logits):
 
 def extend(idx, n, next_logits, choose=greedy_choice):  # course_lib.gpt: a course function under another name
     return choose(next_logits(idx))
+
+
+def top_k_filter(logits, k):
+    return logits
+
+
+def process_logits(logits, top_k=None, top_k_filter=top_k_filter):  # the rule's own form
+    return top_k_filter(logits, top_k)
+
+
+#: course_lib.serving.SAMPLING: a request carried its processor functions by name, beside its settings
+SAMPLING = {"top_k": (lambda v: v is None or v >= 0, "None or an integer >= 0"),
+            "top_k_filter": (callable, "a function (the course's top_k_filter by default)")}
 '''
 
 FIXED_FORMS = '''
@@ -232,7 +282,8 @@ def test_the_checker_names_each_old_form_of_the_exceptions(tmp_path):
         del sys.modules["plug_in_old_forms"]
     assert set(found) == {f"plug_in_old_forms.{k}" for k in (
         "BPETokenizer.__init__(encode)", "BPETokenizer.__init__(decode)", "evaluate_reversal(decode)",
-        "build(model_class)", "sample(sampler)", "decode(tokenizer)", "extend(choose)")}, found
+        "build(model_class)", "sample(sampler)", "decode(tokenizer)", "extend(choose)", "SAMPLING['top_k_filter']")}, found
+    assert "keyed by the plug-in keyword 'top_k_filter'" in found["plug_in_old_forms.SAMPLING['top_k_filter']"]
     assert "falls back to a course function (model_class or MODEL_CLASSES[model])" in found["plug_in_old_forms.build(model_class)"]
     assert "the callable default 'greedy_choice' of 'choose'" in found["plug_in_old_forms.extend(choose)"]
 

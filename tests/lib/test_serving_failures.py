@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import course_lib.serving as serving
-from course_lib.decoding import process_logits, top_k_filter
+from course_lib.decoding import min_p_filter, process_logits
 from course_lib.gpt import GPT, GPTConfig
 from course_lib.kv_cache import generate_cached
 from course_lib.serving import Engine, Request, make_trace, paged_attention, schedule_step, static_batching
@@ -116,18 +116,20 @@ def assert_the_others_exact(model, results, requests, failed: set):
 # ---------------------------------------------------------------------------------------------------- on arrival
 
 BAD = [  # (request, the words its error must contain: the field and its allowed range)
-    (Request("hot", [1, 2, 3], 4, sampling=dict(temperature=-0.5)), "sampling temperature must be a finite number >= 0"),
-    (Request("nan", [1, 2, 3], 4, sampling=dict(temperature=float("nan"))), "sampling temperature must be a finite"),
-    (Request("topk", [1, 2, 3], 4, sampling=dict(top_k=2.0)), "sampling top_k must be None or an integer >= 0"),
-    (Request("topk-", [1, 2, 3], 4, sampling=dict(top_k=-3)), "sampling top_k must be None or an integer >= 0"),
-    (Request("topp", [1, 2, 3], 4, sampling=dict(top_p=0.0)), "sampling top_p must be None or a number in (0, 1]"),
-    (Request("minp", [1, 2, 3], 4, sampling=dict(min_p=1.5)), "sampling min_p must be None or a number in [0, 1]"),
-    (Request("rep", [1, 2, 3], 4, sampling=dict(repetition_penalty=0)), "sampling repetition_penalty must be None or a finite number > 0"),
-    (Request("freq", [1, 2, 3], 4, sampling=dict(frequency_penalty=3)), "sampling frequency_penalty must be a number in [-2, 2]"),
-    (Request("pres", [1, 2, 3], 4, sampling=dict(presence_penalty="1")), "sampling presence_penalty must be a number in [-2, 2]"),
-    (Request("typo", [1, 2, 3], 4, sampling=dict(temprature=0.5)), "sampling has no setting 'temprature'; the settings are temperature"),
+    (Request("hot", [1, 2, 3], 4, sampling=dict(temperature=-0.5)), "sampling temperature: temperature must be >= 0 (0 means greedy), got -0.5"),
+    (Request("nan", [1, 2, 3], 4, sampling=dict(temperature=float("nan"))), "sampling temperature must be a finite number, got nan"),
+    (Request("topk", [1, 2, 3], 4, sampling=dict(top_k=2.0)), "sampling top_k: top_k must be an integer >= 1, got 2.0"),
+    (Request("topk-", [1, 2, 3], 4, sampling=dict(top_k=-3)), "sampling top_k: top_k must be an integer >= 1, got -3"),
+    (Request("topp", [1, 2, 3], 4, sampling=dict(top_p=0.0)), "sampling top_p: top_p must be in (0, 1], got 0.0"),
+    (Request("minp", [1, 2, 3], 4, sampling=dict(min_p=1.5)), "sampling min_p: min_p must be in [0, 1], got 1.5"),
+    (Request("rep", [1, 2, 3], 4, sampling=dict(repetition_penalty=0)), "sampling repetition_penalty: repetition_penalty must be > 0 (1 means no penalty), got 0"),
+    (Request("freq", [1, 2, 3], 4, sampling=dict(frequency_penalty=3)), "sampling frequency_penalty: frequency_penalty must be in [-2, 2], got 3"),
+    (Request("pres", [1, 2, 3], 4, sampling=dict(presence_penalty="1")), "sampling presence_penalty must be a finite number, got '1'"),
+    (Request("typo", [1, 2, 3], 4, sampling=dict(temprature=0.5)), "sampling has no setting 'temprature'; the settings are repetition_penalty, frequency_penalty, presence_penalty, temperature"),
     (Request("notdict", [1, 2, 3], 4, sampling=0.8), "sampling must be None (greedy) or a dict of settings"),
-    (Request("fn", [1, 2, 3], 4, sampling=dict(top_k_filter="abs")), "sampling top_k_filter must be a function"),
+    (Request("inf", [1, 2, 3], 4, sampling=dict(temperature=float("inf"))), "sampling temperature must be a finite number, got inf"),
+    (Request("temp-none", [1, 2, 3], 4, sampling=dict(temperature=None)), "sampling temperature must be a finite number, got None"),
+    (Request("fn", [1, 2, 3], 4, sampling=dict(top_k_filter=abs)), "sampling has no setting 'top_k_filter'"),  # Engine.run's
     (Request("fns", [1, 2, 3], 4, sampling=dict(functions={"top_k_filter": abs})), "sampling has no setting 'functions'"),
     (Request("seed", [1, 2, 3], 4, seed=2 ** 64), "seed must be an integer in [-2**63, 2**64)"),
     (Request("seedf", [1, 2, 3], 4, seed=1.5), "seed must be an integer in [-2**63, 2**64)"),
@@ -202,12 +204,12 @@ def failing_after(calls: int, function):
 def test_a_request_whose_sampling_raises_mid_run_fails_alone_and_keeps_its_tokens_so_far(small, pools, engine, calls):
     requests = batch()
     doomed = Request("doomed", PREFIX + [3, 1, 4, 1, 5], 9, arrival=1, seed=5,  # shares the others' prefix blocks
-                     sampling=dict(top_k=6, top_k_filter=failing_after(calls, top_k_filter)))
+                     sampling=dict(min_p=0.05))  # the only request with min_p: the only one its filter breaks
     requests.insert(2, doomed)
-    results, trace = serve(small, pools, requests, engine)
+    results, trace = serve(small, pools, requests, engine, min_p_filter=failing_after(calls, min_p_filter))
     error = results["doomed"].error
     assert error.startswith("request doomed: failed at step ") and f"FloatingPointError: planted: call {calls + 1}" in error
-    assert results["doomed"].tokens == sampled_alone(small, doomed, dict(top_k=6))[:calls]  # its tokens before
+    assert results["doomed"].tokens == sampled_alone(small, doomed)[:calls]  # its tokens before
     assert results["doomed"].finish_step is None
     assert_the_others_exact(small, results, requests, {"doomed"})
 

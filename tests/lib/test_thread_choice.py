@@ -43,6 +43,20 @@ def test_threads_sets_the_count_only_if_it_differs_and_restores_it_even_on_an_er
     assert timing.threads is threads  # the benchmarks' is the library's one
 
 
+def test_threads_restores_a_count_the_block_set_itself_even_when_it_asked_for_the_one_it_found():
+    # yours.yours_from runs an earlier notebook (whose set-up cell sets its own count) inside threads(current)
+    before = torch.get_num_threads()
+    other = before + 1
+    with threads(before):
+        torch.set_num_threads(other)
+    assert torch.get_num_threads() == before
+    with pytest.raises(KeyError):
+        with threads(other):
+            torch.set_num_threads(other + 1)
+            raise KeyError("inside")
+    assert torch.get_num_threads() == before
+
+
 def test_thread_choice_probes_both_counts_keeps_the_faster_and_probes_again_after_explore_times_the_probe():
     delay = {1: 0.001, 2: 0.010}  # one thread faster (as on a loaded machine)
     probes = []

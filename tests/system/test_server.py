@@ -226,6 +226,8 @@ BAD = [  # (changes to a good body, the field the error names, HTTP status)
     ({"top_p": 1.5}, "top_p", 400),
     ({"top_p": [0.5]}, "top_p", 400),
     ({"presence_penalty": 3}, "presence_penalty", 400),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", 400),
+    ({"top_p": 1.5, "temperature": 1.0}, "top_p", 400),  # sampled (the good body is greedy: top_p dropped there)
     ({"seed": "seven"}, "seed", 400),
     ({"seed": 1.5}, "seed", 400),
     ({"stop": 5}, "stop", 400),
