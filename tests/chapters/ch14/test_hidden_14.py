@@ -89,6 +89,11 @@ def merge_partials(outs, lses):
      ex(TA, "visible", "causal", "memory")),  # memory: its 256 queries and 300 keys are compared with the oracle, causal too
     (TA, "running max, sum and accumulator in bfloat16", mutate(TA, ("work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype",
                                                                      "work = q.dtype")), ex(TA, "visible")),
+    (TA, "the running sum alone rounded to bfloat16", mutate(TA, ("l = l * alpha + p.sum(-1)", "l = (l * alpha + p.sum(-1)).to(q.dtype).to(work)")),
+     ex(TA, "visible")),
+    (TA, "lse left in float32 for bfloat16", mutate(TA, ("lse = q.new_full((*lead, Tq), -math.inf)", "lse = torch.full((*lead, Tq), -math.inf, dtype=work)"),
+                                                    ("torch.full_like(l, -math.inf)).to(q.dtype)", "torch.full_like(l, -math.inf))")),
+     ex(TA, "visible")),
     (TA, "v longer than k sliced silently", mutate(TA, ("or v.shape[-2] != k.shape[-2]:", ":")), ex(TA, "visible", "tiles")),
     (TA, "no ValueError for a tile of 0", mutate(TA, ("if block_q < 1 or block_k < 1:", "if False:"),
                                                  ("for i in range(0, Tq, block_q):", "for i in range(0, Tq, max(block_q, 1)):"),
