@@ -173,3 +173,21 @@ def test_the_reference_passes_every_test(exercise):
 @pytest.mark.parametrize("exercise,bug,solution,must_fail", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
 def test_each_bug_fails_exactly_the_tests_that_target_it(exercise, bug, solution, must_fail):
     assert failing_tests(exercise, solution) == must_fail
+
+
+@pytest.mark.parametrize("cell,bug,says", [
+    (f"{OS}-masked", mutate(OS, ("if x.shape[:-1] != m.shape:", "if False:")), "should raise ValueError (a block's rows"),
+    (f"{MP}-empty", mutate(MP, ("if lses.shape != outs.shape[:-1]:", "if False:")), "expected ValueError (lses is outs without"),
+    (f"{TA}-tiles", mutate(TA, ("if mask.dtype != torch.bool:", "if False:")), "a float mask: expected ValueError"),
+])
+def test_a_missing_value_error_is_named_whatever_the_code_raises_instead(cell, bug, says):
+    """Without its check the learner's code fails deeper (a broadcast RuntimeError, ~ on a float TypeError): the failure
+    says which ValueError was expected, then what was raised, not the raw error alone."""
+    namespace = {"torch": torch, "math": math, "checks": checks}
+    for code in REFERENCE.values():
+        exec(code, namespace)  # noqa: S102 - the notebook's own reference code
+    exec(bug, namespace)  # noqa: S102
+    with pytest.raises(AssertionError) as failure:
+        exec(CELLS[cell], dict(namespace))  # noqa: S102
+    message = str(failure.value)
+    assert says in message and ("got RuntimeError" in message or "got TypeError" in message), message
