@@ -91,6 +91,8 @@ def merge_partials(outs, lses):
                                                                      "work = q.dtype")), ex(TA, "visible")),
     (TA, "the running sum alone rounded to bfloat16", mutate(TA, ("l = l * alpha + p.sum(-1)", "l = (l * alpha + p.sum(-1)).to(q.dtype).to(work)")),
      ex(TA, "visible")),
+    (TA, "float16 left to accumulate in float16", mutate(TA, ("work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype",
+                                                                "work = torch.float32 if q.dtype == torch.bfloat16 else q.dtype")), ex(TA, "visible")),
     (TA, "lse left in float32 for bfloat16", mutate(TA, ("lse = q.new_full((*lead, Tq), -math.inf)", "lse = torch.full((*lead, Tq), -math.inf, dtype=work)"),
                                                     ("torch.full_like(l, -math.inf)).to(q.dtype)", "torch.full_like(l, -math.inf))")),
      ex(TA, "visible")),
