@@ -42,6 +42,8 @@ def online_softmax(blocks) -> tuple[torch.Tensor, torch.Tensor]:
             l = torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)
         if x.shape[:-1] != m.shape:
             raise ValueError(f"blocks must all hold the first block's rows {tuple(m.shape)}, got a block of shape {tuple(x.shape)}")
+        if x.dim() == 0 or x.shape[-1] == 0:
+            raise ValueError(f"blocks must each hold at least one entry of every row (..., n_i >= 1), got a block of shape {tuple(x.shape)}")
         m_new = torch.maximum(m, x.amax(-1))  # the max so far, this block included
         m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)  # a row with nothing but -inf so far: keep 0, not NaN
         l = l * torch.exp(m - m_safe) + torch.exp(x - m_safe[..., None]).sum(-1)  # old sum rescaled to the new max

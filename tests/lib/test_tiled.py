@@ -92,7 +92,7 @@ def test_online_softmax_and_tiled_reject_bad_arguments():
 def test_bad_arguments_get_a_value_error_naming_them():
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 5)
     cases = [
-        (lambda: tiled.tiled_attention(q, k, torch.randn(1, 2, 7, 5)), "v"),  # SDPA refuses it; a slice would hide it
+        (lambda: tiled.tiled_attention(q, k, torch.randn(1, 2, 7, 5)), "v"),  # a slice would hide it (SDPA refuses it here, not always)
         (lambda: tiled.tiled_attention(q, k[..., :4], v), "k"),
         (lambda: tiled.tiled_attention(q, k.double(), v), "dtype"),
         (lambda: tiled.tiled_attention(q, k, v, torch.ones(4, 6)), "mask must be boolean"),
@@ -100,6 +100,8 @@ def test_bad_arguments_get_a_value_error_naming_them():
         (lambda: tiled.tiled_attention(q, k, v, torch.ones(4, 5, dtype=torch.bool)), "mask must broadcast"),
         (lambda: tiled.merge_partials(torch.randn(3, 2, 5), torch.randn(3, 2, 1)), "lses"),
         (lambda: tiled.online_softmax(iter([torch.randn(3, 4), torch.randn(1, 4)])), "blocks"),
+        (lambda: tiled.online_softmax(iter([torch.randn(3, 4), torch.randn(3, 0)])), "at least one entry"),
+        (lambda: tiled.online_softmax(iter([torch.tensor(1.0)])), "at least one entry"),
         (lambda: tiled.causal_tile_counts(0, 8, 4, 4), "Tq"),
         (lambda: tiled.causal_tile_counts(8, 8, 4, -1), "block_k"),
         (lambda: tiled.hbm_accesses(-4, 64), "N"),

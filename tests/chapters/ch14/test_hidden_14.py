@@ -89,6 +89,13 @@ def merge_partials(outs, lses):
      ex(TA, "visible", "causal", "memory")),  # memory: its 256 queries and 300 keys are compared with the oracle, causal too
     (TA, "running max, sum and accumulator in bfloat16", mutate(TA, ("work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype",
                                                                      "work = q.dtype")), ex(TA, "visible")),
+    (TA, "the running sum alone rounded to bfloat16", mutate(TA, ("l = l * alpha + p.sum(-1)", "l = (l * alpha + p.sum(-1)).to(q.dtype).to(work)")),
+     ex(TA, "visible")),
+    (TA, "float16 left to accumulate in float16", mutate(TA, ("work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype",
+                                                                "work = torch.float32 if q.dtype == torch.bfloat16 else q.dtype")), ex(TA, "visible")),
+    (TA, "lse left in float32 for bfloat16", mutate(TA, ("lse = q.new_full((*lead, Tq), -math.inf)", "lse = torch.full((*lead, Tq), -math.inf, dtype=work)"),
+                                                    ("torch.full_like(l, -math.inf)).to(q.dtype)", "torch.full_like(l, -math.inf))")),
+     ex(TA, "visible")),
     (TA, "v longer than k sliced silently", mutate(TA, ("or v.shape[-2] != k.shape[-2]:", ":")), ex(TA, "visible", "tiles")),
     (TA, "no ValueError for a tile of 0", mutate(TA, ("if block_q < 1 or block_k < 1:", "if False:"),
                                                  ("for i in range(0, Tq, block_q):", "for i in range(0, Tq, max(block_q, 1)):"),
@@ -168,3 +175,21 @@ def test_the_reference_passes_every_test(exercise):
 @pytest.mark.parametrize("exercise,bug,solution,must_fail", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
 def test_each_bug_fails_exactly_the_tests_that_target_it(exercise, bug, solution, must_fail):
     assert failing_tests(exercise, solution) == must_fail
+
+
+@pytest.mark.parametrize("cell,bug,says", [
+    (f"{OS}-masked", mutate(OS, ("if x.shape[:-1] != m.shape:", "if False:")), "should raise ValueError (a block's rows"),
+    (f"{MP}-empty", mutate(MP, ("if lses.shape != outs.shape[:-1]:", "if False:")), "expected ValueError (lses is outs without"),
+    (f"{TA}-tiles", mutate(TA, ("if mask.dtype != torch.bool:", "if False:")), "a float mask: expected ValueError"),
+])
+def test_a_missing_value_error_is_named_whatever_the_code_raises_instead(cell, bug, says):
+    """Without its check the learner's code fails deeper (a broadcast RuntimeError, ~ on a float TypeError): the failure
+    says which ValueError was expected, then what was raised, not the raw error alone."""
+    namespace = {"torch": torch, "math": math, "checks": checks}
+    for code in REFERENCE.values():
+        exec(code, namespace)  # noqa: S102 - the notebook's own reference code
+    exec(bug, namespace)  # noqa: S102
+    with pytest.raises(AssertionError) as failure:
+        exec(CELLS[cell], dict(namespace))  # noqa: S102
+    message = str(failure.value)
+    assert says in message and ("got RuntimeError" in message or "got TypeError" in message), message
