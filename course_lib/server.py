@@ -104,6 +104,9 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
             ids = tokenizer.encode(prompt)
         except ValueError as error:
             raise BadRequest(f"prompt: {error}", "prompt") from None
+    elif isinstance(prompt, list) and len(prompt) >= context:  # refused by its length: its items are never scanned
+        raise BadRequest(f"prompt is too long: this model's context is {context} tokens, the prompt holds "
+                         f"{len(prompt)} items, leaving no room for a completion", "prompt", code="context_length_exceeded")
     elif isinstance(prompt, list) and all(is_count(t) for t in prompt):
         ids = prompt
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -481,15 +484,21 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
 
 async def _read_body(http, limit: int) -> bytes:
     """The request's body, or BadRequest (413) as soon as it is known to exceed `limit` bytes (its Content-Length
-    says so, or the bytes read so far do): a larger body is never read to its end."""
+    says so, or the bytes read so far do): a larger body is never read to its end; BadRequest (499) when the client
+    disconnects before its body ends."""
     declared = http.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BadRequest(f"the body is too large: at most {limit} bytes, Content-Length says {declared}", None, 413)
+    from starlette.requests import ClientDisconnect
+
     body = bytearray()
-    async for chunk in http.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BadRequest(f"the body is too large: at most {limit} bytes", None, 413)
+    try:
+        async for chunk in http.stream():
+            body += chunk
+            if len(body) > limit:
+                raise BadRequest(f"the body is too large: at most {limit} bytes", None, 413)
+    except ClientDisconnect:  # gone before its body ended: an answer nobody reads, not a traceback in the log
+        raise BadRequest("the client disconnected before its body ended", None, 499) from None
     return bytes(body)
 
 

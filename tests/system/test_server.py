@@ -347,6 +347,15 @@ def a_prompt_far_too_long_for_the_context(server, model, tokenizer):  # refused 
     assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
 
 
+def a_token_id_list_of_1_mib(server, model, tokenizer):  # refused by its length, its 500,000 items never scanned
+    ids = b"[" + b",".join([b"1"] * (2 ** 19 - 20)) + b',"x"]'  # the last item is no token id: only a scan sees it
+    body = b'{"prompt": ' + ids + b', "max_tokens": 1}'
+    response = within(10, lambda: httpx.post(f"{server.url}/completions", content=body, timeout=30,
+                                             headers={"content-type": "application/json"}))
+    error = error_of(response, 400)
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded", error
+
+
 def deeply_nested_json(server, model, tokenizer):  # 100,000 nested arrays: a JSON 400, not a 500
     nested = b"[" * 100_000 + b"]" * 100_000
     response = within(5, lambda: httpx.post(f"{server.url}/completions", content=nested, timeout=30,
@@ -407,8 +416,8 @@ def stop_strings_of_100_kb(server, model, tokenizer):  # never met (one ends wit
         assert pieces[-1]["choices"][0]["finish_reason"] == "length"
 
 
-HOSTILE = [a_body_over_the_limit, a_prompt_far_too_long_for_the_context, deeply_nested_json,
-           json_sent_as_another_content_type, an_unknown_path_and_a_wrong_method, null_for_the_optional_fields,
+HOSTILE = [a_body_over_the_limit, a_prompt_far_too_long_for_the_context, a_token_id_list_of_1_mib,
+           deeply_nested_json, json_sent_as_another_content_type, an_unknown_path_and_a_wrong_method, null_for_the_optional_fields,
            a_temperature_near_0, penalties_at_temperature_0, stop_strings_of_100_kb]
 
 
@@ -431,6 +440,30 @@ def test_a_hostile_request_is_answered_at_once_and_another_clients_stream_goes_o
         thread.join(60)
     assert out["text"] == alone(model, tokenizer, PROMPTS[7], 110)
     wait_until(lambda: engine_idle(server), what="every request leaves the engine")
+
+
+def test_a_client_gone_before_its_body_ends_gets_an_answer_not_an_exception(server):
+    import asyncio
+
+    # the ASGI app itself, as uvicorn calls it: half a body, then the client disconnects (an exception here is a
+    # traceback in the server's log, "Exception in ASGI application")
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", server.port), "app": server.app}
+    messages = iter([{"type": "http.request", "body": b'{"prompt": ', "more_body": True},
+                     {"type": "http.disconnect"}])
+    sent = []
+
+    async def receive():
+        return next(messages)
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(server.app(scope, receive, send), 10))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert "disconnected" in json.loads(sent[1]["body"])["error"]["message"]
 
 
 class ByteTokenizer:
