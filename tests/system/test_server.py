@@ -376,8 +376,8 @@ def an_unknown_path_and_a_wrong_method(server, model, tokenizer):  # OpenAI's er
 
 
 def null_for_the_optional_fields(server, model, tokenizer):  # their defaults (the official client sends null for None)
-    nulls = {key: None for key in ("max_tokens", "n", "logprobs", "user", "stream", "stream_options", "stop", "seed",
-                                   "top_p", "presence_penalty", "frequency_penalty")}
+    nulls = {key: None for key in ("model", "max_tokens", "n", "logprobs", "user", "stream", "stream_options", "stop",
+                                   "seed", "top_p", "presence_penalty", "frequency_penalty")}
     reply = within(10, lambda: post(server, {**GOOD, **nulls})).json()
     assert reply["choices"][0]["text"] == alone(model, tokenizer, PROMPTS[6], 16)
     assert reply["usage"]["completion_tokens"] == 16
@@ -464,6 +464,40 @@ def test_a_client_gone_before_its_body_ends_gets_an_answer_not_an_exception(serv
     asyncio.run(asyncio.wait_for(server.app(scope, receive, send), 10))
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
     assert "disconnected" in json.loads(sent[1]["body"])["error"]["message"]
+
+
+def test_a_body_sent_a_byte_now_and_then_is_refused_in_time_and_holds_up_no_shutdown(model, tokenizer, monkeypatch):
+    import socket
+
+    import course_lib.server as server_module
+
+    monkeypatch.setattr(server_module, "BODY_SECONDS", 1.0)
+
+    def half_a_body(port: int) -> socket.socket:  # headers, then 11 of the 100 bytes its Content-Length promises
+        conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        return conn
+
+    running = Server(MODEL, num_blocks=64, block_size=8).start()
+    try:
+        def reply_of(conn: socket.socket) -> bytes:  # to the end of the error object (or until recv times out)
+            reply = conn.recv(65536)
+            while not reply.endswith(b"}}"):
+                more = conn.recv(65536)
+                assert more, reply
+                reply += more
+            return reply
+
+        with half_a_body(running.port) as conn:  # answered at the deadline (without it: never, and recv times out)
+            reply = within(8, lambda: reply_of(conn))
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in reply, reply[:200]
+        with half_a_body(running.port):  # still sending as the server stops: the drain waits 1 s for it, not ever
+            time.sleep(0.2)
+            within(15, lambda: running.stop(timeout=20))
+        assert not running.thread.is_alive()
+    finally:
+        running.stop(timeout=20)
 
 
 class ByteTokenizer:
