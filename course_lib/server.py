@@ -6,13 +6,16 @@ back to the pool); after each step it hands every request its new token. The HTT
 uvicorn on the loopback address (127.0.0.1) only: many clients at once, each waiting on its own queue.
 
 The request body is OpenAI's completions API, sent as ``application/json`` (another content type is a 415: a web page
-may POST text/plain to 127.0.0.1 unasked) of at most ``MAX_BODY_BYTES`` (else 413), checked before anything runs; a
+may POST text/plain to 127.0.0.1 unasked) of at most ``MAX_BODY_BYTES`` (else 413), arriving within ``BODY_SECONDS``
+(else 408: a client that sends a byte now and then would hold its connection, and the drain on shutdown, forever),
+checked before anything runs; a
 bad request gets HTTP 400 with OpenAI's error body ``{"error": {"message", "type": "invalid_request_error", "param":
 the field, "code"}}`` and touches no other request (so do an unknown path, 404, and method, 405). Supported fields
 (any other is a 400 naming it; null is the default, as the official client sends it for None):
 
-* ``model`` (the served model's name), ``prompt`` (a string, through the model's tokenizer, or a list of token ids),
-  ``max_tokens`` (an integer >= 1, default 16; prompt + max_tokens within the model's context),
+* ``model`` (the served model's name; null or absent: that model), ``prompt`` (a string, through the model's
+  tokenizer, or a list of token ids), ``max_tokens`` (an integer >= 1, default 16; prompt + max_tokens within the
+  model's context),
 * ``temperature`` (in [0, 2], default 1; 0 and below 1e-5 are greedy, as in vLLM), ``top_p`` (in (0, 1], default 1),
   ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], default 0; greedy too, before the argmax), ``seed`` (an
   integer; the request's own ``torch.Generator``, so a seeded request gets the same tokens whatever batch it runs
@@ -57,6 +60,7 @@ HOST = "127.0.0.1"  # loopback only: the course's server is for this machine's c
 FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
           "stop", "stream", "stream_options", "n", "logprobs", "user")
 MAX_BODY_BYTES = 2 ** 20  # a larger body is refused (413) without being read to its end
+BODY_SECONDS = 30.0  # a body must arrive within this many seconds of its request's headers (else 408)
 LOG_STEPS = 1024  # a running server keeps the step log of its last this many steps
 
 
@@ -92,7 +96,7 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
     for key in body:
         if key not in FIELDS:
             raise BadRequest(f"unknown or unsupported field {key!r}; the fields are {', '.join(FIELDS)}", key)
-    if "model" in body and body["model"] != model_name:
+    if body.get("model") is not None and body["model"] != model_name:  # null: the served model, as every field's
         raise BadRequest(f"model must be {model_name!r} (the model this server serves), got {body['model']!r}",
                          "model", 404, "model_not_found")
     prompt = body.get("prompt")
@@ -105,6 +109,9 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
             ids = tokenizer.encode(prompt)
         except ValueError as error:
             raise BadRequest(f"prompt: {error}", "prompt") from None
+    elif isinstance(prompt, list) and len(prompt) >= context:  # refused by its length: its items are never scanned
+        raise BadRequest(f"prompt is too long: this model's context is {context} tokens, the prompt holds "
+                         f"{len(prompt)} items, leaving no room for a completion", "prompt", code="context_length_exceeded")
     elif isinstance(prompt, list) and all(is_count(t) for t in prompt):
         ids = prompt
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -390,7 +397,8 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
         loop = asyncio.get_running_loop()
         created, cid = int(time.time()), f"cmpl-{next(counter)}-{random.getrandbits(32):08x}"
         try:
-            body = _json_body(http.headers.get("content-type"), await _read_body(http, MAX_BODY_BYTES))
+            raw = await _read_body(http, MAX_BODY_BYTES, BODY_SECONDS)
+            body = _json_body(http.headers.get("content-type"), raw)
             # tokenizing (and checking a long prompt's token ids) is no work for the event loop: other clients wait
             completion = await loop.run_in_executor(None, functools.partial(
                 parse_completion, body, name=cid, model_name=model_name, tokenizer=tokenizer, context=context,
@@ -489,17 +497,30 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
     return app
 
 
-async def _read_body(http, limit: int) -> bytes:
+async def _read_body(http, limit: int, seconds: float) -> bytes:
     """The request's body, or BadRequest (413) as soon as it is known to exceed `limit` bytes (its Content-Length
-    says so, or the bytes read so far do): a larger body is never read to its end."""
+    says so, or the bytes read so far do): a larger body is never read to its end; BadRequest (408) when it has not
+    ended `seconds` after this call (slowloris); BadRequest (499) when the client disconnects before its body ends."""
     declared = http.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BadRequest(f"the body is too large: at most {limit} bytes, Content-Length says {declared}", None, 413)
+    from starlette.requests import ClientDisconnect
+
     body = bytearray()
-    async for chunk in http.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BadRequest(f"the body is too large: at most {limit} bytes", None, 413)
+
+    async def read() -> None:
+        async for chunk in http.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise BadRequest(f"the body is too large: at most {limit} bytes", None, 413)
+
+    try:
+        await asyncio.wait_for(read(), seconds)
+    except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
+        raise BadRequest(f"the body did not arrive within {seconds:g} s ({len(body)} bytes came)", None,
+                         408) from None
+    except ClientDisconnect:  # gone before its body ended: an answer nobody reads, not a traceback in the log
+        raise BadRequest("the client disconnected before its body ended", None, 499) from None
     return bytes(body)
 
 

@@ -349,6 +349,15 @@ def a_prompt_far_too_long_for_the_context(server, model, tokenizer):  # refused 
     assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
 
 
+def a_token_id_list_of_1_mib(server, model, tokenizer):  # refused by its length, its 500,000 items never scanned
+    ids = b"[" + b",".join([b"1"] * (2 ** 19 - 20)) + b',"x"]'  # the last item is no token id: only a scan sees it
+    body = b'{"prompt": ' + ids + b', "max_tokens": 1}'
+    response = within(10, lambda: httpx.post(f"{server.url}/completions", content=body, timeout=30,
+                                             headers={"content-type": "application/json"}))
+    error = error_of(response, 400)
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded", error
+
+
 def deeply_nested_json(server, model, tokenizer):  # 100,000 nested arrays: a JSON 400, not a 500
     nested = b"[" * 100_000 + b"]" * 100_000
     response = within(5, lambda: httpx.post(f"{server.url}/completions", content=nested, timeout=30,
@@ -369,8 +378,8 @@ def an_unknown_path_and_a_wrong_method(server, model, tokenizer):  # OpenAI's er
 
 
 def null_for_the_optional_fields(server, model, tokenizer):  # their defaults (the official client sends null for None)
-    nulls = {key: None for key in ("max_tokens", "n", "logprobs", "user", "stream", "stream_options", "stop", "seed",
-                                   "top_p", "presence_penalty", "frequency_penalty")}
+    nulls = {key: None for key in ("model", "max_tokens", "n", "logprobs", "user", "stream", "stream_options", "stop",
+                                   "seed", "top_p", "presence_penalty", "frequency_penalty")}
     reply = within(10, lambda: post(server, {**GOOD, **nulls})).json()
     assert reply["choices"][0]["text"] == alone(model, tokenizer, PROMPTS[6], 16)
     assert reply["usage"]["completion_tokens"] == 16
@@ -409,8 +418,8 @@ def stop_strings_of_100_kb(server, model, tokenizer):  # never met (one ends wit
         assert pieces[-1]["choices"][0]["finish_reason"] == "length"
 
 
-HOSTILE = [a_body_over_the_limit, a_prompt_far_too_long_for_the_context, deeply_nested_json,
-           json_sent_as_another_content_type, an_unknown_path_and_a_wrong_method, null_for_the_optional_fields,
+HOSTILE = [a_body_over_the_limit, a_prompt_far_too_long_for_the_context, a_token_id_list_of_1_mib,
+           deeply_nested_json, json_sent_as_another_content_type, an_unknown_path_and_a_wrong_method, null_for_the_optional_fields,
            a_temperature_near_0, penalties_at_temperature_0, stop_strings_of_100_kb]
 
 
@@ -433,6 +442,64 @@ def test_a_hostile_request_is_answered_at_once_and_another_clients_stream_goes_o
         thread.join(60)
     assert out["text"] == alone(model, tokenizer, PROMPTS[7], 110)
     wait_until(lambda: engine_idle(server), what="every request leaves the engine")
+
+
+def test_a_client_gone_before_its_body_ends_gets_an_answer_not_an_exception(server):
+    import asyncio
+
+    # the ASGI app itself, as uvicorn calls it: half a body, then the client disconnects (an exception here is a
+    # traceback in the server's log, "Exception in ASGI application")
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", server.port), "app": server.app}
+    messages = iter([{"type": "http.request", "body": b'{"prompt": ', "more_body": True},
+                     {"type": "http.disconnect"}])
+    sent = []
+
+    async def receive():
+        return next(messages)
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(server.app(scope, receive, send), 10))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert "disconnected" in json.loads(sent[1]["body"])["error"]["message"]
+
+
+def test_a_body_sent_a_byte_now_and_then_is_refused_in_time_and_holds_up_no_shutdown(model, tokenizer, monkeypatch):
+    import socket
+
+    import course_lib.server as server_module
+
+    monkeypatch.setattr(server_module, "BODY_SECONDS", 1.0)
+
+    def half_a_body(port: int) -> socket.socket:  # headers, then 11 of the 100 bytes its Content-Length promises
+        conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        return conn
+
+    running = Server(MODEL, num_blocks=64, block_size=8).start()
+    try:
+        def reply_of(conn: socket.socket) -> bytes:  # to the end of the error object (or until recv times out)
+            reply = conn.recv(65536)
+            while not reply.endswith(b"}}"):
+                more = conn.recv(65536)
+                assert more, reply
+                reply += more
+            return reply
+
+        with half_a_body(running.port) as conn:  # answered at the deadline (without it: never, and recv times out)
+            reply = within(8, lambda: reply_of(conn))
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in reply, reply[:200]
+        with half_a_body(running.port):  # still sending as the server stops: the drain waits 1 s for it, not ever
+            time.sleep(0.2)
+            within(15, lambda: running.stop(timeout=20))
+        assert not running.thread.is_alive()
+    finally:
+        running.stop(timeout=20)
 
 
 class ByteTokenizer:
