@@ -19,7 +19,6 @@ in its own ids, which number the bytes in another order; shown the bytes in our 
 from __future__ import annotations
 
 import heapq
-import json
 from collections import Counter
 
 import regex
@@ -171,7 +170,7 @@ class BPETokenizer:
     """A byte-level BPE tokenizer: ``encode(text) -> list[int]``, ``decode(ids) -> str``, exact inverses.
 
     Built from merges ({(a, b): new_id}, new ids 256, 257, ... in order), or trained: ``BPETokenizer.train(text,
-    vocab_size)``; ``BPETokenizer.from_hf(tokenizer)`` takes a Hugging Face byte-level BPE's merges.
+    vocab_size)``; from a Hugging Face byte-level BPE, ``BPETokenizer(hf.merges_from_hf(tokenizer))``.
     It runs ``bpe_encode(text, merges)`` and ``bpe_decode(ids, vocab)``: the course's, or those given in their place
     (chapter 09 passes the learner's, by the plug-in rule).
     """
@@ -188,10 +187,6 @@ class BPETokenizer:
     @classmethod
     def train(cls, text: str, vocab_size: int) -> "BPETokenizer":
         return cls(train_bpe(text, vocab_size))
-
-    @classmethod
-    def from_hf(cls, tokenizer) -> "BPETokenizer":
-        return cls(merges_from_hf(tokenizer))
 
     @property
     def vocab_size(self) -> int:
@@ -215,110 +210,3 @@ class BPETokenizer:
     def token_bytes(self, ids) -> list[bytes]:
         """The bytes of each token: [b'Hello', b' world', b'!!']."""
         return [self.vocab[int(i)] for i in ids]
-
-
-# ----------------------------------------------------------------------------- Hugging Face tokenizers (the oracle)
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map from the 256 bytes to 256 printable characters (Hugging Face ByteLevel writes tokens with it):
-    printable Latin-1 bytes map to themselves, the others to chr(256 + n) in byte order."""
-    return dict(_BYTES_TO_UNICODE)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
-    mapping, n = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + n)
-            n += 1
-    return mapping
-
-
-_BYTES_TO_UNICODE = _bytes_to_unicode()
-_UNICODE_TO_BYTES = {c: b for b, c in _BYTES_TO_UNICODE.items()}
-
-
-def hf_token_bytes(token: str) -> bytes:
-    """The bytes of a Hugging Face byte-level token string ('Ġworld' -> b' world')."""
-    return bytes(_UNICODE_TO_BYTES[c] for c in token)
-
-
-def train_hf_bpe(text: str, vocab_size: int):
-    """Hugging Face ``tokenizers``' BPE trained on text like ``train_bpe``: byte-level pre-tokenization with GPT-2's
-    pattern (add_prefix_space=False), all 256 bytes in the alphabet, no special tokens, min_frequency 0."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    if not isinstance(vocab_size, int) or vocab_size < BYTE_VOCAB:
-        raise ValueError(f"vocab_size must be an int >= {BYTE_VOCAB} (the byte tokens), got {vocab_size!r}")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=0, show_progress=False, special_tokens=[],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator([text], trainer=trainer)
-    return tokenizer
-
-
-def hf_merges(tokenizer) -> list[tuple[str, str]]:
-    """A Hugging Face BPE tokenizer's merges, in rank order, as pairs of its token strings."""
-    merges = json.loads(tokenizer.to_str())["model"]["merges"]
-    return [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
-
-
-def merges_from_hf(tokenizer) -> dict:
-    """Our merges {(a, b): new_id} from a Hugging Face byte-level BPE tokenizer's merges (same order, our ids)."""
-    ids = {bytes([b]): b for b in range(BYTE_VOCAB)}
-    merges = {}
-    for left, right in hf_merges(tokenizer):
-        a, b = ids[hf_token_bytes(left)], ids[hf_token_bytes(right)]
-        new_id = BYTE_VOCAB + len(merges)
-        merges[(a, b)] = new_id
-        ids[hf_token_bytes(left) + hf_token_bytes(right)] = new_id
-    return merges
-
-
-def hf_encode_bytes(tokenizer, text: str) -> list[bytes]:
-    """The bytes of each token Hugging Face's tokenizer gives text."""
-    return [hf_token_bytes(t) for t in tokenizer.encode(text).tokens]
-
-
-# ----------------------------------------------------------------------------- bits per character of a language model
-
-
-def text_nats(model, ids, first: int = 1, stride: int | None = None, batch_size: int = 32) -> float:
-    """Total negative log-likelihood, in nats, that a GPT gives tokens ids[first:] of one long text.
-
-    ids: 1-D tensor (N,) of token ids; first >= 1 (token 0 has no context). Windows of block_size tokens start
-    every stride tokens (default block_size // 2; the last window ends at the text's end); each token is scored
-    once, in the first window that holds it past the window's first position, so every token after the first
-    window sees at least block_size - stride - 1 tokens of context. Windows run batch_size at a time; the
-    log-probabilities are taken in float64 from the model's logits.
-    """
-    import torch
-
-    block = model.config.block_size
-    stride = block // 2 if stride is None else stride
-    n = len(ids)
-    if not 1 <= first < n:
-        raise ValueError(f"first must be in [1, {n - 1}] (len(ids) - 1), got {first}")
-    if not 1 <= stride <= block - 1:
-        raise ValueError(f"stride must be in [1, {block - 1}] (block_size - 1), got {stride}")
-    width = min(block, n)
-    starts = list(range(0, n - width + 1, stride))
-    if starts[-1] + width < n:
-        starts.append(n - width)
-    total, scored = 0.0, first  # tokens before `scored` are done
-    with torch.no_grad():
-        for i in range(0, len(starts), batch_size):
-            group = starts[i:i + batch_size]
-            windows = torch.stack([ids[s:s + width] for s in group])  # (B, width)
-            logp = torch.log_softmax(model(windows)[0].double(), dim=-1)  # (B, width, V): [b, j] predicts window[b, j + 1]
-            for b, start in enumerate(group):
-                targets = torch.arange(max(scored, start + 1), max(scored, start + width))  # (empty: all scored)
-                total -= logp[b, targets - start - 1, ids[targets]].sum().item()
-                scored = max(scored, start + width)
-    return total

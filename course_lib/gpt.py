@@ -344,3 +344,36 @@ def estimate_loss(model: GPT, batches) -> float:
     losses = [model(x, y)[1].item() for x, y in batches]
     model.train(was_training)
     return sum(losses) / len(losses)
+
+
+def text_nats(model, ids, first: int = 1, stride: int | None = None, batch_size: int = 32) -> float:
+    """Total negative log-likelihood, in nats, that a GPT gives tokens ids[first:] of one long text.
+
+    ids: 1-D tensor (N,) of token ids; first >= 1 (token 0 has no context). Windows of block_size tokens start
+    every stride tokens (default block_size // 2; the last window ends at the text's end); each token is scored
+    once, in the first window that holds it past the window's first position, so every token after the first
+    window sees at least block_size - stride - 1 tokens of context. Windows run batch_size at a time; the
+    log-probabilities are taken in float64 from the model's logits.
+    """
+    block = model.config.block_size
+    stride = block // 2 if stride is None else stride
+    n = len(ids)
+    if not 1 <= first < n:
+        raise ValueError(f"first must be in [1, {n - 1}] (len(ids) - 1), got {first}")
+    if not 1 <= stride <= block - 1:
+        raise ValueError(f"stride must be in [1, {block - 1}] (block_size - 1), got {stride}")
+    width = min(block, n)
+    starts = list(range(0, n - width + 1, stride))
+    if starts[-1] + width < n:
+        starts.append(n - width)
+    total, scored = 0.0, first  # tokens before `scored` are done
+    with torch.no_grad():
+        for i in range(0, len(starts), batch_size):
+            group = starts[i:i + batch_size]
+            windows = torch.stack([ids[s:s + width] for s in group])  # (B, width)
+            logp = torch.log_softmax(model(windows)[0].double(), dim=-1)  # (B, width, V): [b, j] predicts window[b, j + 1]
+            for b, start in enumerate(group):
+                targets = torch.arange(max(scored, start + 1), max(scored, start + width))  # (empty: all scored)
+                total -= logp[b, targets - start - 1, ids[targets]].sum().item()
+                scored = max(scored, start + width)
+    return total

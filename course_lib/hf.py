@@ -1,5 +1,6 @@
-"""Conversion between course_lib.gpt.GPT and Hugging Face's GPT2LMHeadModel, both ways; and (chapter 11) between
-course_lib.llama.Llama and Hugging Face's LlamaForCausalLM / MistralForCausalLM, both ways.
+"""Conversion between course_lib.gpt.GPT and Hugging Face's GPT2LMHeadModel, both ways; (chapter 11) between
+course_lib.llama.Llama and Hugging Face's LlamaForCausalLM / MistralForCausalLM, both ways; and (chapter 09) Hugging
+Face ``tokenizers``' byte-level BPE, the oracle of course_lib.bpe, trained and read in our ids.
 
 Nothing is downloaded: ``to_hf`` builds a ``GPT2Config`` from our config and a randomly
 initialised ``GPT2LMHeadModel``, then copies our weights in. The parameter names are the same
@@ -14,10 +15,12 @@ others (exact ``"gelu"`` would silently change every activation by up to about 1
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 
+from .bpe import BYTE_VOCAB
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
 from .positional import rope_to_half, rope_to_interleaved
@@ -183,3 +186,72 @@ def llama_from_hf(hf_model, rope_layout="half"):
     model = Llama(config)
     model.load_state_dict(state)
     return model.eval()
+
+
+# ----------------------------------------------------------------------------- Hugging Face tokenizers (the oracle)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from the 256 bytes to 256 printable characters (Hugging Face ByteLevel writes tokens with it):
+    printable Latin-1 bytes map to themselves, the others to chr(256 + n) in byte order."""
+    return dict(_BYTES_TO_UNICODE)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+    mapping, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + n)
+            n += 1
+    return mapping
+
+
+_BYTES_TO_UNICODE = _bytes_to_unicode()
+_UNICODE_TO_BYTES = {c: b for b, c in _BYTES_TO_UNICODE.items()}
+
+
+def hf_token_bytes(token: str) -> bytes:
+    """The bytes of a Hugging Face byte-level token string ('Ġworld' -> b' world')."""
+    return bytes(_UNICODE_TO_BYTES[c] for c in token)
+
+
+def train_hf_bpe(text: str, vocab_size: int):
+    """Hugging Face ``tokenizers``' BPE trained on text like ``train_bpe``: byte-level pre-tokenization with GPT-2's
+    pattern (add_prefix_space=False), all 256 bytes in the alphabet, no special tokens, min_frequency 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if not isinstance(vocab_size, int) or vocab_size < BYTE_VOCAB:
+        raise ValueError(f"vocab_size must be an int >= {BYTE_VOCAB} (the byte tokens), got {vocab_size!r}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=0, show_progress=False, special_tokens=[],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([text], trainer=trainer)
+    return tokenizer
+
+
+def hf_merges(tokenizer) -> list[tuple[str, str]]:
+    """A Hugging Face BPE tokenizer's merges, in rank order, as pairs of its token strings."""
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    return [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
+
+
+def merges_from_hf(tokenizer) -> dict:
+    """Our merges {(a, b): new_id} from a Hugging Face byte-level BPE tokenizer's merges (same order, our ids)."""
+    ids = {bytes([b]): b for b in range(BYTE_VOCAB)}
+    merges = {}
+    for left, right in hf_merges(tokenizer):
+        a, b = ids[hf_token_bytes(left)], ids[hf_token_bytes(right)]
+        new_id = BYTE_VOCAB + len(merges)
+        merges[(a, b)] = new_id
+        ids[hf_token_bytes(left) + hf_token_bytes(right)] = new_id
+    return merges
+
+
+def hf_encode_bytes(tokenizer, text: str) -> list[bytes]:
+    """The bytes of each token Hugging Face's tokenizer gives text."""
+    return [hf_token_bytes(t) for t in tokenizer.encode(text).tokens]

@@ -38,14 +38,14 @@ import torch
 from torch import nn
 
 from . import assets
-from .bpe import BPETokenizer, text_nats, train_bpe
+from .bpe import BPETokenizer, train_bpe
 from .data import DIGIT_VOCAB_SIZE, CharTokenizer, Seq2SeqBatch, default_corpus, digits_to_text, reversal_batch, train_val_split
-from .gpt import count_parameters, estimate_loss
+from .encoder_decoder import exact_match, train_transformer
+from .gpt import count_parameters, estimate_loss, text_nats
 from .heads import train_induction
 from .kernels import threads
 from .seq2seq import evaluate_reversal, train_reversal
 from .train import TRAIN_EVAL_SEED, VAL_EVAL_SEED, TrainConfig, fixed_batches, train_gpt
-from .transformer import exact_match, train_transformer
 
 ASSETS = assets.FOLDER
 VAL_FRACTION = 0.1

@@ -30,7 +30,7 @@ from ..gpt import GPT, GPTConfig
 from ..heads import AttentionOnly
 from ..llama import Llama, LlamaConfig
 from ..seq2seq import GRUSeq2Seq
-from ..transformer import Transformer
+from ..encoder_decoder import Transformer
 
 FOLDER = Path(__file__).resolve().parent
 #: the model classes a checkpoint may hold, by the name its record gives

@@ -72,7 +72,7 @@ def hf_trainer_oracle(text: str, vocab_size: int, order: str = "hf") -> tuple[di
     ByteLevel pre-tokenizer, each byte written as one character, all 256 in the alphabet, no special tokens.
 
     order="hf": the bytes written as ByteLevel writes them, so its ids number the bytes in the order of those
-    characters and a tie in the count goes to the smallest pair in that numbering (what ``train_hf_bpe`` learns);
+    characters and a tie in the count goes to the smallest pair in that numbering (what ``hf.train_hf_bpe`` learns);
     order="bytes": byte b written as chr(256 + b), so that its alphabet, sorted by character, numbers the bytes
     0..255 as we do: its ids are ours, and its tie rule (the smallest pair of its ids) is ours."""
     import json

@@ -11,14 +11,14 @@ import torch
 
 from course_lib import assets
 from course_lib.data import CharTokenizer, Seq2SeqBatch, default_corpus, reversal_batch
-from course_lib.gpt import GPT, attention_maps, estimate_loss
+from course_lib.encoder_decoder import Transformer
+from course_lib.gpt import GPT, attention_maps, estimate_loss, text_nats
 from course_lib.heads import ablate_head, copy_losses, induction_score, previous_token_score, repeated_random_tokens
 from course_lib.llama import Llama
-from course_lib.bpe import text_nats, train_bpe
+from course_lib.bpe import train_bpe
 from course_lib.pretrain import RECIPES, VAL_FRACTION, bpe_corpus_splits, corpus_splits, pretrain, save_checkpoint
 from course_lib.seq2seq import GRUSeq2Seq
 from course_lib.train import fixed_batches
-from course_lib.transformer import Transformer
 
 # one thread, as in the notebooks (pretrain() sets each recipe's own); the recorded figures are compared with tolerances
 pytestmark = pytest.mark.usefixtures("one_thread")

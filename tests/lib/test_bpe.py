@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from course_lib import bpe, checks
+from course_lib import bpe, checks, hf
 from course_lib.data import default_corpus
 from course_lib.pretrain import VAL_FRACTION
 
@@ -28,27 +28,27 @@ def corpus():
 
 @pytest.fixture(scope="module")
 def hf512(corpus):
-    return bpe.train_hf_bpe(corpus[0], 512)
+    return hf.train_hf_bpe(corpus[0], 512)
 
 
 def test_pretokenize_equals_hugging_face_byte_level_on_the_corpus_and_adversarial_strings(corpus):
     from tokenizers import pre_tokenizers
 
-    hf = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     # one help topic at a time: Hugging Face's pre_tokenize_str takes time quadratic in the string's length
     for text in [*(corpus[0] + corpus[1]).split("\n\n"), *ADVERSARIAL]:
         ours = [chunk.encode("utf-8") for chunk in bpe.pretokenize(text)]
-        assert ours == [bpe.hf_token_bytes(chunk) for chunk, _ in hf.pre_tokenize_str(text)], text[:50]
+        assert ours == [hf.hf_token_bytes(chunk) for chunk, _ in byte_level.pre_tokenize_str(text)], text[:50]
         assert "".join(bpe.pretokenize(text)) == text
 
 
 def test_byte_map_is_gpt2s():
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    assert bpe.bytes_to_unicode() == bytes_to_unicode()
+    assert hf.bytes_to_unicode() == bytes_to_unicode()
     from tokenizers import pre_tokenizers
 
-    assert set(bpe.bytes_to_unicode().values()) == set(pre_tokenizers.ByteLevel.alphabet())
+    assert set(hf.bytes_to_unicode().values()) == set(pre_tokenizers.ByteLevel.alphabet())
 
 
 def test_count_pairs_counts_every_position():
@@ -113,7 +113,7 @@ def test_hugging_faces_trainer_in_our_order_agrees_on_adversarial_strings_until_
 
 
 def test_with_our_tie_rule_the_first_difference_is_a_tie(corpus, hf512):
-    ours, theirs = bpe.train_bpe(corpus[0], 512), bpe.merges_from_hf(hf512)
+    ours, theirs = bpe.train_bpe(corpus[0], 512), hf.merges_from_hf(hf512)
     step = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
     counts = {}
     for chunk, freq in Counter(bpe.pretokenize(corpus[0])).items():
@@ -126,15 +126,15 @@ def test_with_our_tie_rule_the_first_difference_is_a_tie(corpus, hf512):
 
 
 def test_our_encoder_with_hugging_faces_merges_gives_exactly_its_tokens(corpus, hf512):
-    ours = bpe.BPETokenizer.from_hf(hf512)
+    ours = bpe.BPETokenizer(hf.merges_from_hf(hf512))
     for text in [corpus[1], *ADVERSARIAL]:
-        assert ours.token_bytes(bpe.bpe_encode(text, ours.merges)) == bpe.hf_encode_bytes(hf512, text), text[:50]
+        assert ours.token_bytes(bpe.bpe_encode(text, ours.merges)) == hf.hf_encode_bytes(hf512, text), text[:50]
 
 
 def test_our_trained_vocabulary_compresses_within_one_percent_of_hugging_faces(corpus, hf512):
-    for vocab_size, hf in ((512, hf512), (1024, bpe.train_hf_bpe(corpus[0], 1024))):
+    for vocab_size, theirs in ((512, hf512), (1024, hf.train_hf_bpe(corpus[0], 1024))):
         ours = bpe.BPETokenizer.train(corpus[0], vocab_size)
-        n_ours, n_hf = len(ours.encode(corpus[1])), len(hf.encode(corpus[1]).ids)
+        n_ours, n_hf = len(ours.encode(corpus[1])), len(theirs.encode(corpus[1]).ids)
         assert abs(n_ours / n_hf - 1) < 0.01, (vocab_size, n_ours, n_hf)
 
 
@@ -196,25 +196,3 @@ def test_bad_arguments_are_rejected():
         bpe.pretokenize(b"bytes")
     with pytest.raises(ValueError, match="merges must only use ids defined before them"):
         bpe.vocab_from_merges({(1, 300): 256})
-
-
-def test_text_nats_equals_one_forward_pass_per_token():
-    from course_lib.gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=7, block_size=8, n_layer=1, n_head=2, n_embd=16)).eval()
-    ids = torch.randint(0, 7, (30,), generator=torch.Generator().manual_seed(1))
-    for stride, first in ((1, 1), (4, 1), (7, 5), (3, 29), (5, 2)):
-        starts = list(range(0, 30 - 8 + 1, stride))
-        starts += [30 - 8] if starts[-1] != 30 - 8 else []  # the last window ends at the text's end
-        expected = 0.0
-        with torch.no_grad():
-            for t in range(first, 30):
-                start = next(s for s in starts if s < t < s + 8)  # the first window holding t past its first token
-                context = ids[start:t]
-                expected -= torch.log_softmax(model(context.view(1, -1))[0][0, -1].double(), -1)[ids[t]].item()
-        assert bpe.text_nats(model, ids, first=first, stride=stride, batch_size=3) == pytest.approx(expected, rel=1e-6)
-    with pytest.raises(ValueError, match="stride must be in"):
-        bpe.text_nats(model, ids, stride=8)
-    with pytest.raises(ValueError, match="first must be in"):
-        bpe.text_nats(model, ids, first=0)

@@ -11,7 +11,7 @@ from torch import nn
 
 from course_lib.gpt import (GPT, IGNORE_INDEX, CausalSelfAttention, GPTConfig, attention_maps, count_parameters, estimate_loss,
                             gpt_layers, gpt_logits, gpt_param_count, gpt_sample, greedy_choice, qkv_heads,
-                            sample_choice)
+                            sample_choice, text_nats)
 from tests.helpers import assert_parity
 
 
@@ -300,3 +300,23 @@ def test_gpt_logits_and_qkv_heads_are_gpt_forward_and_its_attention(generator):
         assert q.shape == k.shape == v.shape == (2, model.config.n_head, 7, model.config.n_embd // model.config.n_head)
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.testing.assert_close(attn.c_proj(y.transpose(1, 2).reshape(2, 7, -1)), attn(x), rtol=1e-5, atol=1e-6)
+
+
+def test_text_nats_equals_one_forward_pass_per_token():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=7, block_size=8, n_layer=1, n_head=2, n_embd=16)).eval()
+    ids = torch.randint(0, 7, (30,), generator=torch.Generator().manual_seed(1))
+    for stride, first in ((1, 1), (4, 1), (7, 5), (3, 29), (5, 2)):
+        starts = list(range(0, 30 - 8 + 1, stride))
+        starts += [30 - 8] if starts[-1] != 30 - 8 else []  # the last window ends at the text's end
+        expected = 0.0
+        with torch.no_grad():
+            for t in range(first, 30):
+                start = next(s for s in starts if s < t < s + 8)  # the first window holding t past its first token
+                context = ids[start:t]
+                expected -= torch.log_softmax(model(context.view(1, -1))[0][0, -1].double(), -1)[ids[t]].item()
+        assert text_nats(model, ids, first=first, stride=stride, batch_size=3) == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="stride must be in"):
+        text_nats(model, ids, stride=8)
+    with pytest.raises(ValueError, match="first must be in"):
+        text_nats(model, ids, first=0)

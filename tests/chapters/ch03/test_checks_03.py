@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib import checks, transformer
-from course_lib.transformer import DecoderLayer, EncoderLayer, make_causal_mask, make_padding_mask, make_target_mask
+from course_lib import checks, encoder_decoder
+from course_lib.encoder_decoder import DecoderLayer, EncoderLayer, make_causal_mask, make_padding_mask, make_target_mask
 
 
 def ln_unbiased(x, weight, bias, eps=1e-5):
@@ -217,7 +217,7 @@ def test_torch_attention_mask_inverts_and_flattens_heads():
 
 
 def test_seeded_parameters_is_deterministic_and_perturbs_norm_gains():
-    a = checks.seeded_parameters(transformer.EncoderLayer(8, 2, 16), seed=1)
-    b = checks.seeded_parameters(transformer.EncoderLayer(8, 2, 16), seed=1)
+    a = checks.seeded_parameters(encoder_decoder.EncoderLayer(8, 2, 16), seed=1)
+    b = checks.seeded_parameters(encoder_decoder.EncoderLayer(8, 2, 16), seed=1)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert (a.norm1.weight - 1).abs().max() < 1.5 and not torch.equal(a.norm1.weight, torch.ones(8))

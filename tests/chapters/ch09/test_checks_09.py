@@ -6,14 +6,14 @@ from collections import Counter
 
 import pytest
 
-from course_lib import bpe, checks
+from course_lib import bpe, checks, hf
 from course_lib.data import default_corpus
 
 
 def test_the_oracles_agree_with_hugging_face_and_the_reference():
     text = default_corpus()[:60_000]
     merges = checks.hf_trained_merges(text, 400)
-    assert merges == bpe.merges_from_hf(bpe.train_hf_bpe(text, 400))
+    assert merges == hf.merges_from_hf(hf.train_hf_bpe(text, 400))
     sample = default_corpus()[-5_000:] + " naïve 日本語 🙂"
     assert checks.hf_encode_oracle(sample, merges) == bpe.bpe_encode(sample, merges)
     assert checks.vocab_oracle(merges) == bpe.vocab_from_merges(merges)
@@ -212,7 +212,7 @@ def test_correct_trainers_pass(trainer, capsys):
 def test_the_trainer_oracle_is_hugging_faces_in_either_order_and_ours_in_our_order():
     text = default_corpus()[:20_000] + " aaaa aaa 日本語 🙂🙂"
     merges, vocab = checks.hf_trainer_oracle(text, 400, order="hf")
-    assert merges == bpe.merges_from_hf(bpe.train_hf_bpe(text, 400)) and vocab != checks.vocab_oracle(merges)  # its own ids
+    assert merges == hf.merges_from_hf(hf.train_hf_bpe(text, 400)) and vocab != checks.vocab_oracle(merges)  # its own ids
     merges, vocab = checks.hf_trainer_oracle(text, 400, order="bytes")
     assert list(merges.items()) == list(bpe.train_bpe(text, 400).items()) and vocab == checks.vocab_oracle(merges)
     with pytest.raises(ValueError, match="order must be 'hf' or 'bytes'"):

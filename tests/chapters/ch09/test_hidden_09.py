@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from course_lib import checks
-from course_lib.bpe import (BPETokenizer, bytes_to_unicode, count_pairs, hf_encode_bytes, merges_from_hf, pretokenize,
-                            text_nats, train_hf_bpe, vocab_from_merges)
+from course_lib.bpe import BPETokenizer, count_pairs, pretokenize, vocab_from_merges
 from course_lib.data import default_corpus
+from course_lib.gpt import text_nats
+from course_lib.hf import bytes_to_unicode, hf_encode_bytes, merges_from_hf, train_hf_bpe
 from tests.cell_harness import TestCells
 from tests.helpers import ROOT
 from tests.planted import NAIVE_TRAINER

@@ -1,4 +1,4 @@
-"""course_lib.transformer against independent oracles: torch.tril, nn.Transformer's own masks, and
+"""course_lib.encoder_decoder against independent oracles: torch.tril, nn.Transformer's own masks, and
 nn.TransformerEncoderLayer / nn.TransformerDecoderLayer with our weights copied in (post-LN and pre-LN)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 from course_lib import checks
 from course_lib.data import BOS, DIGIT_VOCAB_SIZE, EOS, PAD, reversal_batch
-from course_lib.transformer import (DecoderLayer, EncoderLayer, Transformer, exact_match, make_causal_mask,
+from course_lib.encoder_decoder import (DecoderLayer, EncoderLayer, Transformer, exact_match, make_causal_mask,
                                     make_padding_mask, make_target_mask, shift_right, train_transformer, transformer_loss)
 from tests.helpers import assert_parity
 
