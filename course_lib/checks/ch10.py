@@ -16,7 +16,7 @@ from .core import fail, passed
 
 __all__ = ["check_training_flops", "check_fit_power_law", "check_isoflop_analysis", "check_compute_optimal",
            "synthetic_losses", "planted_noise_losses", "surface_runs", "surface_optimum", "shipped_isoflop_runs",
-           "shipped_isoflop_windows", "parabola_runs", "three_point_vertex"]
+           "shipped_isoflop_windows", "parabola_runs", "symmetric_runs", "three_point_vertex"]
 
 
 def synthetic_losses(n, E: float, A: float, alpha: float):
@@ -285,6 +285,18 @@ def parabola_runs(vertices: dict, offsets, curvature: float = 0.3, floor: float 
     return runs
 
 
+def symmetric_runs(centres: dict, step: float = 0.5, sizes: int = 7) -> dict:
+    """IsoFLOP runs symmetric in log n about their middle run but not on a parabola: {C: N_mid} -> {C: (n (sizes,),
+    loss (sizes,))}, n = N_mid exp(step k) for k = -(sizes // 2) .. sizes // 2 (sizes odd), smallest first, losses
+    2 + 0.1 x^2 + 0.08 x^4 with x = log(n / N_mid). The least-squares parabola through all of them and the one
+    through the lowest run and its two neighbours have their vertex at N_mid (the fit of an even curve on points
+    symmetric about 0 has no odd term); one through three runs at one end, or the lowest and two on one side, does not."""
+    if sizes < 3 or sizes % 2 == 0:
+        raise ValueError(f"sizes must be odd and at least 3, got {sizes}")
+    x = step * np.arange(-(sizes // 2), sizes // 2 + 1, dtype=np.float64)
+    return {flops: (n_mid * np.exp(x), 2.0 + 0.1 * x**2 + 0.08 * x**4) for flops, n_mid in centres.items()}
+
+
 def _vertex(x, loss) -> float:
     curvature, slope, _ = np.polyfit(x, loss, 2)
     return -slope / (2 * curvature)
@@ -293,7 +305,8 @@ def _vertex(x, loss) -> float:
 def check_isoflop_analysis(isoflop_analysis) -> None:
     """Visible checks for chapter 10, exercise 3: IsoFLOP runs of Chinchilla's loss surface (E, A, alpha, B, beta =
     1.69, 406.4, 0.34, 410.7, 0.28) at 4 budgets, 1e18 to 1e21 FLOPs, 7 sizes each: the optima within 3% of the
-    surface's exact N_opt, 6 N_opt D_opt = C, and the exponents beta/(alpha+beta) and alpha/(alpha+beta) within 1e-4."""
+    surface's exact N_opt, 6 N_opt D_opt = C, and the exponents beta/(alpha+beta) and alpha/(alpha+beta) within 1e-4;
+    and runs symmetric about their middle one (symmetric_runs): the vertex there, which three runs at one end miss."""
     A, alpha, B, beta = 406.4, 0.34, 410.7, 0.28
     offsets = np.arange(-1.3, 1.8, 0.5)  # log n from the exact optimum: the best run is 0.2 off it, exp(0.2) = 1.22
     budgets = [1e18, 1e19, 1e20, 1e21]
@@ -326,6 +339,17 @@ def check_isoflop_analysis(isoflop_analysis) -> None:
                     if abs(n_opt * d_opt / flops - 1) < 1e-9 else "")
             fail(f"budget {flops:g}: D_opt should spend the budget, 6 N_opt D_opt = C; got 6 N_opt D_opt = "
                  f"{6 * n_opt * d_opt:.6g}{hint}")
+    centres = {1e12: 3e4, 1e13: 1e5}
+    symmetric = symmetric_runs(centres)
+    got = isoflop_analysis(symmetric)[2]
+    for flops, n_mid in centres.items():
+        n_opt = _number(got[flops][0], f"optima[{flops:g}][0]")
+        if abs(n_opt / n_mid - 1) > 1e-6:
+            n, loss = symmetric[flops]
+            fail(f"budget {flops:g}: 7 runs symmetric in log n about the middle one, N = {n_mid:,.0f} (losses "
+                 f"{', '.join(f'{v:.3f}' for v in loss)}): the parabola through all of them, and the one through the "
+                 f"lowest run and its two neighbours in size, both have their vertex there; you returned {n_opt:,.6g}. "
+                 "Fit all the runs, or the lowest one and its two neighbours, not three runs at one end or on one side")
     if abs(a - beta / (alpha + beta)) > 1e-4 or abs(b - alpha / (alpha + beta)) > 1e-4:
         fail(f"the surface's optima grow as N_opt ~ C^{beta / (alpha + beta):.4f} and D_opt ~ C^{alpha / (alpha + beta):.4f} "
              f"(beta/(alpha+beta) and alpha/(alpha+beta)), you returned a = {a:.6g}, b = {b:.6g}: fit straight lines to "

@@ -208,7 +208,8 @@ def _circuit_failure(r: dict, period: int) -> str | None:
 
 
 def check_build_induction_model(build_induction_model) -> None:
-    """Visible checks for chapter 13, exercise 2: a hand-built two-layer induction circuit, at every period 2 to 12."""
+    """Visible checks for chapter 13, exercise 2: a hand-built two-layer induction circuit, at every period 2 to 12 of a
+    vocabulary of 12 (max_len 30), and at period 64 of a vocabulary of 103 (max_len 128), the largest section 3 runs."""
     V, max_len = 12, 30
     model = call_learner(lambda: build_induction_model(V, max_len), f"build_induction_model({V}, {max_len})")
     if not isinstance(model, AttentionOnly):
@@ -227,6 +228,16 @@ def check_build_induction_model(build_induction_model) -> None:
     print(f"every period from 2 to {V} passed; at period {V}: layer 1's previous-token score {r['previous'].max().item():.3f}, "
           f"layer 2's induction score {r['induction'].max().item():.3f}, loss on the first copy {r['first']:.3f} "
           f"(ln V = {r['ln V']:.3f}), on the second {r['second']:.4f}")
+    # the largest case section 3's table runs (vocabulary 103, max_len 128, period 64): a query scale or an lm_head
+    # weight that suffices for 12 tokens in 24 positions can fall short for 103 tokens in 128 positions
+    V, max_len, period = 103, 128, 64
+    model = call_learner(lambda: build_induction_model(V, max_len), f"build_induction_model({V}, {max_len})")
+    r = induction_report(model, V, period)
+    failure = _circuit_failure(r, period)
+    if failure is not None:
+        fail(f"vocabulary {V}, max_len {max_len}: {failure}")
+    print(f"vocabulary {V}, max_len {max_len}, period {period} passed: induction score {r['induction'].max().item():.3f}, "
+          f"loss on the second copy {r['second']:.4f}")
     passed("build_induction_model")
 
 

@@ -197,3 +197,25 @@ def _linear_vertex(n, loss):
 def test_classic_bugs_get_specific_messages(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):
         check(buggy)
+
+
+def test_symmetric_runs_put_both_accepted_vertices_at_the_middle_run_and_one_sided_ones_elsewhere():
+    (n, loss), = checks.symmetric_runs({1e12: 3e4}).values()
+    x = np.log(n / 3e4)
+    assert len(n) == 7 and np.allclose(x, 0.5 * np.arange(-3, 4)) and np.allclose(loss, 2 + 0.1 * x**2 + 0.08 * x**4)
+    assert _log_vertex(n, loss) == pytest.approx(3e4, rel=1e-9) and _log_vertex(n[2:5], loss[2:5]) == pytest.approx(3e4, rel=1e-9)
+    for window in (slice(0, 3), slice(3, 6), slice(4, 7)):  # three at one end, the lowest and two on one side
+        assert abs(_log_vertex(n[window], loss[window]) / 3e4 - 1) > 0.1
+
+
+def _window(pick):
+    """An IsoFLOP analysis fitting the parabola in log n to the runs pick(loss) -> slice chooses."""
+    return _analysis(lambda n, loss: _log_vertex(n[pick(loss)], loss[pick(loss)]))
+
+
+@pytest.mark.parametrize("buggy", [_window(lambda loss: slice(0, 3)), _window(lambda loss: slice(int(loss.argmin()), int(loss.argmin()) + 3))],
+                         ids=["three smallest", "the lowest and two larger"])
+def test_a_parabola_through_other_runs_than_the_contract_allows_is_named(buggy):
+    """Both pass the loss surfaces (within 3%: 0.970 of the optimum for the three smallest) and every other visible case."""
+    with pytest.raises(checks.CheckFailed, match=r"symmetric in log n about the middle one.*not three runs at one end or on one side"):
+        checks.check_isoflop_analysis(buggy)

@@ -6,7 +6,8 @@ cell), and correct alternative implementations must pass everything. The hidden 
 losses of known (E, A, alpha), among them losses with noise that only a log-space fit cannot see
 (checks.planted_noise_losses), IsoFLOP runs of a known loss surface whose optimum is known in closed form
 (checks.surface_runs), section 4's three-run windows of the shipped runs against the closed-form vertex
-(checks.three_point_vertex), exact parabolas in log n (checks.parabola_runs), and 6ND = C and D = rN.
+(checks.three_point_vertex), exact parabolas in log n (checks.parabola_runs), runs symmetric about their middle
+one (checks.symmetric_runs), and 6ND = C and D = rN.
 tests/chapters/ch10/test_grading_10.py checks the same on whole notebooks through nbgrader.
 """
 from __future__ import annotations
@@ -131,6 +132,12 @@ def fit_power_law(n, loss, offsets=None):
     (ISO, "no check of the curvature", mutate(ISO, ("if curvature <= 0:", "if False:")), {f"{ISO}-errors"}),
     # two runs: the least-squares "parabola" is not determined; when it opens upward an optimum comes back silently
     (ISO, "no check of the number of runs", mutate(ISO, ("if len(n) < 3:", "if False:")), {f"{ISO}-errors"}),
+    # a parabola through other runs than the contract allows: within 3% on the loss surfaces, wrong on symmetric runs
+    (ISO, "a parabola through the three smallest runs", WINDOW.replace("i = min(max(int(loss.argmin()), 1), len(n) - 2)", "i = 1"),
+     {f"{ISO}-visible", f"{ISO}-shipped"}),
+    (ISO, "a parabola through the lowest run and the two larger ones",
+     WINDOW.replace("i = min(max(int(loss.argmin()), 1), len(n) - 2)", "i = min(int(loss.argmin()), len(n) - 3) + 1"),
+     {f"{ISO}-visible", f"{ISO}-shipped"}),
     (ISO, "correct: section 4's window inside the function (the lowest run and its two neighbours)", WINDOW, set()),
     (ISO, "correct: a vertex outside the sizes trained refused", mutate(ISO, (VERTEX, VERTEX + """
         if not n.min() <= n_opt <= n.max():

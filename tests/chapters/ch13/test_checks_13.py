@@ -121,3 +121,20 @@ def test_a_value_that_copies_a_is_named_not_called_a_missing_output():
                                "W[2 * C:2 * C + V, PREV:PREV + V] = eye_v\n        attn.c_proj.weight[OUT"))
     with pytest.raises(checks.CheckFailed, match=r"predicts the current token A again .* it must read that position's own token, B"):
         checks.check_build_induction_model(copies_a)
+
+
+@pytest.mark.parametrize("replacement,message", [
+    (("hard = 30.0 * math.sqrt(C)", "hard = 6.0 * math.sqrt(C)"), r"vocabulary 103, max_len 128: at period 64, layer 1's .*not by enough"),
+    (("model.lm_head.weight[:, OUT:OUT + V] = 10.0 * eye_v", "model.lm_head.weight[:, OUT:OUT + V] = 6.0 * eye_v"),
+     r"vocabulary 103, max_len 128: at period 64, the loss on the second copy is 0\.2"),
+])
+def test_a_circuit_that_holds_for_12_tokens_but_not_for_section_3s_103_is_caught(replacement, message):
+    """A query scale of 6 sqrt(d_model) or an lm_head weight of 6 passes every period at vocabulary 12 (the check's only
+    case before) and fails section 3's table (vocabulary 103, max_len 128, periods 37 and 64) with a bare assertion."""
+    short = variant(BUILD, replacement)
+    model = short(12, 30)
+    for period in checks.induction_periods(12, 30):  # the contract's criteria, as the check's first case measures them
+        r = checks.induction_report(model, 12, period)
+        assert r["previous"].max() > 0.9 and r["induction"].max() > 0.9 and r["second"] < 0.1 and r["first"] > r["ln V"] / 2
+    with pytest.raises(checks.CheckFailed, match=message):
+        checks.check_build_induction_model(short)

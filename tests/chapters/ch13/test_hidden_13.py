@@ -57,6 +57,10 @@ def induction_score(maps, period):
     (BIM, "position 0 left alone", mutate(BIM, ("W[C + V, POS] = -1.0", "pass")), failing(BIM, "visible", "vocab")),
     (BIM, "a query scale of 30, not 30 sqrt(C)", mutate(BIM, ("hard = 30.0 * math.sqrt(C)", "hard = 30.0")),
      failing(BIM, "visible", "vocab", "recall")),
+    # enough for 12 tokens in 24 positions (every period of the visible check's first case), not for 100 tokens in 200
+    (BIM, "a query scale of 6 sqrt(C)", mutate(BIM, ("hard = 30.0 * math.sqrt(C)", "hard = 6.0 * math.sqrt(C)")),
+     failing(BIM, "visible", "vocab")),
+    (BIM, "an lm_head weight of 6", mutate(BIM, ("10.0 * eye_v", "6.0 * eye_v")), failing(BIM, "visible", "vocab")),
     (BIM, "layer 2's value copies A, the token before the attended one", mutate(BIM, (
         "W[2 * C:2 * C + V, TOK:TOK + V] = eye_v  # v[j] = the token at j\n        attn.c_proj.weight[OUT",
         "W[2 * C:2 * C + V, PREV:PREV + V] = eye_v\n        attn.c_proj.weight[OUT")), failing(BIM, "visible", "vocab", "recall")),
