@@ -52,9 +52,9 @@ def visible_checks() -> list[VisibleCheck]:
 def reference(name: str):
     """The one course_lib function or class of that name (tests/grading/test_solution_drift.py keeps it equal to the solution)."""
     twins = []
-    for info in pkgutil.iter_modules(course_lib.__path__):
-        obj = vars(importlib.import_module(f"course_lib.{info.name}")).get(name)
-        if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == f"course_lib.{info.name}":
+    for info in pkgutil.walk_packages(course_lib.__path__, "course_lib."):  # packages too (course_lib.serving)
+        obj = vars(importlib.import_module(info.name)).get(name)
+        if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == info.name:
             twins.append(obj)
     assert len(twins) == 1, f"{name}: expected exactly one course_lib definition, found {len(twins)}"
     return twins[0]
