@@ -117,11 +117,13 @@ def _mha_weights_hint(module, x, weights) -> None:
 
 
 def assert_per_head_weights(weights, shape: tuple, what: str) -> None:
-    """Weights of shape (B, H, Tq, Tk) = `shape`; weights averaged over the heads, (B, Tq, Tk), get their mistake named."""
+    """Weights of shape (B, H, Tq, Tk) = `shape`; weights averaged over the heads, (B, Tq, Tk) or (B, 1, Tq, Tk), get
+    their mistake named."""
     assert_tensor(weights, what)
     batch, n_heads, tq, tk = shape
-    if tuple(weights.shape) == (batch, tq, tk) and n_heads > 1:
-        fail(f"{what} have shape {tuple(weights.shape)} = (B, Tq, Tk), one map for all {n_heads} heads: they look "
+    if tuple(weights.shape) in ((batch, tq, tk), (batch, 1, tq, tk)) and n_heads > 1:
+        layout = "(B, Tq, Tk)" if weights.dim() == 3 else "(B, 1, Tq, Tk)"
+        fail(f"{what} have shape {tuple(weights.shape)} = {layout}, one map for all {n_heads} heads: they look "
              f"averaged over the heads (nn.MultiheadAttention's default, average_attn_weights=True). Return the per-head "
              f"weights, {shape} = (B, H, Tq, Tk): weights[b, h] is head h's own map")
     assert_shape(weights, shape, what)
@@ -129,10 +131,12 @@ def assert_per_head_weights(weights, shape: tuple, what: str) -> None:
 
 def assert_weights_close(weights, expected, what: str, **tolerance) -> None:
     """Attention weights against the expected per-head ones (B, H, Tq, Tk), for a test whose subject is not their
-    shape (the scale, say): weights averaged over the heads, (B, Tq, Tk), are compared with the heads' mean, so that
-    this one mistake costs only the tests that grade the per-head shape."""
-    if isinstance(weights, torch.Tensor) and expected.dim() == 4 and weights.dim() == 3:
-        assert_close(weights, expected.mean(1), f"{what} (averaged over the heads, as yours are)", **tolerance)
+    shape (the scale, say): weights averaged over the heads, (B, Tq, Tk) or (B, 1, Tq, Tk), are compared with the heads'
+    mean, so that this one mistake costs only the tests that grade the per-head shape."""
+    if (isinstance(weights, torch.Tensor) and expected.dim() == 4 and expected.shape[1] > 1
+            and (weights.dim() == 3 or (weights.dim() == 4 and weights.shape[1] == 1))):
+        assert_close(weights, expected.mean(1, keepdim=weights.dim() == 4), f"{what} (averaged over the heads, as yours are)",
+                     **tolerance)
     else:
         assert_close(weights, expected, what, **tolerance)
 

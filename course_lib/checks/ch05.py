@@ -179,7 +179,8 @@ def check_static_kv_cache(cache_class) -> None:
 
 def _check_cache(cache_class) -> None:
     """2 layers, 3 rows, 2 heads of size 4, room for 5 tokens, filled by a chunk of 3 tokens then 2: update must
-    return exactly what was stored so far (torch.cat of the inputs) and a sixth token must raise ValueError;
+    return exactly what was stored so far (torch.cat of the inputs) and a sixth token must raise ValueError, as must
+    check_room(1) (check_room(0) must not);
     for_model sizes a cache after a small GPT, in its dtype (a float64 one)."""
     g = torch.Generator().manual_seed(505)
     cache = cache_class(2, 3, 2, 4, 5)
@@ -215,6 +216,20 @@ def _check_cache(cache_class) -> None:
         pass
     else:
         fail("a cache with max_len = 5 holding 5 tokens accepted a sixth: update should raise ValueError (the cache is full)")
+    if not callable(getattr(cache, "check_room", None)):
+        fail("your cache has no check_room(T) method: the contract has one, raising ValueError (the cache is full) unless "
+             "T more tokens fit, length + T <= max_len (update calls it)")
+    try:
+        cache.check_room(0)
+    except ValueError as error:
+        fail(f"check_room(0) on a cache holding 5 of max_len = 5 tokens raised ValueError ({error}): no token more always fits")
+    try:
+        cache.check_room(1)
+    except ValueError:
+        pass
+    else:
+        fail("check_room(1) on a cache holding 5 of max_len = 5 tokens did not raise: check_room(T) raises ValueError (the "
+             "cache is full) exactly when length + T > max_len")
     model = kv_test_model(seed=506, block_size=32)
     for max_len, expected in ((None, 32), (9, 9)):
         made = cache_class.for_model(model, 2, max_len)

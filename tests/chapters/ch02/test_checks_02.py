@@ -136,6 +136,12 @@ class HeadAveraged(attention.MultiHeadAttention):
         return out, weights.mean(1)  # issue 41: nn.MultiheadAttention's default, one map for all heads
 
 
+class HeadAveragedKeepdim(attention.MultiHeadAttention):
+    def forward(self, query, key, value, mask=None):
+        out, weights = super().forward(query, key, value, mask)
+        return out, weights.mean(1, keepdim=True)  # averaged, the head axis kept as 1: (B, 1, Tq, Tk)
+
+
 class KeyValueSwapped(attention.MultiHeadAttention):
     def forward(self, query, key, value, mask=None):
         return super().forward(query, value, key, mask)
@@ -209,6 +215,8 @@ def rope_positions_flattened(x, positions=None, base=10000.0):
     (lambda: checks.check_multi_head_attention(AlwaysBias),
      r"MultiHeadAttention\(16, 4, bias=False\) has 1,088 parameters, expected 4 D\^2 = 1,024 .*W_q, W_k, W_v, W_o still have biases"),
     (lambda: checks.check_multi_head_attention(HeadAveraged), r"shape \(2, 5, 5\) = \(B, Tq, Tk\), one map for all 4 heads: they look averaged"),
+    (lambda: checks.check_multi_head_attention(HeadAveragedKeepdim),
+     r"shape \(2, 1, 5, 5\) = \(B, 1, Tq, Tk\), one map for all 4 heads: they look averaged"),
     (lambda: checks.check_apply_rope(rope_rotate_half), r"paired feature i with feature i \+ Dh/2"),
     (lambda: checks.check_apply_rope(rope_not_a_rotation), r"changed the length of a vector by up to \d\.\d+"),
     (lambda: checks.check_apply_rope(rope_clockwise), r"your rotation goes the wrong way"),

@@ -113,6 +113,9 @@ CASES = [
     ("multi_head_attention", "weights averaged over the heads", mutate("multi_head_attention", (
         "return self.W_o(merge_heads(heads)), weights", "return self.W_o(merge_heads(heads)), weights.mean(1)")),
      {"multi_head_attention-visible", "multi_head_attention-cross", "multi_head_attention-oracle"}),  # cross: its output is read head by head
+    ("multi_head_attention", "weights averaged over the heads, the head axis kept", mutate("multi_head_attention", (
+        "return self.W_o(merge_heads(heads)), weights", "return self.W_o(merge_heads(heads)), weights.mean(1, keepdim=True)")),
+     {"multi_head_attention-visible", "multi_head_attention-cross", "multi_head_attention-oracle"}),  # not the scale test either
     ("multi_head_attention", "no ValueError for d_model % n_heads", mutate("multi_head_attention", (
         "if d_model % n_heads != 0:", "if False:"),
         ("self.d_head = d_model, n_heads, d_model // n_heads", "self.d_head = d_model, n_heads, math.ceil(d_model / n_heads)")),

@@ -120,6 +120,16 @@ class CacheNeverFull(StaticKVCache):  # silently drops what does not fit
         pass
 
 
+class CacheCheckRoomSilent(StaticKVCache):  # update checks by itself; check_room, in the contract, never refuses
+    def check_room(self, T):
+        pass
+
+    def update(self, layer, k, v):
+        if self.length + k.shape[2] > self.max_len:
+            raise ValueError("the cache is full")
+        return super().update(layer, k, v)
+
+
 class CacheAlwaysFloat32(StaticKVCache):  # issue 41: for_model ignores the model's dtype
     @classmethod
     def for_model(cls, model, batch_size, max_len=None, **options):
@@ -148,6 +158,7 @@ class CacheNotAdvanced(StaticKVCache):
      r"shape \(3, 2, 5, 4\), expected \(3, 2, 3, 4\) = \(B, H_kv, length \+ T, Dh\): return the cached and the new slots only"),
     (checks.check_static_kv_cache, CacheFullTooEarly, r"update of 2 tokens with 3 cached and max_len = 5 raised ValueError"),
     (checks.check_static_kv_cache, CacheNeverFull, r"holding 5 tokens accepted a sixth"),
+    (checks.check_static_kv_cache, CacheCheckRoomSilent, r"check_room\(1\) on a cache holding 5 of max_len = 5 tokens did not raise"),
     (checks.check_static_kv_cache, CacheAlwaysFloat32, r"^for_model on a float64 GPT made a cache that returns torch.float32 keys, "
      r"rounded: the cache takes the model's dtype and device"),
     (checks.check_static_kv_cache, CacheNotAdvanced, r"after advance\(3\) with 0 cached, length should be 3, got 0"),

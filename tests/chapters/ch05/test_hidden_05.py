@@ -79,7 +79,7 @@ CASES = [
         '"""ValueError ("the cache is full") unless T more tokens fit: length + T <= max_len."""\n',
         '"""ValueError ("the cache is full") unless T more tokens fit: length + T <= max_len."""\n        return\n'), (
         "        self.check_room(T)\n", "        if self.length + T > self.max_len:\n            raise ValueError('the cache is full')\n")),
-     {f"{GEN}-full"}),
+     {f"{GEN}-visible", f"{GEN}-full"}),  # visible: it calls check_room since the follow-up of issue 41
     (GEN, "no cache use: every step re-runs the whole prefix through a fresh cache", '''
 @torch.inference_mode()
 def generate_cached(model, idx, max_new_tokens, attention_mask=None):
