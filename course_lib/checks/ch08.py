@@ -581,7 +581,8 @@ def _check_int8_layer(layer, linear, name: str) -> None:
     kept = set(layer.state_dict())
     plain = [n for n in ("q", "scale", "bias") if n not in kept and (n != "bias" or linear.bias is not None)]
     if plain:
-        fail(f"{name}: {', '.join(plain)} should be registered buffers (self.register_buffer({plain[0]!r}, ...)), not plain "
+        what = "registered buffers" if len(plain) > 1 else "a registered buffer"
+        fail(f"{name}: {', '.join(plain)} should be {what} (self.register_buffer({plain[0]!r}, ...)), not plain "
              "attributes: a plain attribute is not in the layer's state_dict (saving and loading the model lose it), "
              "and .to() or .double() leaves it behind")
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
@@ -627,6 +628,11 @@ def _check_int8_layer(layer, linear, name: str) -> None:
         fail(f"{name}(x) returned {y.dtype} for a {x.dtype} x: the output should be in x's dtype")
     assert_close(y, expected, f"{name}(x), compared with F.linear(x, q * scale[:, None], bias) in float64",
                  atol=_atol(expected))
+    y64 = call_learner(lambda: layer(x.double()), f"{name}(x) for a float64 x (3, 2, {linear.in_features})", "", Exception)
+    assert_tensor(y64, f"{name}(x) for a float64 x")
+    if y64.dtype != torch.float64:
+        fail(f"{name}(x) returned {y64.dtype} for a float64 x: the output should be in x's dtype (cast q, scale and "
+             "bias to x.dtype, not x to float32)")
 
 
 def check_quantize_model(quantize_model) -> None:

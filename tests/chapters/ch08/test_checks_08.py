@@ -547,6 +547,11 @@ class _BiasQuantized(Int8Linear):
         return cls(q, scale, bias)
 
 
+class _Float32Out(Int8Linear):
+    def forward(self, x):  # BUG: every input computed and returned in float32
+        return super().forward(x.float())
+
+
 def quantize_by_name(model):
     """Correct: the nn.Linear layers found by name first, then each replaced through get_submodule."""
     for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
@@ -569,7 +574,8 @@ def test_the_int8_model_reference_and_an_alternative_pass():
     (_quantizer(_int8_layer_class(lambda w: _levels(w, w.abs().amax(dim=1) / 127, torch.floor))), r"rounded down, q = floor\(w / scale\)"),
     (_quantizer(_int8_layer_class(lambda w: _levels(w, w.abs().amax(dim=1) / 127, torch.trunc))), "rounded towards zero"),
     (_quantizer(_BiasQuantized), "the bias is not quantized"),
-], ids=["lm head left", "a copy returned", "per tensor", "mean", "floor", "truncation", "bias quantized"])
+    (_quantizer(_Float32Out), r"returned torch.float32 for a float64 x: the output should be in x's dtype"),
+], ids=["lm head left", "a copy returned", "per tensor", "mean", "floor", "truncation", "bias quantized", "float64 in, float32 out"])
 def test_int8_model_bugs_get_specific_messages(buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):
         checks.check_quantize_model(buggy)
