@@ -74,6 +74,8 @@ CASES = [
     # issue 41: every generate_cached test used a float32 model, so a cache that is always float32 got full marks
     (GEN, "cache always float32", mutate(GEN, ("dtype=weight.dtype, device=weight.device, **options", "device=weight.device, **options")),
      {f"{GEN}-visible", f"{GEN}-dtype"}),
+    (GEN, "cache always on the CPU", mutate(GEN, ("dtype=weight.dtype, device=weight.device, **options", "dtype=weight.dtype, **options")),
+     {f"{GEN}-dtype"}),
     # issue 41: check_room is in the contract now; one that never refuses (update checking by itself) fails its test
     (GEN, "check_room never refuses", mutate(GEN, (
         '"""ValueError ("the cache is full") unless T more tokens fit: length + T <= max_len."""\n',
