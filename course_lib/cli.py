@@ -58,7 +58,7 @@ def _lab(args) -> int:
 
 
 def _check(args) -> int:
-    from .grading.engine import own_notebooks
+    from .grading.grading_run import own_notebooks
 
     chapter = grading.resolve_chapter(args.chapter)
     for path in [args.notebook] if args.notebook else own_notebooks(chapter, grading.repo_root()):
