@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--instructor", action="store_true",
                    help="JupyterLab on the course's root with nbgrader's instructor tools (formgrader, Create Assignment): "
                         "the formgrader's Generate rewrites notebooks/")
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="extra arguments for jupyter lab")
+    p.add_argument("extra", nargs=argparse.REMAINDER,
+                   help="extra arguments for jupyter lab, e.g. --no-browser --port=8899 --ip=127.0.0.1")
     p.set_defaults(func=_lab)
 
     p = sub.add_parser("check", help="grade your own notebook of a chapter against the hidden tests")
@@ -264,7 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("pretrain", "scaling", "bench"):  # their options (and --help) are their own
         return _tool(argv[0], argv[1:])
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "lab":  # everything after `lab` but its own flags goes to jupyter lab, in order
+        args.extra = [a for a in argv[1:] if a not in ("--instructor", "--")]
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (ValueError, RuntimeError) as error:

@@ -77,6 +77,22 @@ def test_course_check_finds_a_notebook_fetched_on_a_hub(tmp_path):
     assert f"{total:g} / {total:g}" in proc.stdout.splitlines()[-1]  # the solved copy, not the untouched notebooks/
 
 
+def test_course_lab_passes_jupyter_options_through_in_order(monkeypatch):
+    """`course lab --no-browser --port=8899` (and the same after `--`) hands those options to jupyter lab as given:
+    argparse's REMAINDER alone refused an option first and passed a bare `--` on, which jupyter took for a file."""
+    from course_lib import cli
+
+    started = []
+    monkeypatch.setattr(cli.os, "execve", lambda path, command, env: started.append(command))
+    options = ["--no-browser", "--port", "8899", "--ip=127.0.0.1"]
+    for argv in (["lab", *options], ["lab", "--", *options], ["lab", "--instructor", *options]):
+        cli.main(argv)
+        assert started[-1][-len(options):] == options and "--" not in started[-1], argv
+    assert "--ServerApp.jpserver_extensions" not in " ".join(started[-1])  # --instructor still read
+    with pytest.raises(SystemExit):
+        cli.main(["check", "01", "--no-such-flag"])
+
+
 def test_course_lab_keeps_the_instructors_tools_out_of_the_learners_lab():
     """`course lab`: nbgrader's formgrader and exchange lists off, their lab plugins disabled (ids the installed
     nbgrader really has), Validate kept; PATH starts with this interpreter's bin/ (which holds `course`), terminals
