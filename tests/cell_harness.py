@@ -34,12 +34,25 @@ class TestCells:
             code = code.replace(old, new)
         return code
 
-    def failing_tests(self, exercise: str, solution: str) -> set[str]:
-        """Run every reference solution, then ``solution`` for ``exercise``, then its test cells; return those that fail."""
+    def _with(self, solution: str) -> dict:
+        """The namespace after every reference solution, then ``solution``."""
         namespace = dict(self.namespace)
         for code in self.reference.values():
             exec(code, namespace)  # noqa: S102 - the notebook's own reference code
         exec(solution, namespace)  # noqa: S102
+        return namespace
+
+    def failure_message(self, grade_id: str, solution: str) -> str:
+        """The message of the AssertionError that test cell ``grade_id`` raises with ``solution`` in place."""
+        try:
+            exec(self.cells[grade_id], self._with(solution))  # noqa: S102
+        except AssertionError as failure:
+            return str(failure)
+        raise AssertionError(f"{grade_id} passed: expected it to fail")
+
+    def failing_tests(self, exercise: str, solution: str) -> set[str]:
+        """Run every reference solution, then ``solution`` for ``exercise``, then its test cells; return those that fail."""
+        namespace = self._with(solution)
         failed = set()
         for grade_id in self.cells_of(exercise):
             torch.manual_seed(0)

@@ -4,18 +4,26 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from course_lib.grading import books
 from tests.helpers import ROOT
 
 
-def test_a_template_is_built_once_per_source_and_rebuilt_when_the_source_changes(tmp_path, monkeypatch):
+@pytest.fixture
+def built(tmp_path, monkeypatch):
+    """The chapters whose template was built, in order, with a cache of the test's own and chapter 00 copied to
+    ``tmp_path / "course"``."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    built = []
+    chapters = []
     build = books._build_template
-    monkeypatch.setattr(books, "_build_template", lambda *args: built.append(args[1]) or build(*args))
-    root = tmp_path / "course"
-    shutil.copytree(ROOT / "solutions" / "00-orientation", root / "solutions" / "00-orientation")
+    monkeypatch.setattr(books, "_build_template", lambda *args: chapters.append(args[1]) or build(*args))
+    shutil.copytree(ROOT / "solutions" / "00-orientation", tmp_path / "course" / "solutions" / "00-orientation")
+    return chapters
 
+
+def test_a_template_is_built_once_per_source_and_rebuilt_when_the_source_changes(tmp_path, built):
+    root = tmp_path / "course"
     first = books.prepare_template(root, tmp_path / "run1", "00-orientation")
     again = books.prepare_template(root, tmp_path / "run2", "00-orientation")
     assert built == ["00-orientation"], "the second grading run reuses the first one's template"
@@ -33,17 +41,12 @@ def test_a_template_is_built_once_per_source_and_rebuilt_when_the_source_changes
     assert len(list((tmp_path / "cache" / "attention-to-decoding" / "grading-templates").iterdir())) == 2
 
 
-def test_a_changed_course_setting_gets_a_new_template(tmp_path, monkeypatch):
+def test_a_changed_course_setting_gets_a_new_template(tmp_path, monkeypatch, built):
     """The template's gradebook is nbgrader's reading of the source under the course's settings (its stubs among
     them): a template kept from other settings must not be reused."""
     from course_lib.grading import course
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    built = []
-    build = books._build_template
-    monkeypatch.setattr(books, "_build_template", lambda *args: built.append(args[1]) or build(*args))
     root = tmp_path / "course"
-    shutil.copytree(ROOT / "solutions" / "00-orientation", root / "solutions" / "00-orientation")
     books.prepare_template(root, tmp_path / "run1", "00-orientation")
     monkeypatch.setattr(course, "CODE_STUB", "# YOUR CODE HERE\nraise NotImplementedError('write it')")
     books.prepare_template(root, tmp_path / "run2", "00-orientation")

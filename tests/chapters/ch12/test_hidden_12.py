@@ -101,12 +101,6 @@ def test_each_bug_fails_exactly_the_tests_that_target_it(exercise, bug, solution
 ])
 def test_the_scheduler_tests_explain_a_failure_in_words(cell, bug, says):
     """A failed hidden test names the sequences and says what was expected and why, never a raw namespace dump."""
-    namespace = {"torch": torch, "math": math, "F": F, "checks": checks}
-    for code in REFERENCE.values():
-        exec(code, namespace)  # noqa: S102 - the notebook's own reference code
-    exec(bug, namespace)  # noqa: S102
-    with pytest.raises(AssertionError) as failure:
-        exec(CELLS[cell], dict(namespace))  # noqa: S102
-    message = str(failure.value)
+    message = HARNESS.failure_message(cell, bug)
     assert says in message and "expected" in message
     assert "namespace(" not in message and "lambda" not in message

@@ -185,11 +185,5 @@ def test_each_bug_fails_exactly_the_tests_that_target_it(exercise, bug, solution
 def test_a_missing_value_error_is_named_whatever_the_code_raises_instead(cell, bug, says):
     """Without its check the learner's code fails deeper (a broadcast RuntimeError, ~ on a float TypeError): the failure
     says which ValueError was expected, then what was raised, not the raw error alone."""
-    namespace = {"torch": torch, "math": math, "checks": checks}
-    for code in REFERENCE.values():
-        exec(code, namespace)  # noqa: S102 - the notebook's own reference code
-    exec(bug, namespace)  # noqa: S102
-    with pytest.raises(AssertionError) as failure:
-        exec(CELLS[cell], dict(namespace))  # noqa: S102
-    message = str(failure.value)
+    message = HARNESS.failure_message(cell, bug)
     assert says in message and ("got RuntimeError" in message or "got TypeError" in message), message
