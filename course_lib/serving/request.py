@@ -150,19 +150,18 @@ def validate(request: Request, context: int, num_blocks: int | None = None, bloc
     if total > context:
         raise ValueError(f"request {name}: prompt length + max_new_tokens must be <= the model's context length, "
                          f"context = {context}, got {len(prompt)} + {request.max_new_tokens}")
-    if not is_count(request.n) or request.n < 1 or (max_num_seqs is not None and request.n > max_num_seqs):
-        cap = "" if max_num_seqs is None else f" and <= max_num_seqs = {max_num_seqs} (they run at once)"
-        raise ValueError(f"request {name}: n must be an integer >= 1{cap} (sequences to generate), got {request.n!r}")
+    error = n_error(request.n, max_num_seqs)
+    if error:
+        raise ValueError(f"request {name}: {error}")
     if num_blocks is not None:
         need = blocks_for(len(prompt), total, request.n, block_size)
         if need > num_blocks:
             raise ValueError(f"request {name}: num_blocks = {num_blocks} is too small: this request needs "
                              f"{need} blocks of {block_size} tokens"
                              + (f" for its n = {request.n} sequences" if request.n > 1 else ""))
-    k = request.logprobs
-    if k is not None and (not is_count(k) or k < 0 or (vocab_size is not None and k > vocab_size)):
-        allowed = "an integer >= 0" if vocab_size is None else f"an integer in [0, vocab_size = {vocab_size}]"
-        raise ValueError(f"request {name}: logprobs must be None or {allowed} (the top tokens returned), got {k!r}")
+    error = logprobs_error(request.logprobs, vocab_size, "vocab_size")
+    if error:
+        raise ValueError(f"request {name}: {error}")
     if request.sampling is not None:
         if not isinstance(request.sampling, Mapping):
             raise ValueError(f"request {name}: sampling must be None (greedy) or a dict of settings, "
@@ -180,6 +179,24 @@ def validate(request: Request, context: int, num_blocks: int | None = None, bloc
                 raise ValueError(f"request {name}: sampling {key}: {error}") from None
     if not is_count(request.seed) or not SEED_RANGE[0] <= request.seed < SEED_RANGE[1]:
         raise ValueError(f"request {name}: seed must be an integer in [-2**63, 2**64), got {request.seed!r}")
+
+
+def n_error(n, max_num_seqs: int | None = None) -> str | None:
+    """Why `n` (sequences to generate from one prompt) is not an integer >= 1 (and <= max_num_seqs when given), or
+    None: ``validate``'s check of ``Request.n``, and the server's."""
+    if not is_count(n) or n < 1 or (max_num_seqs is not None and n > max_num_seqs):
+        cap = "" if max_num_seqs is None else f" and <= max_num_seqs = {max_num_seqs} (they run at once)"
+        return f"n must be an integer >= 1{cap} (sequences to generate), got {n!r}"
+    return None
+
+
+def logprobs_error(k, most: int | None = None, most_name: str = "") -> str | None:
+    """Why `k` (the top log-probabilities returned per token) is not None or an integer in [0, most] (>= 0 when most
+    is None), or None: ``validate``'s check of ``Request.logprobs``, and the server's. most_name names the bound."""
+    if k is not None and (not is_count(k) or k < 0 or (most is not None and k > most)):
+        allowed = "an integer >= 0" if most is None else f"an integer in [0, {most_name} = {most}]"
+        return f"logprobs must be None or {allowed} (the top tokens returned per token), got {k!r}"
+    return None
 
 
 def pending_requests(requests: list) -> tuple:
