@@ -327,7 +327,7 @@ class EngineLoop:
     it fails (rejected on arrival, failed in a step, or the engine's fault); logprobs is None, or the token's entry of
     ``Result.logprobs`` for a request that asks them. ``abort(name)``: the sequence of that name leaves (if it has
     not already), its blocks go back. ``close()``: finish what runs, then stop.
-    ``counts``: requests finished, aborted, failed (rejected on arrival or failed in a step)."""
+    ``counts``: sequences finished, aborted, failed (failed in a step; a request rejected on arrival counts once)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine

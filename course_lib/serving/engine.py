@@ -27,8 +27,9 @@ from .scheduler import schedule_step
 class StepOutput:
     """What one ``Engine.step`` did: the token each request got, and the requests that left the engine."""
 
-    tokens: dict = field(default_factory=dict)  # request name -> the token it got in this step (one at most)
-    finished: list = field(default_factory=list)  # names of the requests that left: all their tokens, or failed
+    tokens: dict = field(default_factory=dict)  # sequence name -> the token it got in this step (one at most); a
+    # request's name for n = 1 (``request.sample_names`` for n > 1)
+    finished: list = field(default_factory=list)  # names of the sequences that left: all their tokens, or failed
 
 
 class Engine:
@@ -87,7 +88,7 @@ class Engine:
         before are kept, finish_step stays None, its blocks go back). When a step's batched pass raises, each chunk
         runs again alone and only those that raise alone fail. RuntimeError only for the engine's own faults (see
         ``step``)."""
-        results, pending = pending_requests(requests)
+        results, pending = pending_requests(requests, self.num_blocks)
         self.reset(**functions)
         self.results = results
         while pending or self.waiting or self.running:
@@ -107,8 +108,8 @@ class Engine:
 
         Returns its ``Result``, which the steps fill in; if ``validate`` rejects it, its error is set at once and it
         never runs. Its name must differ from every request added since the last ``reset`` (ValueError); a request
-        with n > 1 takes its ``sample_names`` (its other sequences' Results are ``results["NAME/i"]``)."""
-        names = sample_names(request)
+        with n > 1 takes its ``sample_names`` (with most = num_blocks; its other sequences' Results are ``results["NAME/i"]``)."""
+        names = sample_names(request, self.num_blocks)
         for name in names:
             if name in self.results:
                 raise ValueError(f"request names must be unique (the results are keyed by name, a request with n > 1 "
@@ -155,10 +156,10 @@ class Engine:
                      vocab_size=self.model.config.vocab_size, max_num_seqs=self.max_num_seqs)
         except ValueError as error:
             result.error = str(error)
-            for name in sample_names(request)[1:]:
+            for name in sample_names(request, self.num_blocks)[1:]:
                 self.results[name].error = str(error)
             return
-        forks = [(i, self.results[name]) for i, name in enumerate(sample_names(request)) if i]
+        forks = [(i, self.results[name]) for i, name in enumerate(sample_names(request, self.num_blocks)) if i]
         self.waiting.append(Sequence(request, result, self.cache, forks))
 
     def step(self) -> StepOutput:
@@ -223,9 +224,34 @@ class Engine:
                 continue
             seq.n_cached += n
             self._register_full_blocks(cache, seq, seq.n_cached - n)
-            if seq.n_cached == seq.n_tokens:  # the chunk reached the end: a new token
-                for seq in [seq, *self._fork(seq, running)] if seq.forks else (seq,):  # n > 1: its prompt is computed
-                    self._next_token(seq, logits[i], greedy[i], running, step, now, output)
+            if seq.n_cached != seq.n_tokens:  # a prompt chunk short of the end: no token yet
+                continue
+            for seq in (seq, *self._fork(seq, running)) if seq.forks else (seq,):  # n > 1: its prompt is computed
+                request, result = seq.request, seq.result
+                try:
+                    if request.logprobs is None:
+                        token = choose_token(logits[i], greedy[i], seq.tokens, seq.prompt_len, request.sampling,
+                                             seq.generator, self.processors)
+                    else:
+                        token, logprobs = choose_with_logprobs(logits[i], greedy[i], seq.tokens, seq.prompt_len,
+                                                               request.sampling, seq.generator, self.processors,
+                                                               request.logprobs)
+                        result.logprobs.append(logprobs)
+                except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone
+                    output.finished += self._fail(cache, seq, running, step, error)
+                    continue
+                seq.tokens.append(token)
+                result.tokens.append(token)
+                result.token_times.append(now)
+                output.tokens[seq.name] = token
+                if result.first_token_step is None:
+                    result.first_token_step = step
+                if len(result.tokens) == request.max_new_tokens:
+                    result.finish_step = step
+                    cache.release_all(seq.blocks)
+                    seq.blocks = []
+                    running.remove(seq)
+                    output.finished.append(seq.name)
         for seq in running:  # running but not scheduled (the token budget ran out): ready, waiting its turn
             states.setdefault(seq.name, "waiting")
         for seq in preempted:
@@ -262,38 +288,9 @@ class Engine:
                                f"chunk alone succeeded: an engine error, not a request's") from error
         return torch.stack(rows), failed
 
-    def _next_token(self, seq: Sequence, logits: torch.Tensor, greedy: int, running: list, step: int, now: float,
-                    output: StepOutput) -> None:
-        """`seq`'s chunk reached its end: its next token from `logits` (V,) (and its log-probabilities if asked);
-        it leaves the engine when it has all its tokens, or fails alone when its sampling raises."""
-        request, result = seq.request, seq.result
-        try:
-            if request.logprobs is None:
-                token = choose_token(logits, greedy, seq.tokens, seq.prompt_len, request.sampling, seq.generator,
-                                     self.processors)
-            else:
-                token, logprobs = choose_with_logprobs(logits, greedy, seq.tokens, seq.prompt_len, request.sampling,
-                                                       seq.generator, self.processors, request.logprobs)
-                result.logprobs.append(logprobs)
-        except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone
-            output.finished += self._fail(self.cache, seq, running, step, error)
-            return
-        seq.tokens.append(token)
-        result.tokens.append(token)
-        result.token_times.append(now)
-        output.tokens[seq.name] = token
-        if result.first_token_step is None:
-            result.first_token_step = step
-        if len(result.tokens) == request.max_new_tokens:
-            result.finish_step = step
-            self.cache.release_all(seq.blocks)
-            seq.blocks = []
-            running.remove(seq)
-            output.finished.append(seq.name)
-
     def _fork(self, seq: Sequence, running: list) -> list:
         """A request with n > 1 computed its prompt: its other sequences, sharing its blocks, run from now on (each
-        admitted now, after the others: the last preempted first)."""
+        admitted now, after the others: the last preempted first; its admission finds every token cached)."""
         children = seq.fork()
         self.forked = True
         running.extend(children)

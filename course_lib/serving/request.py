@@ -99,9 +99,14 @@ def sample_seed(seed: int, i: int) -> int:
     return (seed + i) % 2 ** 64
 
 
-def sample_names(request: Request) -> list:
-    """The names of a request's n sequences: its own for the first, ``NAME/i`` for sequence i >= 1."""
-    return [request.name] + [f"{request.name}/{i}" for i in range(1, request.n)] if is_count(request.n) else [request.name]
+def sample_names(request: Request, most: int | None = None) -> list:
+    """The names of a request's n sequences: its own for the first, ``NAME/i`` for sequence i >= 1. A request whose n
+    is not an integer in [1, most] (most None: no bound) gets its own name only: it is rejected (an engine's pool of
+    N blocks holds at most N sequences), and a huge n makes no huge list."""
+    n = request.n
+    if not is_count(n) or (most is not None and n > most):
+        return [request.name]
+    return [request.name] + [f"{request.name}/{i}" for i in range(1, n)]
 
 
 def blocks_for(prompt_len: int, total: int, n: int, block_size: int) -> int:
@@ -199,12 +204,13 @@ def logprobs_error(k, most: int | None = None, most_name: str = "") -> str | Non
     return None
 
 
-def pending_requests(requests: list) -> tuple:
-    """({name: Result}, the requests to serve sorted by arrival). A request whose arrival is not an integer >= 0
-    gets its error at once (it has no arrival step to wait for). Names must be unique (results are keyed by them)."""
+def pending_requests(requests: list, most_n: int | None = None) -> tuple:
+    """({name: Result}, the requests to serve sorted by arrival): a Result for each of a request's ``sample_names``
+    (with `most`: most_n). A request whose arrival is not an integer >= 0 gets its error at once (it has no arrival
+    step to wait for). Names must be unique (results are keyed by them)."""
     results = {}
     for r in requests:
-        for name in sample_names(r):
+        for name in sample_names(r, most_n):
             if name in results:
                 raise ValueError(f"request names must be unique (the results are keyed by name, a request with n > 1 "
                                  f"takes NAME/1 ...): {name!r} appears twice")

@@ -36,7 +36,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8, *, reserve: 
                          f"(the model's context length per row), got {reserve!r}")
     model.eval()
     context, vocab = model.config.block_size, model.config.vocab_size
-    results, pending = pending_requests(requests)
+    results, pending = pending_requests(requests, most_n=1)  # n > 1 is rejected: one name each
     arrived, log = [], StepLog()
     start_time = time.perf_counter()
     step = 0

@@ -235,3 +235,34 @@ def test_logprobs_are_not_the_raw_model_s_when_a_processor_changes_them(small):
     processed = logprobs_oracle(model64, r.prompt, res.tokens, r.sampling, 2)
     for (lp, _), (lp_raw, _, _), (lp_processed, _, _) in zip(res.logprobs, raw, processed):
         assert lp == pytest.approx(lp_processed, abs=1e-4) and abs(lp - lp_raw) > 1e-3
+
+
+def test_a_huge_n_is_rejected_without_making_its_sequences_and_static_batching_rejects_n_and_logprobs(small):
+    huge = Request("huge", [1, 2, 3], 4, n=10 ** 12)  # a list of its names would not fit in memory
+    results, _ = Engine(small, num_blocks=12, block_size=4).run([huge])
+    assert list(results) == ["huge"] and "num_blocks = 12 is too small" in results["huge"].error
+    engine = Engine(small, num_blocks=12, block_size=4)
+    assert engine.add_request(huge).error and list(engine.results) == ["huge"]
+    requests = [Request("n", [1, 2], 3, n=2), Request("lp", [1, 2], 3, logprobs=1), Request("ok", [1, 2], 3)]
+    results, _ = serving.static_batching(small, requests, 2)
+    assert "serves n = 1 without logprobs" in results["n"].error and "serves n = 1" in results["lp"].error
+    assert list(results) == ["n", "lp", "ok"] and results["ok"].error is None
+
+
+def test_the_slots_used_count_a_shared_partly_filled_block_once(small):
+    """The step log's KV bytes used: every block any running sequence holds, counted once with the slots filled in
+    it (brute force over the block tables after each step), while forked sequences share a partly filled block."""
+    engine = Engine(small, num_blocks=40, block_size=4, token_budget=16, share_prefixes=False)
+    engine.add_request(Request("a", list(range(1, 11)), 6, sampling=dict(temperature=1.0), n=3))
+    engine.add_request(Request("b", list(range(20, 27)), 6))
+    shared_tail_seen = False
+    while engine.waiting or engine.running:
+        engine.step()
+        filled = {}
+        for seq in engine.running:
+            for j, block in enumerate(seq.blocks):
+                filled[block] = max(filled.get(block, 0), min(4, seq.n_cached - 4 * j))
+        tails = [seq.blocks[-1] for seq in engine.running if seq.n_cached % 4]
+        shared_tail_seen |= len(tails) > len(set(tails))
+        assert engine.log.used[-1] == sum(filled.values()) * engine.cache.block_bytes // 4
+    assert shared_tail_seen
