@@ -179,10 +179,10 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
     if error:
         raise BadRequest(error, "n")
     if n > 1 and blocks_for(len(ids), len(ids) + max_tokens, n, block_size) > num_blocks:
+        need = blocks_for(len(ids), len(ids) + max_tokens, n, block_size)
         raise BadRequest(f"n is too large for the server's pool of {num_blocks} blocks of {block_size} tokens: "
-                         f"{n} sequences of {len(ids)} + {max_tokens} tokens need "
-                         f"{blocks_for(len(ids), len(ids) + max_tokens, n, block_size)} (the prompt's full blocks shared)",
-                         "n")
+                         f"{n} sequences of {len(ids)} + {max_tokens} tokens need {need} (the prompt's full blocks "
+                         f"shared)", "n")
     logprobs = body.get("logprobs")
     error = logprobs_error(logprobs, min(MAX_LOGPROBS, vocab_size), "OpenAI's most")
     if error:
@@ -445,7 +445,8 @@ class EngineLoop:
 
 def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None, block_size: int = 8,
              token_budget: int = 64, max_num_seqs: int | None = None):
-    """The Starlette app: POST /v1/completions, GET /v1/models (and /v1/models/{id}), GET /health. Its engine runs while the app does
+    """The Starlette app: POST /v1/completions, GET /v1/models (and /v1/models/{id}), GET /health. Its engine runs
+    while the app does
     (started and drained by the ASGI lifespan); ``app.state.engine_loop`` is the ``EngineLoop``.
 
     num_blocks: the pool (default: room for 32 sequences of the full context)."""

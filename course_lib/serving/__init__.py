@@ -27,7 +27,7 @@ budget as in Sarathi and Sarathi-Serve, Agrawal et al. 2023 and 2024, and vLLM):
 The modules, along the seams of vLLM (v1) and nano-vllm:
 
 ============== ==========================================================================================
-``request``      ``Request`` (with its sampling settings, ``SAMPLING``), ``Result``, ``validate``, ``Sequence`` (``fork``)
+``request``      ``Request`` (its sampling settings: ``SAMPLING``), ``Result``, ``validate``, ``Sequence`` (``fork``)
 ``block_pool``   ``PagedKVCache`` (blocks, free list, reference counts, prefix cache, copy on write), ``block_hashes``
 ``scheduler``    ``schedule_step`` (an exercise)
 ``model_runner`` ``slot_mapping``, ``paged_attention`` (exercises), the pass's layout, ``paged_forward``

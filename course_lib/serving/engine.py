@@ -38,7 +38,8 @@ class Engine:
 
     num_blocks: blocks in the pool; block_size: token slots per block; token_budget: most tokens computed per step,
     prompt chunks and decodes together (each >= 1); max_num_seqs (vLLM's name): most sequences running at once
-    (>= 1), None for no cap; a request with n > 1 counts as n from its admission. State: ``results``, ``waiting``, ``running``, ``cache``, ``log``, ``clock`` (next step).
+    (>= 1), None for no cap; a request with n > 1 counts as n from its admission. State: ``results``, ``waiting``,
+    ``running``, ``cache``, ``log``, ``clock`` (next step).
     """
 
     def __init__(self, model, num_blocks: int, block_size: int = 8, token_budget: int = 64, *,
@@ -108,7 +109,8 @@ class Engine:
 
         Returns its ``Result``, which the steps fill in; if ``validate`` rejects it, its error is set at once and it
         never runs. Its name must differ from every request added since the last ``reset`` (ValueError); a request
-        with n > 1 takes its ``sample_names`` (with most = num_blocks; its other sequences' Results are ``results["NAME/i"]``)."""
+        with n > 1 takes its ``sample_names`` (with most = num_blocks; its other sequences' Results are
+        ``results["NAME/i"]``)."""
         names = sample_names(request, self.num_blocks)
         for name in names:
             if name in self.results:

@@ -130,9 +130,9 @@ def validate(request: Request, context: int, num_blocks: int | None = None, bloc
     Checked: arrival (an integer >= 0); prompt (a non-empty list or tuple of integer token ids, each in
     [0, vocab_size) when vocab_size is given); max_new_tokens (an integer >= 1); prompt + max_new_tokens within
     the model's context length `context`; its blocks within a pool of num_blocks blocks of block_size tokens (when
-    given, with n sequences running at once: ``blocks_for``); n (an integer >= 1, <= max_num_seqs when given); logprobs (None or an integer in
-    [0, vocab_size], or >= 0 without vocab_size); sampling (None or a dict of the settings in ``SAMPLING``, each a finite number (or None where its
-    default is), in the range its processor checks: ``decoding.check_settings``); seed (an integer that
+    given, with n sequences running at once: ``blocks_for``); n (an integer >= 1, <= max_num_seqs when given);
+    logprobs (None or an integer in [0, vocab_size], or >= 0 without vocab_size); sampling (None or a dict of the
+    settings in ``SAMPLING``, each a finite number (or None where its default is), in the range its processor checks: ``decoding.check_settings``); seed (an integer that
     ``torch.Generator.manual_seed`` takes). Everything a request carries is checked here, once, on arrival: the
     engine's steps check nothing per token. See ``Engine.run``.
     """

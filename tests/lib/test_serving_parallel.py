@@ -65,7 +65,7 @@ def parallel_trace():
     return requests
 
 
-@pytest.mark.parametrize("num_blocks,budget", [(80, 16), (10, 6)])  # roomy; a pool that preempts (the largest request needs 10)
+@pytest.mark.parametrize("num_blocks,budget", [(80, 16), (10, 6)])  # roomy; a pool that preempts (the largest needs 10)
 def test_sequence_i_of_a_request_seeded_s_equals_the_request_seeded_s_plus_i_alone(small, num_blocks, budget):
     requests = parallel_trace()
     engine = Engine(small, num_blocks=num_blocks, block_size=4, token_budget=budget)

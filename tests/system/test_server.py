@@ -182,23 +182,24 @@ def test_32_concurrent_clients_all_finish_with_their_tokens(client, model, token
 # ---------------------------------------------------------------------------------------------------- disconnects
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, monkeypatch):
+@pytest.mark.parametrize("n", [1, 3])  # n = 3: every choice aborted, the shared prompt blocks too
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, monkeypatch, n):
     loop = server.engine_loop
     slow_down(monkeypatch, loop.engine, 0.01)  # 100 tokens take 1 s or more: the disconnect comes long before
     before = dict(loop.counts)
-    body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 100, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 100, "temperature": 0, "stream": True, "n": n}
     with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         for _ in range(3):  # three tokens in: the request runs and holds blocks
             assert next(lines).startswith("data: {") and next(lines) == ""
         assert any(loop.engine.cache.refs)
-    wait_until(lambda: loop.counts["aborted"] == before["aborted"] + 1 and engine_idle(server),
-               what="the engine aborts the request and frees its blocks")
+    wait_until(lambda: loop.counts["aborted"] == before["aborted"] + n and engine_idle(server),
+               what="the engine aborts the request's sequences and frees their blocks")
     assert loop.counts["finished"] == before["finished"]  # it did not run to its 100 tokens
     # not streamed: the client gives up waiting
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/completions", json={**body, "stream": False}, timeout=httpx.Timeout(30, read=0.05))
-    wait_until(lambda: loop.counts["aborted"] == before["aborted"] + 2 and engine_idle(server),
+    wait_until(lambda: loop.counts["aborted"] == before["aborted"] + 2 * n and engine_idle(server),
                what="the engine aborts the non-streamed request too")
     assert loop.counts["finished"] == before["finished"]
 
@@ -279,7 +280,7 @@ def test_each_bad_request_gets_an_error_naming_its_field_while_a_running_request
     assert out["text"] == alone(model, tokenizer, PROMPTS[7], 90)
 
 
-# ---------------------------------------------------------------------------------------------------- n, logprobs, models
+# ------------------------------------------------------------------------------------------------ n, logprobs, models
 
 
 def choices_of_stream(client, **kwargs) -> tuple:
@@ -387,8 +388,8 @@ def test_logprobs_stop_with_the_text_at_a_stop_string(client, model, tokenizer):
                                          stop=stop)
     cut = text[:text.find(stop)]
     assert response.choices[0].text == cut and response.choices[0].finish_reason == "stop"
-    assert_logprobs(response.choices[0].logprobs.model_dump(), logprobs_oracle(model, tokenizer, PROMPTS[6], cut, {}, 0),
-                    cut)
+    oracle = logprobs_oracle(model, tokenizer, PROMPTS[6], cut, {}, 0)
+    assert_logprobs(response.choices[0].logprobs.model_dump(), oracle, cut)
 
 
 def test_v1_models_lists_the_served_model_in_openai_s_format(client, server):
@@ -404,9 +405,9 @@ def test_v1_models_lists_the_served_model_in_openai_s_format(client, server):
 
 
 def brute_cut(text: str, stops: list) -> tuple:
-    """stop_cut's contract by brute force: the first stop's start in the known text; else the known text (no U+FFFD at its end) less
-    its longest tail that is a proper prefix of a stop string."""
-    known = text.rstrip("\ufffd")  # a stop is looked for in the settled text (the last token's: the whole text)
+    """stop_cut's contract by brute force: the first stop's start in the known text (no U+FFFD at its end); else the
+    known text less its longest tail that is a proper prefix of a stop string."""
+    known = text.rstrip("\ufffd")  # a stop is looked for in the settled text (stop_cut with final: the whole text)
     found = [known.index(s) for s in stops if s in known]
     if found:
         return min(found), True
@@ -431,7 +432,8 @@ def test_stop_cut_is_the_brute_force_cut_token_by_token_and_a_100_kb_stop_string
     # the stop's first character split over two tokens (" " then the bytes of "\u00e9"): nothing leaks before it
     assert stop_cut(" \ufffd", [" \u00e9"]) == (0, False) and stop_cut(" \u00e9", [" \u00e9"], 0) == (0, True)
     # a stop holding U+FFFD: not met by a character whose bytes are not all there yet, unless the text is final
-    assert stop_cut("ab \ufffd", [" \ufffd"], 1) == (2, False) and stop_cut("ab \ufffd", [" \ufffd"], 1, final=True) == (2, True)
+    assert stop_cut("ab \ufffd", [" \ufffd"], 1) == (2, False)
+    assert stop_cut("ab \ufffd", [" \ufffd"], 1, final=True) == (2, True)
     long_stop = "x" * 100_000 + "y"  # 100 KB: the old check copied every prefix of it for every token
     text, sent, start = "", 0, time.perf_counter()
     for i in range(2000):
@@ -800,5 +802,6 @@ def test_an_engine_fault_while_adding_a_request_fails_the_open_requests_and_the_
         loop.close(timeout=30)
     assert events["before"][-1] == (0, "error", "the engine failed: RuntimeError: a bug in the engine", None)
     tokens = [token for index, kind, token, logprobs in events["after"] if kind in ("token", "done") and index == 0]
-    assert events["after"][-1][1] == "done" and tokens == generate_cached(model, torch.tensor([[5, 6, 7]]), 4)[0, 3:].tolist()
+    assert events["after"][-1][1] == "done"
+    assert tokens == generate_cached(model, torch.tensor([[5, 6, 7]]), 4)[0, 3:].tolist()
     assert events["broken"] == [] and loop.counts["failed"] == 1
