@@ -259,7 +259,7 @@ class Sequence:
 
     def tail_copy_needed(self) -> bool:
         """The next token goes into a partly filled block another sequence holds: it must be copied first."""
-        return (self.shared_tail and self.n_cached % self.cache.block_size != 0
+        return (self.shared_tail and bool(self.blocks) and self.n_cached % self.cache.block_size != 0
                 and self.cache.refs[self.blocks[-1]] > 1)
 
     @property
