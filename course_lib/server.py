@@ -269,7 +269,7 @@ class ChoiceText:
 
     def __init__(self, tokenizer, stops: list, logprobs: bool):
         self.tokenizer, self.stops, self.logprobs = tokenizer, stops, logprobs
-        self.tokens, self.text, self.sent = [], "", 0
+        self.tokens, self.text, self.sent, self.finish = [], "", 0, None
         self.starts, self.entries, self.released = [], [], 0  # per token: where its text begins, its Result.logprobs
 
     def add(self, token: int, entry, last: bool) -> tuple:
@@ -283,7 +283,7 @@ class ChoiceText:
         end, stopped = stop_cut(text, self.stops, self.sent, final=last)
         if last and not stopped:
             end = len(text)  # the end: nothing is held back
-        finish = "stop" if stopped else "length" if last else None
+        self.finish = finish = "stop" if stopped else "length" if last else None
         piece, self.sent = text[self.sent:end], end
         return piece, finish, self._release(end, finish) if self.logprobs else None
 
@@ -510,6 +510,8 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
             try:
                 while left:
                     index, (kind, value, logprobs) = await events.get()
+                    if choices[index].finish:  # a token made before its stop's abort reached the engine: not sent
+                        continue
                     if kind == "error":
                         raise RuntimeError(value)
                     text, finish, sent_logprobs = choices[index].add(value, logprobs, kind == "done")

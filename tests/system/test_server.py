@@ -318,7 +318,12 @@ def test_n_choices_are_the_requests_seeded_seed_plus_i_alone_and_greedy_ones_are
     wait_until(lambda: engine_idle(server), what="every block back")
 
 
-def test_a_stop_string_ends_one_choice_and_the_others_go_on(client, model, tokenizer, server):
+@pytest.mark.parametrize("late_aborts", [False, True])
+def test_a_stop_string_ends_one_choice_and_the_others_go_on(client, model, tokenizer, server, monkeypatch, late_aborts):
+    """late_aborts: the engine never hears of the aborts, so a stopped choice's tokens keep coming after its stop
+    (as those of the steps run before an abort reaches the engine do): they are not sent, nor end the others."""
+    if late_aborts:
+        monkeypatch.setattr(server.engine_loop, "abort", lambda name: None)
     texts = [sampled_alone(model, tokenizer, PROMPTS[0], 30, 1.0, 1.0, 3 + i) for i in range(3)]
     stop = texts[1][10:12]  # met in choice 1 by its 12th character; maybe in the others too, maybe not
     response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=1.0, seed=3, n=3,
@@ -327,6 +332,7 @@ def test_a_stop_string_ends_one_choice_and_the_others_go_on(client, model, token
         text = texts[choice.index]
         assert choice.text == (text[:text.find(stop)] if stop in text else text)
         assert choice.finish_reason == ("stop" if stop in text else "length")
+    assert len(response.choices) == 3 and any(stop not in text for text in texts)  # one choice ran to its length
     wait_until(lambda: engine_idle(server), what="every block back")
 
 
