@@ -17,6 +17,9 @@ budget as in Sarathi and Sarathi-Serve, Agrawal et al. 2023 and 2024, and vLLM):
 * **preemption**: when the pool is full, the most recently admitted running sequence gives its blocks back and is
   recomputed later (vLLM's default); it keeps the tokens it generated;
 * **a cap on running sequences** (``max_num_seqs``, vLLM's name; none by default);
+* **parallel sampling** (``Request.n``): the prompt is computed once, its blocks shared by the n sequences, the last
+  partly filled one copied by the first sequence that writes into it (copy on write, vLLM's paper, section 4.4);
+* **log-probabilities** (``Request.logprobs``): each token's and the top k's, from the distribution it was drawn from;
 * **per-request sampling**: each request carries its own chapter 06 settings and its own ``torch.Generator``, so its
   random stream does not depend on the batch it ran in (its logits may, by float rounding: the tests check that its
   tokens do not, on their models and traces).
@@ -24,11 +27,11 @@ budget as in Sarathi and Sarathi-Serve, Agrawal et al. 2023 and 2024, and vLLM):
 The modules, along the seams of vLLM (v1) and nano-vllm:
 
 ============== ==========================================================================================
-``request``      ``Request`` (with its sampling settings, ``SAMPLING``), ``Result``, ``validate``, ``Sequence``
-``block_pool``   ``PagedKVCache`` (blocks, free list, reference counts, prefix cache), ``block_hashes``
+``request``      ``Request`` (its sampling settings: ``SAMPLING``), ``Result``, ``validate``, ``Sequence`` (``fork``)
+``block_pool``   ``PagedKVCache`` (blocks, free list, reference counts, prefix cache, copy on write), ``block_hashes``
 ``scheduler``    ``schedule_step`` (an exercise)
 ``model_runner`` ``slot_mapping``, ``paged_attention`` (exercises), the pass's layout, ``paged_forward``
-``sampler``      the next token: the argmax, or chapter 06's processors and a draw
+``sampler``      the next token: the argmax, or chapter 06's processors and a draw; its log-probabilities
 ``engine``       ``Engine`` (``run`` offline; ``add_request``, ``step``, ``abort`` online), ``StepOutput``
 ``static``       ``static_batching``, the baseline
 ``metrics``      ``StepLog`` (what a run did, step by step), ``serving_stats``, ``quantile``
@@ -47,12 +50,15 @@ from .block_pool import PagedKVCache, block_hashes
 from .engine import Engine, StepOutput
 from .metrics import StepLog, quantile, serving_stats
 from .model_runner import paged_attention, paged_forward, slot_mapping
-from .request import SAMPLING, SEED_RANGE, Request, Result, Sequence, is_real_number, validate
-from .sampler import argmaxes, choose_token
+from .request import (SAMPLING, SEED_RANGE, Request, Result, Sequence, blocks_for, is_real_number, sample_names,
+                      sample_seed, validate)
+from .sampler import argmaxes, choose_token, choose_with_logprobs, scores_drawn_from, token_logprobs
 from .scheduler import schedule_step
 from .static import static_batching
 from .workloads import load_sweep, make_trace
 
 __all__ = ["SAMPLING", "SEED_RANGE", "Engine", "PagedKVCache", "Request", "Result", "Sequence", "StepLog", "StepOutput",
-           "argmaxes", "block_hashes", "choose_token", "is_real_number", "load_sweep", "make_trace", "paged_attention",
-           "paged_forward", "quantile", "schedule_step", "serving_stats", "slot_mapping", "static_batching", "validate"]
+           "argmaxes", "block_hashes", "blocks_for", "choose_token", "choose_with_logprobs", "is_real_number",
+           "load_sweep", "make_trace", "paged_attention", "paged_forward", "quantile", "sample_names", "sample_seed",
+           "schedule_step", "scores_drawn_from", "serving_stats", "slot_mapping", "static_batching", "token_logprobs",
+           "validate"]

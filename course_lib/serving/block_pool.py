@@ -89,6 +89,14 @@ class PagedKVCache:
         if self.refs[block] == 0:
             self.free[block] = None
 
+    def copy_on_write(self, block: int) -> int:
+        """A fresh block holding a copy of `block` (keys and values of every layer), which loses this reference: what a
+        sequence writes into then stays its own (parallel sampling's shared last prompt block, vLLM's copy on write)."""
+        fresh = self.allocate()
+        self.storage[:, :, fresh] = self.storage[:, :, block]
+        self.release(block)
+        return fresh
+
     def release_all(self, blocks: list) -> None:
         """Release a sequence's blocks, its last block first: a prefix outlives the blocks after it (as in vLLM)."""
         for block in reversed(blocks):

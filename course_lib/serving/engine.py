@@ -18,8 +18,8 @@ from ..validation import check_positive, is_count
 from .block_pool import PagedKVCache
 from .metrics import StepLog
 from .model_runner import paged_attention, paged_forward, slot_mapping
-from .request import Request, Result, Sequence, pending_requests, validate
-from .sampler import argmaxes, choose_token
+from .request import Request, Result, Sequence, pending_requests, sample_names, validate
+from .sampler import argmaxes, choose_token, choose_with_logprobs
 from .scheduler import schedule_step
 
 
@@ -27,8 +27,9 @@ from .scheduler import schedule_step
 class StepOutput:
     """What one ``Engine.step`` did: the token each request got, and the requests that left the engine."""
 
-    tokens: dict = field(default_factory=dict)  # request name -> the token it got in this step (one at most)
-    finished: list = field(default_factory=list)  # names of the requests that left: all their tokens, or failed
+    tokens: dict = field(default_factory=dict)  # sequence name -> the token it got in this step (one at most); a
+    # request's name for n = 1 (``request.sample_names`` for n > 1)
+    finished: list = field(default_factory=list)  # names of the sequences that left: all their tokens, or failed
 
 
 class Engine:
@@ -37,7 +38,8 @@ class Engine:
 
     num_blocks: blocks in the pool; block_size: token slots per block; token_budget: most tokens computed per step,
     prompt chunks and decodes together (each >= 1); max_num_seqs (vLLM's name): most sequences running at once
-    (>= 1), None for no cap. State: ``results``, ``waiting``, ``running``, ``cache``, ``log``, ``clock`` (next step).
+    (>= 1), None for no cap; a request with n > 1 counts as n from its admission. State: ``results``, ``waiting``,
+    ``running``, ``cache``, ``log``, ``clock`` (next step).
     """
 
     def __init__(self, model, num_blocks: int, block_size: int = 8, token_budget: int = 64, *,
@@ -70,6 +72,7 @@ class Engine:
         self.waiting: list = []  # arrived, not running (new or preempted), first come first
         self.running: list = []  # admitted, oldest admission first
         self.log = StepLog()
+        self.forked = False  # a request with n > 1 forked since the reset (the slots used count shared last blocks)
         self.clock = 0  # the next step's number (a logical clock: a run jumps over steps where nothing happens)
         self.start_time = time.perf_counter()
 
@@ -86,7 +89,7 @@ class Engine:
         before are kept, finish_step stays None, its blocks go back). When a step's batched pass raises, each chunk
         runs again alone and only those that raise alone fail. RuntimeError only for the engine's own faults (see
         ``step``)."""
-        results, pending = pending_requests(requests)
+        results, pending = pending_requests(requests, self.num_blocks)
         self.reset(**functions)
         self.results = results
         while pending or self.waiting or self.running:
@@ -105,12 +108,17 @@ class Engine:
         """Online serving: `request` arrives now and joins at the next ``step`` (its ``arrival`` becomes that step).
 
         Returns its ``Result``, which the steps fill in; if ``validate`` rejects it, its error is set at once and it
-        never runs. Its name must differ from every request added since the last ``reset`` (ValueError)."""
-        if request.name in self.results:
-            raise ValueError(f"request names must be unique (the results are keyed by name): {request.name!r} was "
-                             f"already added")
+        never runs. Its name must differ from every request added since the last ``reset`` (ValueError); a request
+        with n > 1 takes its ``sample_names`` (with most = num_blocks; its other sequences' Results are
+        ``results["NAME/i"]``)."""
+        names = sample_names(request, self.num_blocks)
+        for name in names:
+            if name in self.results:
+                raise ValueError(f"request names must be unique (the results are keyed by name, a request with n > 1 "
+                                 f"takes NAME/1 ...): {name!r} was already added")
         request = dataclasses.replace(request, arrival=self.clock)
-        self.results[request.name] = Result(request.name, arrival_step=self.clock)
+        for name in names:
+            self.results[name] = Result(name, arrival_step=self.clock)
         self._arrive(request, time.perf_counter() - self.start_time)
         return self.results[request.name]
 
@@ -119,13 +127,22 @@ class Engine:
 
         Its blocks go back to the pool; its Result keeps the tokens generated so far and its error says it was
         aborted. Returns True, or False if it had already left the engine (finished, failed or rejected).
-        ValueError if no request of that name was added since the last ``reset``."""
+        ValueError if no request of that name was added since the last ``reset``. A name of a request with n > 1
+        aborts that sequence; before its prompt is computed the first name (the request's) aborts all n."""
         if name not in self.results:
             raise ValueError(f"name must be a request added since the last reset, got {name!r}")
+        aborted = f"request {name}: aborted at step {self.clock}"
         for queue in (self.waiting, self.running):
             for seq in queue:
-                if seq.request.name == name:
-                    seq.result.error = f"request {name}: aborted at step {self.clock}"
+                for fork in seq.forks:  # a sequence not forked yet: it will not be
+                    if fork[1].name == name:
+                        fork[1].error = aborted
+                        seq.forks.remove(fork)
+                        return True
+                if seq.name == name:
+                    for _, result in seq.forks:
+                        result.error = f"request {result.name}: aborted at step {self.clock} (with {name})"
+                    seq.result.error = aborted
                     self.cache.release_all(seq.blocks)  # a waiting sequence's cached prefix (seq.hit) holds no reference yet
                     seq.blocks = []
                     queue.remove(seq)
@@ -138,11 +155,14 @@ class Engine:
         result.arrival_time = now
         try:
             validate(request, self.model.config.block_size, self.num_blocks, self.block_size,
-                     vocab_size=self.model.config.vocab_size)
+                     vocab_size=self.model.config.vocab_size, max_num_seqs=self.max_num_seqs)
         except ValueError as error:
             result.error = str(error)
+            for name in sample_names(request, self.num_blocks)[1:]:
+                self.results[name].error = str(error)
             return
-        self.waiting.append(Sequence(request, result, self.cache))
+        forks = [(i, self.results[name]) for i, name in enumerate(sample_names(request, self.num_blocks)) if i]
+        self.waiting.append(Sequence(request, result, self.cache, forks))
 
     def step(self) -> StepOutput:
         """One step of the scheduler and one forward pass over the chunks it scheduled.
@@ -163,7 +183,7 @@ class Engine:
         step_start = time.perf_counter() - start_time
         for seq in waiting:
             seq.find_prefix(self.share_prefixes)
-        admissible = waiting if self.max_num_seqs is None else waiting[:max(0, self.max_num_seqs - len(running))]
+        admissible = waiting if self.max_num_seqs is None else self._admissible(waiting, running)
         scheduled, preempted = schedule_step(running, admissible, len(cache.free), self.token_budget)
         if not scheduled and not preempted:
             raise RuntimeError(self._no_progress(cache, running, waiting, step))
@@ -198,39 +218,46 @@ class Engine:
             with kernels.threads(1):  # a small operation: on the caller's threads it would wait for each (see ONE_THREAD_WORK)
                 greedy = argmaxes(logits)
         now = time.perf_counter() - start_time
-        states = {s.request.name: "waiting" for s in waiting}
+        states = {s.name: "waiting" for s in waiting}
         for i, (seq, n) in enumerate(scheduled):
-            states[seq.request.name] = "decode" if seq.n_cached >= seq.prompt_len else "prefill"
+            states[seq.name] = "decode" if seq.n_cached >= seq.prompt_len else "prefill"
             if i in failed:
-                self._fail(cache, seq, running, step, failed[i])
-                output.finished.append(seq.request.name)
+                output.finished += self._fail(cache, seq, running, step, failed[i])
                 continue
             seq.n_cached += n
             self._register_full_blocks(cache, seq, seq.n_cached - n)
-            if seq.n_cached == seq.n_tokens:  # the chunk reached the end: a new token
+            if seq.n_cached != seq.n_tokens:  # a prompt chunk short of the end: no token yet
+                continue
+            for seq in (seq, *self._fork(seq, running)) if seq.forks else (seq,):  # n > 1: its prompt is computed
+                request, result = seq.request, seq.result
                 try:
-                    token = choose_token(logits[i], greedy[i], seq.tokens, seq.prompt_len, seq.request.sampling,
-                                         seq.generator, self.processors)
+                    if request.logprobs is None:
+                        token = choose_token(logits[i], greedy[i], seq.tokens, seq.prompt_len, request.sampling,
+                                             seq.generator, self.processors)
+                    else:
+                        token, logprobs = choose_with_logprobs(logits[i], greedy[i], seq.tokens, seq.prompt_len,
+                                                               request.sampling, seq.generator, self.processors,
+                                                               request.logprobs)
+                        result.logprobs.append(logprobs)
                 except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone
-                    self._fail(cache, seq, running, step, error)
-                    output.finished.append(seq.request.name)
+                    output.finished += self._fail(cache, seq, running, step, error)
                     continue
                 seq.tokens.append(token)
-                seq.result.tokens.append(token)
-                seq.result.token_times.append(now)
-                output.tokens[seq.request.name] = token
-                if seq.result.first_token_step is None:
-                    seq.result.first_token_step = step
-                if len(seq.result.tokens) == seq.request.max_new_tokens:
-                    seq.result.finish_step = step
+                result.tokens.append(token)
+                result.token_times.append(now)
+                output.tokens[seq.name] = token
+                if result.first_token_step is None:
+                    result.first_token_step = step
+                if len(result.tokens) == request.max_new_tokens:
+                    result.finish_step = step
                     cache.release_all(seq.blocks)
                     seq.blocks = []
                     running.remove(seq)
-                    output.finished.append(seq.request.name)
+                    output.finished.append(seq.name)
         for seq in running:  # running but not scheduled (the token budget ran out): ready, waiting its turn
-            states.setdefault(seq.request.name, "waiting")
+            states.setdefault(seq.name, "waiting")
         for seq in preempted:
-            states[seq.request.name] = "preempted"
+            states[seq.name] = "preempted"
         log.states.append(states)
         held = cache.num_blocks - len(cache.free)
         log.allocated.append(held * cache.block_bytes)
@@ -263,13 +290,40 @@ class Engine:
                                f"chunk alone succeeded: an engine error, not a request's") from error
         return torch.stack(rows), failed
 
+    def _fork(self, seq: Sequence, running: list) -> list:
+        """A request with n > 1 computed its prompt: its other sequences, sharing its blocks, run from now on (each
+        admitted now, after the others: the last preempted first; its admission finds every token cached)."""
+        children = seq.fork()
+        self.forked = True
+        running.extend(children)
+        for child in children:
+            child.result.arrival_time = seq.result.arrival_time
+            child.result.admissions.append((child.n_tokens, child.n_cached))
+        return children
+
+    def _admissible(self, waiting: list, running: list) -> list:
+        """The first waiting sequences that fit under max_num_seqs beside the running ones (a request with n > 1 not
+        forked yet counts n)."""
+        room = self.max_num_seqs - len(running)
+        for end, seq in enumerate(waiting):
+            room -= 1 + len(seq.forks)
+            if room < 0:
+                return waiting[:end]
+        return waiting
+
     @staticmethod
-    def _fail(cache: PagedKVCache, seq: Sequence, running: list, step: int, error: Exception) -> None:
-        """Record `error` on the request's Result and give its blocks back; it leaves the engine."""
-        seq.result.error = f"request {seq.request.name}: failed at step {step}: {type(error).__name__}: {error}"
+    def _fail(cache: PagedKVCache, seq: Sequence, running: list, step: int, error: Exception) -> list:
+        """Record `error` on the request's Result (and on those of its sequences not forked yet) and give its blocks
+        back; it leaves the engine. Returns the names of the sequences that failed."""
+        seq.result.error = f"request {seq.name}: failed at step {step}: {type(error).__name__}: {error}"
+        for _, result in seq.forks:
+            result.error = f"request {result.name}: failed at step {step} (its prompt, with {seq.name}): " \
+                           f"{type(error).__name__}: {error}"
         cache.release_all(seq.blocks)
         seq.blocks = []
         running.remove(seq)
+        names, seq.forks = [seq.name] + [result.name for _, result in seq.forks], []
+        return names
 
     def _no_progress(self, cache: PagedKVCache, running: list, waiting: list, step: int) -> str:
         """Why a step scheduled and preempted nothing: the blocks free, held by requests and held by none (leaked)."""
@@ -281,7 +335,7 @@ class Engine:
         if waiting:
             seq = waiting[0]
             n = min(seq.n_tokens - seq.n_cached, self.token_budget)
-            lines.append(f"the first waiting request, {seq.request.name}, needs {seq.blocks_needed(n)} blocks for its "
+            lines.append(f"the first waiting request, {seq.name}, needs {seq.blocks_needed(n)} blocks for its "
                          f"next {n} tokens")
         if leaked:
             lines.append(f"blocks leaked (not on the free list, in no running request's block table): {leaked[:12]}"
@@ -292,7 +346,10 @@ class Engine:
 
     @staticmethod
     def _make_room(cache: PagedKVCache, seq: Sequence, n: int) -> None:
-        """Fresh blocks for positions n_cached .. n_cached + n - 1 (never a block another sequence holds: see find_prefix)."""
+        """Fresh blocks for positions n_cached .. n_cached + n - 1 (never a block another sequence holds: see
+        find_prefix; a forked sequence's shared last block is copied first)."""
+        if seq.shared_tail and seq.tail_copy_needed():
+            seq.blocks[-1] = cache.copy_on_write(seq.blocks[-1])
         while len(seq.blocks) * cache.block_size < seq.n_cached + n:
             seq.blocks.append(cache.allocate())
 
@@ -303,11 +360,18 @@ class Engine:
         for i in range(before // S, seq.n_cached // S):
             cache.register(tuple(seq.tokens[:(i + 1) * S]), seq.blocks[i])
 
-    @staticmethod
-    def _used_slots(cache: PagedKVCache, running: list) -> int:
+    def _used_slots(self, cache: PagedKVCache, running: list) -> int:
         """Slots holding a cached token, each shared block counted once: the running sequences' cached tokens, less a
         block's S slots for each reference to a block beyond its first (only full blocks are shared, found by prefix;
-        every table holds just the blocks its n_cached fill)."""
+        every table holds just the blocks its n_cached fill; a forked sequence's shared last block, partly filled, holds
+        n_cached % S for every sequence that shares it)."""
         tables = [seq.blocks for seq in running]
         shared = sum(map(len, tables)) - len(set(itertools.chain.from_iterable(tables)))  # references beyond the first
-        return sum(seq.n_cached for seq in running) - cache.block_size * shared
+        used = sum(seq.n_cached for seq in running) - cache.block_size * shared
+        if self.forked:  # parallel sampling: a partly filled last block may be shared too (it holds n_cached % S)
+            S, tails = cache.block_size, {}
+            for seq in running:
+                if seq.shared_tail and seq.n_cached % S:
+                    tails[seq.blocks[-1]] = tails.get(seq.blocks[-1], -1) + 1  # references beyond the first
+                    used += (S - seq.n_cached % S) * (tails[seq.blocks[-1]] > 0)
+        return used

@@ -25,13 +25,49 @@ def choose_token(logits: torch.Tensor, greedy: int, tokens: list, prompt_len: in
     processors: the processor functions ``process_logits`` runs, as its keywords (``Engine.reset``'s); default its own."""
     if sampling is None:
         return greedy
+    return _pick(*scores_drawn_from(logits, tokens, prompt_len, sampling, processors), generator)
+
+
+def scores_drawn_from(logits: torch.Tensor, tokens: list, prompt_len: int, sampling: dict | None,
+                      processors: dict | None = None) -> tuple:
+    """(scores (1, V) float32, drawn): the scores ``choose_token`` picks the next token from, and whether it draws
+    from softmax(scores) (True) or takes their argmax (False: greedy, or a temperature below ``GREEDY_BELOW``, whose
+    scores are the logits after the penalties only)."""
+    if sampling is None:
+        return logits[None].float(), False
     ids = torch.tensor([tokens])
-    if sampling.get("temperature", 1.0) < GREEDY_BELOW:
-        settings = {key: value for key, value in sampling.items() if key != "temperature"}
-        return int(greedy_choice(process_logits(logits[None].float(), ids, ids[:, prompt_len:], **settings,
-                                                **(processors or {}))))
-    scores = process_logits(logits[None].float(), ids, ids[:, prompt_len:], **sampling, **(processors or {}))
-    return int(sample_choice(scores, generator))  # the course's one sampler, on the request's own generator
+    drawn = sampling.get("temperature", 1.0) >= GREEDY_BELOW
+    settings = sampling if drawn else {key: value for key, value in sampling.items() if key != "temperature"}
+    return process_logits(logits[None].float(), ids, ids[:, prompt_len:], **settings, **(processors or {})), drawn
+
+
+def _pick(scores: torch.Tensor, drawn: bool, generator) -> int:
+    # the course's one sampler, on the request's own generator; or the argmax
+    return int(sample_choice(scores, generator) if drawn else greedy_choice(scores))
+
+
+def choose_with_logprobs(logits: torch.Tensor, greedy: int, tokens: list, prompt_len: int, sampling: dict | None,
+                         generator, processors: dict | None, k: int) -> tuple:
+    """``choose_token``'s token (the same draw from the same generator) and its ``token_logprobs`` with the top k."""
+    scores, drawn = scores_drawn_from(logits, tokens, prompt_len, sampling, processors)
+    token = greedy if sampling is None else _pick(scores, drawn, generator)
+    return token, token_logprobs(scores[0], token, k)
+
+
+def token_logprobs(scores: torch.Tensor, token: int, k: int) -> tuple:
+    """(log-probability of `token`, [(token id, log-probability)] of the k most likely, most likely first) under
+    log_softmax(scores), scores (V,) from ``scores_drawn_from``.
+
+    Which distribution: the one the token was drawn from, AFTER the processors (penalties, temperature, top-k,
+    top-p, min-p): a token a filter removed has log-probability -inf, and the chosen one is never -inf. A greedy
+    request (no sampling settings, or a temperature below GREEDY_BELOW) takes an argmax and draws from nothing: its
+    distribution is the model's softmax after the penalties only (temperature 1, no filter). vLLM returns the raw
+    model's log-probabilities by default (``logprobs_mode="raw_logprobs"``, before any processor; "processed_logprobs"
+    gives these): we report what the sampler actually used, so that the log-probability of a sampled sequence is
+    the sum of its tokens' and its top-k are the tokens it could have drawn, which the raw model's are not."""
+    logprobs = torch.log_softmax(scores.double(), dim=-1)
+    values, ids = torch.topk(logprobs, k) if k else (logprobs[:0], logprobs[:0].long())
+    return float(logprobs[token]), list(zip(ids.tolist(), values.tolist()))
 
 
 def argmaxes(logits: torch.Tensor) -> list:

@@ -10,7 +10,7 @@ import torch
 from ..kv_cache import KVCache, cached_forward
 from ..validation import check_positive
 from .metrics import StepLog
-from .request import pending_requests, validate
+from .request import Request, pending_requests, validate
 from .sampler import argmaxes, choose_token
 
 
@@ -36,7 +36,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8, *, reserve: 
                          f"(the model's context length per row), got {reserve!r}")
     model.eval()
     context, vocab = model.config.block_size, model.config.vocab_size
-    results, pending = pending_requests(requests)
+    results, pending = pending_requests(requests, most_n=1)  # n > 1 is rejected: one name each
     arrived, log = [], StepLog()
     start_time = time.perf_counter()
     step = 0
@@ -46,7 +46,7 @@ def static_batching(model, requests: list, max_batch_size: int = 8, *, reserve: 
             request = pending.pop(0)
             results[request.name].arrival_time = now
             try:
-                validate(request, context, vocab_size=vocab)
+                _validate(request, context, vocab)
                 arrived.append(request)
             except ValueError as error:
                 results[request.name].error = str(error)
@@ -116,9 +116,17 @@ def static_batching(model, requests: list, max_batch_size: int = 8, *, reserve: 
                 request = pending.pop(0)
                 results[request.name].arrival_time = time.perf_counter() - start_time
                 try:
-                    validate(request, context, vocab_size=vocab)
+                    _validate(request, context, vocab)
                     arrived.append(request)
                 except ValueError as error:
                     results[request.name].error = str(error)
     log.seconds, log.steps = time.perf_counter() - start_time, step
     return results, log
+
+
+def _validate(request: Request, context: int, vocab: int) -> None:
+    """``validate``, and the baseline's limits: one sequence per request (n = 1), no log-probabilities."""
+    validate(request, context, vocab_size=vocab)
+    if request.n != 1 or request.logprobs is not None:
+        raise ValueError(f"request {request.name}: static batching (the baseline) serves n = 1 without logprobs, got "
+                         f"n = {request.n}, logprobs = {request.logprobs}")

@@ -182,23 +182,24 @@ def test_32_concurrent_clients_all_finish_with_their_tokens(client, model, token
 # ---------------------------------------------------------------------------------------------------- disconnects
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, monkeypatch):
+@pytest.mark.parametrize("n", [1, 3])  # n = 3: every choice aborted, the shared prompt blocks too
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, monkeypatch, n):
     loop = server.engine_loop
     slow_down(monkeypatch, loop.engine, 0.01)  # 100 tokens take 1 s or more: the disconnect comes long before
     before = dict(loop.counts)
-    body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 100, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 100, "temperature": 0, "stream": True, "n": n}
     with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         for _ in range(3):  # three tokens in: the request runs and holds blocks
             assert next(lines).startswith("data: {") and next(lines) == ""
         assert any(loop.engine.cache.refs)
-    wait_until(lambda: loop.counts["aborted"] == before["aborted"] + 1 and engine_idle(server),
-               what="the engine aborts the request and frees its blocks")
+    wait_until(lambda: loop.counts["aborted"] == before["aborted"] + n and engine_idle(server),
+               what="the engine aborts the request's sequences and frees their blocks")
     assert loop.counts["finished"] == before["finished"]  # it did not run to its 100 tokens
     # not streamed: the client gives up waiting
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/completions", json={**body, "stream": False}, timeout=httpx.Timeout(30, read=0.05))
-    wait_until(lambda: loop.counts["aborted"] == before["aborted"] + 2 and engine_idle(server),
+    wait_until(lambda: loop.counts["aborted"] == before["aborted"] + 2 * n and engine_idle(server),
                what="the engine aborts the non-streamed request too")
     assert loop.counts["finished"] == before["finished"]
 
@@ -234,8 +235,13 @@ BAD = [  # (changes to a good body, the field the error names, HTTP status)
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
     ({"stream": "yes"}, "stream", 400),
     ({"stream_options": {"include_usage": True}}, "stream_options", 400),  # without stream
-    ({"n": 2}, "n", 400),
-    ({"logprobs": 2}, "logprobs", 400),
+    ({"n": 0}, "n", 400),
+    ({"n": 1.5}, "n", 400),
+    ({"n": True}, "n", 400),
+    ({"n": 200}, "n", 400),  # 200 sequences of 19 + 8 tokens: 2 + 200 * 2 blocks of 8, the pool holds 256
+    ({"logprobs": 6}, "logprobs", 400),  # OpenAI's range: [0, 5]
+    ({"logprobs": -1}, "logprobs", 400),
+    ({"logprobs": True}, "logprobs", 400),  # chat's form; completions take an integer
     ({"model": "gpt-4"}, "model", 404),
 ]
 
@@ -274,16 +280,143 @@ def test_each_bad_request_gets_an_error_naming_its_field_while_a_running_request
     assert out["text"] == alone(model, tokenizer, PROMPTS[7], 90)
 
 
+# ------------------------------------------------------------------------------------------------ n, logprobs, models
+
+
+def choices_of_stream(client, **kwargs) -> tuple:
+    """({index: text}, {index: finish_reason}, {index: logprobs lists joined}, usage) of a streamed completion."""
+    texts, finishes, logprobs, usage = {}, {}, {}, None
+    for c in client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True}, **kwargs):
+        if c.usage is not None:
+            usage = c.usage
+        for choice in c.choices:
+            assert finishes.get(choice.index) is None, "an event after the choice's finish_reason"
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            finishes[choice.index] = choice.finish_reason
+            if choice.logprobs is not None:
+                joined = logprobs.setdefault(choice.index, {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                            "text_offset": []})
+                for key in joined:
+                    joined[key] += getattr(choice.logprobs, key)
+    return texts, finishes, logprobs, usage
+
+
+def test_n_choices_are_the_requests_seeded_seed_plus_i_alone_and_greedy_ones_are_identical(client, model, tokenizer,
+                                                                                         server):
+    kw = dict(prompt=PROMPTS[2], max_tokens=14, temperature=0.9, top_p=0.95)
+    want = [sampled_alone(model, tokenizer, PROMPTS[2], 14, 0.9, 0.95, 21 + i) for i in range(4)]
+    response = client.completions.create(model=MODEL, n=4, seed=21, **kw)
+    assert sorted(c.index for c in response.choices) == [0, 1, 2, 3]
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == want
+    assert len(set(want)) > 1 and all(c.finish_reason == "length" for c in response.choices)
+    assert response.usage.completion_tokens == 4 * 14
+    texts, finishes, _, usage = choices_of_stream(client, n=4, seed=21, **kw)
+    assert [texts[i] for i in range(4)] == want and set(finishes.values()) == {"length"}
+    assert usage.completion_tokens == 4 * 14 and usage.prompt_tokens == len(tokenizer.encode(PROMPTS[2]))
+    greedy = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=12, temperature=0, n=3)
+    assert [c.text for c in greedy.choices] == [alone(model, tokenizer, PROMPTS[4], 12)] * 3
+    wait_until(lambda: engine_idle(server), what="every block back")
+
+
+@pytest.mark.parametrize("late_aborts", [False, True])
+def test_a_stop_string_ends_one_choice_and_the_others_go_on(client, model, tokenizer, server, monkeypatch, late_aborts):
+    """late_aborts: the engine never hears of the aborts, so a stopped choice's tokens keep coming after its stop
+    (as those of the steps run before an abort reaches the engine do): they are not sent, nor end the others."""
+    if late_aborts:
+        monkeypatch.setattr(server.engine_loop, "abort", lambda name: None)
+    texts = [sampled_alone(model, tokenizer, PROMPTS[0], 30, 1.0, 1.0, 3 + i) for i in range(3)]
+    stop = texts[1][10:12]  # met in choice 1 by its 12th character; maybe in the others too, maybe not
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=1.0, seed=3, n=3,
+                                         stop=stop)
+    for choice in response.choices:
+        text = texts[choice.index]
+        assert choice.text == (text[:text.find(stop)] if stop in text else text)
+        assert choice.finish_reason == ("stop" if stop in text else "length")
+    assert len(response.choices) == 3 and any(stop not in text for text in texts)  # one choice ran to its length
+    wait_until(lambda: engine_idle(server), what="every block back")
+
+
+def logprobs_oracle(model, tokenizer, prompt: str, text: str, sampling: dict, k: int) -> list:
+    """Per token of `text` (char-gpt: one per character): (its log-probability, {token text: log-probability} of the
+    k most likely and of it), from a float64 copy of the model over the whole sequence at once, chapter 06's
+    processors applied in float64, log_softmax; -inf (filtered) reported as -9999.0."""
+    import copy
+
+    from course_lib.decoding import process_logits
+
+    ids, new = tokenizer.encode(prompt), tokenizer.encode(text)
+    idx = torch.tensor([ids + new])
+    with torch.no_grad():
+        logits = copy.deepcopy(model).double()(idx)[0][0]
+    out = []
+    for j, token in enumerate(new):
+        t = len(ids) + j
+        logprobs = torch.log_softmax(process_logits(logits[t - 1][None], idx[:, :t], idx[:, len(ids):t],
+                                                    **sampling)[0], -1).clamp(min=-9999.0)
+        top = torch.topk(logprobs, k)
+        alternatives = {tokenizer.decode([i]): v for i, v in zip(top.indices.tolist(), top.values.tolist())}
+        alternatives[tokenizer.decode([token])] = float(logprobs[token])
+        out.append((float(logprobs[token]), alternatives))
+    return out
+
+
+def assert_logprobs(got, oracle, text: str) -> None:
+    assert got["tokens"] == list(text) and got["text_offset"] == list(range(len(text)))
+    assert len(got["token_logprobs"]) == len(got["top_logprobs"]) == len(oracle)
+    for value, alternatives, (want, want_alternatives) in zip(got["token_logprobs"], got["top_logprobs"], oracle):
+        assert value == pytest.approx(want, abs=1e-4) and value > -9999.0  # a drawn token was never filtered
+        assert alternatives.keys() == want_alternatives.keys()
+        assert all(alternatives[key] == pytest.approx(v, abs=1e-4) for key, v in want_alternatives.items())
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.7, top_p=0.6, frequency_penalty=0.5),
+                                      dict(temperature=0.0, presence_penalty=1.0)])
+def test_logprobs_through_the_official_client_equal_a_float64_recomputation(client, model, tokenizer, sampling):
+    kw = dict(prompt=PROMPTS[5], max_tokens=12, logprobs=3, seed=8, **sampling)
+    oracle_settings = {key: v for key, v in sampling.items() if key != "temperature" or v > 0}  # 0: greedy, no warper
+    response = client.completions.create(model=MODEL, n=2, **kw)
+    texts, _, logprobs, _ = choices_of_stream(client, n=2, **kw)  # their log-probabilities spread over the events
+    for choice in response.choices:
+        oracle = logprobs_oracle(model, tokenizer, PROMPTS[5], choice.text, oracle_settings, 3)
+        assert_logprobs(choice.logprobs.model_dump(), oracle, choice.text)
+        assert texts[choice.index] == choice.text
+        assert_logprobs(logprobs[choice.index], oracle, choice.text)
+    if sampling["temperature"]:  # top_p 0.6 leaves few tokens: a filtered one among the top 3 reports -9999.0
+        assert any(-9999.0 in alt.values() for c in response.choices for alt in c.logprobs.top_logprobs)
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_logprobs_stop_with_the_text_at_a_stop_string(client, model, tokenizer):
+    text = alone(model, tokenizer, PROMPTS[6], 20)
+    stop = text[8:10]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=20, temperature=0, logprobs=0,
+                                         stop=stop)
+    cut = text[:text.find(stop)]
+    assert response.choices[0].text == cut and response.choices[0].finish_reason == "stop"
+    oracle = logprobs_oracle(model, tokenizer, PROMPTS[6], cut, {}, 0)
+    assert_logprobs(response.choices[0].logprobs.model_dump(), oracle, cut)
+
+
+def test_v1_models_lists_the_served_model_in_openai_s_format(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL] and models.data[0].object == "model"
+    assert isinstance(models.data[0].created, int) and models.data[0].owned_by
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
 # ---------------------------------------------------------------------------------------------------- hostile clients
 
 
 def brute_cut(text: str, stops: list) -> tuple:
-    """stop_cut's contract by brute force: the first stop's start; else the known text (no U+FFFD at its end) less
-    its longest tail that is a proper prefix of a stop string."""
-    found = [text.index(s) for s in stops if s in text]
+    """stop_cut's contract by brute force: the first stop's start in the known text (no U+FFFD at its end); else the
+    known text less its longest tail that is a proper prefix of a stop string."""
+    known = text.rstrip("\ufffd")  # a stop is looked for in the settled text (stop_cut with final: the whole text)
+    found = [known.index(s) for s in stops if s in known]
     if found:
         return min(found), True
-    known = text.rstrip("\ufffd")
     held = max((k for s in stops for k in range(1, len(s)) if known.endswith(s[:k])), default=0)
     return len(known) - held, False
 
@@ -304,6 +437,9 @@ def test_stop_cut_is_the_brute_force_cut_token_by_token_and_a_100_kb_stop_string
             sent = end
     # the stop's first character split over two tokens (" " then the bytes of "\u00e9"): nothing leaks before it
     assert stop_cut(" \ufffd", [" \u00e9"]) == (0, False) and stop_cut(" \u00e9", [" \u00e9"], 0) == (0, True)
+    # a stop holding U+FFFD: not met by a character whose bytes are not all there yet, unless the text is final
+    assert stop_cut("ab \ufffd", [" \ufffd"], 1) == (2, False)
+    assert stop_cut("ab \ufffd", [" \ufffd"], 1, final=True) == (2, True)
     long_stop = "x" * 100_000 + "y"  # 100 KB: the old check copied every prefix of it for every token
     text, sent, start = "", 0, time.perf_counter()
     for i in range(2000):
@@ -518,8 +654,12 @@ class ByteTokenizer:
         return b"".join(self.table[int(i)] for i in ids).decode("utf-8", errors="replace")
 
 
-def test_a_stop_string_whose_first_character_is_split_over_two_tokens_releases_nothing_of_it(model, tokenizer,
-                                                                                             monkeypatch):
+@pytest.mark.parametrize("stop", [" \u00e9", " \ufffd"])
+def test_a_character_split_over_two_tokens_neither_leaks_before_a_stop_nor_matches_a_stop_holding_u_fffd(
+        model, tokenizer, monkeypatch, stop):
+    """" \u00e9" as a stop: nothing of it is released (its " " came first, alone). " \ufffd" as a stop: the text
+    " \ufffd" seen between the two tokens is not the text (the second token completes the character), so the stop
+    matches only where the final text holds it; the old check matched it there and cut the text early."""
     import course_lib.server as server_module
 
     ids = tokenizer.encode(PROMPTS[0])
@@ -527,18 +667,20 @@ def test_a_stop_string_whose_first_character_is_split_over_two_tokens_releases_n
     j = next(j for j in range(1, len(tokens) - 1) if tokens[j] != tokens[j + 1]
              and tokens[j] not in tokens[:j] and tokens[j + 1] not in tokens[:j + 1])  # a pair met here first
     fake = ByteTokenizer(tokenizer, tokens[j], tokens[j + 1])
-    want = fake.decode(tokens[:j])  # the text before " \u00e9", decoded on its own
+    final = fake.decode(tokens)  # the whole text, decoded at once: the stop's first place in it ends the completion
+    want = final[:final.find(stop)] if stop in final else final
+    assert (want == fake.decode(tokens[:j])) == (stop == " \u00e9")  # the old check cut at j for " \ufffd" too
     monkeypatch.setattr(server_module, "_load", lambda name: (model, fake))
     with Server(MODEL, num_blocks=64, block_size=8) as running:
         for stream in (False, True):
-            body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "stop": " \u00e9",
+            body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "stop": stop,
                     "stream": stream}
             with httpx.stream("POST", f"{running.url}/completions", json=body, timeout=30) as response:
                 raw = b"".join(response.iter_bytes()).decode()
             pieces = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")] if stream \
                 else [json.loads(raw)]
             assert "".join(p["choices"][0]["text"] for p in pieces) == want, stream  # no " " before the stop
-            assert pieces[-1]["choices"][0]["finish_reason"] == "stop"
+            assert pieces[-1]["choices"][0]["finish_reason"] == ("stop" if stop in final else "length")
 
 
 class BlockingTokenizer:
@@ -642,11 +784,15 @@ def test_an_engine_fault_while_adding_a_request_fails_the_open_requests_and_the_
     from course_lib.server import EngineLoop
 
     events = {name: [] for name in ("before", "broken", "after")}
+
+    def to(name):  # deliver(index, event): one sequence per request here (n = 1)
+        return lambda index, event: events[name].append((index, *event))
+
     loop = EngineLoop(Engine(model, num_blocks=64, block_size=8))
     slow_down(monkeypatch, loop.engine, 0.01)  # the first request surely still runs when the fault comes
     loop.start()
     try:
-        loop.add(Request("before", [5, 6, 7], 120), events["before"].append)  # long: still running at the fault
+        loop.add(Request("before", [5, 6, 7], 120), to("before"))  # long: still running at the fault
         wait_until(lambda: events["before"], what="the first request's first token")
         original = loop.engine.add_request
 
@@ -655,12 +801,13 @@ def test_an_engine_fault_while_adding_a_request_fails_the_open_requests_and_the_
             raise RuntimeError("a bug in the engine")
 
         monkeypatch.setattr(loop.engine, "add_request", broken_once)
-        loop.add(Request("broken", [5, 6], 4), events["broken"].append)
-        loop.add(Request("after", [5, 6, 7], 4), events["after"].append)
-        wait_until(lambda: events["after"] and events["after"][-1][0] in ("done", "error"), what="the next request")
+        loop.add(Request("broken", [5, 6], 4), to("broken"))
+        loop.add(Request("after", [5, 6, 7], 4), to("after"))
+        wait_until(lambda: events["after"] and events["after"][-1][1] in ("done", "error"), what="the next request")
     finally:
         loop.close(timeout=30)
-    assert events["before"][-1] == ("error", "the engine failed: RuntimeError: a bug in the engine")
-    tokens = [token for kind, token in events["after"] if kind in ("token", "done")]
-    assert events["after"][-1][0] == "done" and tokens == generate_cached(model, torch.tensor([[5, 6, 7]]), 4)[0, 3:].tolist()
+    assert events["before"][-1] == (0, "error", "the engine failed: RuntimeError: a bug in the engine", None)
+    tokens = [token for index, kind, token, logprobs in events["after"] if kind in ("token", "done") and index == 0]
+    assert events["after"][-1][1] == "done"
+    assert tokens == generate_cached(model, torch.tensor([[5, 6, 7]]), 4)[0, 3:].tolist()
     assert events["broken"] == [] and loop.counts["failed"] == 1
