@@ -297,8 +297,12 @@ class ChoiceText:
             stop = n
         elif finish == "stop":
             stop = j + sum(1 for start in self.starts[j:] if start < end)
-        else:
-            stop = j + sum(1 for k in range(j, n) if (self.starts[k + 1] if k + 1 < n else len(self.text)) <= end)
+        else:  # a token's text ends where the next token that begins after it begins (the tokens of a character
+            # split over several all end with its last one), or at the text's end
+            ends = [len(self.text)] * (n - j)
+            for k in range(n - 2, j - 1, -1):
+                ends[k - j] = self.starts[k + 1] if self.starts[k + 1] > self.starts[k] else ends[k + 1 - j]
+            stop = j + sum(1 for token_end in ends if token_end <= end)
         self.released = stop
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         decode = self.tokenizer.decode

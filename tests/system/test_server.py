@@ -639,13 +639,14 @@ def test_a_body_sent_a_byte_now_and_then_is_refused_in_time_and_holds_up_no_shut
 
 
 class ByteTokenizer:
-    """char-gpt's characters as bytes, but for two token ids: `first` decodes to b" \xc3" and `second` to b"\xa9",
-    so that together they are " \u00e9", whose "\u00e9" is split over the two (as byte-level BPE splits characters)."""
+    """char-gpt's characters as bytes, but for the token ids of `split` ({id: bytes}); by default two: `first` decodes
+    to b" \xc3" and `second` to b"\xa9", so that together they are " \u00e9", whose "\u00e9" is split over the two
+    (as byte-level BPE splits characters)."""
 
-    def __init__(self, chars, first: int, second: int):
+    def __init__(self, chars, first: int = None, second: int = None, split: dict | None = None):
         self.chars, self.vocab_size = chars, chars.vocab_size
         self.table = {i: chars.decode([i]).encode() for i in range(chars.vocab_size)}
-        self.table.update({first: b" \xc3", second: b"\xa9"})
+        self.table.update(split or {first: b" \xc3", second: b"\xa9"})
 
     def encode(self, text: str) -> list:
         return self.chars.encode(text)
@@ -681,6 +682,39 @@ def test_a_character_split_over_two_tokens_neither_leaks_before_a_stop_nor_match
                 else [json.loads(raw)]
             assert "".join(p["choices"][0]["text"] for p in pieces) == want, stream  # no " " before the stop
             assert pieces[-1]["choices"][0]["finish_reason"] == ("stop" if stop in final else "length")
+
+
+def test_logprobs_of_a_character_split_over_three_tokens_all_come_with_its_text(model, tokenizer, monkeypatch):
+    """"\u6771" (3 bytes) split over three tokens: each of the 40 tokens has its log-probability, streamed or not;
+    the three come in the chunk that sends the character, at its offset. (The second token's text seemed to end
+    where the third's began, inside the character: it was released with no text, in no chunk, and lost.)"""
+    import course_lib.server as server_module
+
+    ids = tokenizer.encode(PROMPTS[0])
+    tokens = generate_cached(model, torch.tensor([ids]), 40)[0, len(ids):].tolist()
+    j = next(j for j in range(len(tokens) - 2) if len(set(tokens[j:j + 3])) == 3
+             and not set(tokens[j:j + 3]) & set(tokens[:j]))  # three tokens met here first
+    fake = ByteTokenizer(tokenizer, split=dict(zip(tokens[j:j + 3], (b"\xe6", b"\x9d", b"\xb1"))))
+    final = fake.decode(tokens)
+    offset = len(fake.decode(tokens[:j]))
+    assert final[offset] == "\u6771"
+    monkeypatch.setattr(server_module, "_load", lambda name: (model, fake))
+    with Server(MODEL, num_blocks=64, block_size=8) as running:
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "logprobs": 1,
+                    "stream": stream}
+            with httpx.stream("POST", f"{running.url}/completions", json=body, timeout=30) as response:
+                raw = b"".join(response.iter_bytes()).decode()
+            chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")] if stream \
+                else [json.loads(raw)]
+            choices = [c["choices"][0] for c in chunks]
+            assert "".join(c["text"] for c in choices) == final
+            offsets = [o for c in choices for o in c["logprobs"]["text_offset"]]
+            assert len(offsets) == 40, (stream, len(offsets))
+            assert offsets[j:j + 3] == [offset] * 3 and offsets[j + 3] == offset + 1
+            if stream:
+                carrier = next(c for c in choices if "\u6771" in c["text"])
+                assert carrier["logprobs"]["text_offset"].count(offset) == 3
 
 
 class BlockingTokenizer:
