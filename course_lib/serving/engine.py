@@ -302,8 +302,8 @@ class Engine:
 
     def _admissible(self, waiting: list, running: list) -> list:
         """The first waiting sequences that fit under max_num_seqs beside the running ones (a request with n > 1 not
-        forked yet counts n)."""
-        room = self.max_num_seqs - len(running)
+        forked yet counts n, waiting or running)."""
+        room = self.max_num_seqs - sum(1 + len(seq.forks) for seq in running)
         for end, seq in enumerate(waiting):
             room -= 1 + len(seq.forks)
             if room < 0:
