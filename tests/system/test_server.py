@@ -28,7 +28,7 @@ import openai  # noqa: E402
 from course_lib import assets, bench, cli  # noqa: E402
 from course_lib.bench import bench_serve_http, format_serve_http  # noqa: E402
 from course_lib.kv_cache import generate_cached  # noqa: E402
-from course_lib.server import Server  # noqa: E402
+from course_lib.server import ChoiceText, Server  # noqa: E402
 from course_lib.serving import Engine, Request  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -419,6 +419,39 @@ def brute_cut(text: str, stops: list) -> tuple:
         return min(found), True
     held = max((k for s in stops for k in range(1, len(s)) if known.endswith(s[:k])), default=0)
     return len(known) - held, False
+
+
+def test_each_token_s_logprobs_come_once_with_the_text_of_its_first_byte_s_character_brute_force():
+    """Random UTF-8 texts (1- to 4-byte characters) cut into tokens of 1 to 3 bytes anywhere, fed to a choice as the
+    server does (a chunk goes out when it holds text or a finish_reason): every token's log-probability comes exactly
+    once, in order, by the end, at the offset of the character holding its first byte (counted from the text's
+    characters' byte lengths), never in a chunk before the one that sends that character."""
+    rng = random.Random(0)
+    alphabet = ["a", " ", ".", "\u00e9", "\u6771", "\u20ac", "\U0001f600"]
+    for _ in range(300):
+        chars = [rng.choice(alphabet) for _ in range(rng.randrange(1, 10))]
+        data = "".join(chars).encode()
+        cuts = [0]
+        while cuts[-1] < len(data):
+            cuts.append(min(len(data), cuts[-1] + rng.randrange(1, 4)))
+        table = {i: data[a:b] for i, (a, b) in enumerate(zip(cuts, cuts[1:]))}
+
+        class Bytes:
+            def decode(self, ids):
+                return b"".join(table[i] for i in ids).decode("utf-8", errors="replace")
+
+        char_of_byte = [i for i, ch in enumerate(chars) for _ in ch.encode()]
+        choice, sent, released = ChoiceText(Bytes(), [], True), "", []
+        for i in table:
+            text, finish, logprobs = choice.add(i, (-float(i), []), i == len(table) - 1)
+            if text or finish:
+                sent += text
+                released += zip(logprobs["token_logprobs"], logprobs["text_offset"])
+                assert all(offset < len(sent) for _, offset in released)
+            else:
+                assert not logprobs["tokens"], "released in no chunk: lost"
+        assert sent == "".join(chars)
+        assert released == [(-float(i), char_of_byte[cuts[i]]) for i in table]
 
 
 def test_stop_cut_is_the_brute_force_cut_token_by_token_and_a_100_kb_stop_string_costs_nothing_more():
