@@ -270,16 +270,20 @@ class ChoiceText:
     def __init__(self, tokenizer, stops: list, logprobs: bool):
         self.tokenizer, self.stops, self.logprobs = tokenizer, stops, logprobs
         self.tokens, self.text, self.sent, self.finish = [], "", 0, None
-        self.starts, self.entries, self.released = [], [], 0  # per token: where its text begins, its Result.logprobs
+        self.starts, self.ends, self.entries, self.released = [], [], [], 0  # per token: where its text begins and
+        # ends (the end of the character holding its last byte: U+FFFD holds an unfinished character's place), its
+        # Result.logprobs
 
     def add(self, token: int, entry, last: bool) -> tuple:
         """The next token (entry: its log-probabilities, or None); `last`: the request's last token. Returns (text to
         send, "stop", "length" or None, the log-probabilities to send or None)."""
-        if self.logprobs:
-            self.starts.append(len(self.text.rstrip("\ufffd")))
-            self.entries.append(entry)
+        previous = self.text
         self.tokens.append(token)
         self.text = text = self.tokenizer.decode(self.tokens)
+        if self.logprobs:
+            self.starts.append(len(previous.rstrip("\ufffd")))
+            self.ends.append(len(text))
+            self.entries.append(entry)
         end, stopped = stop_cut(text, self.stops, self.sent, final=last)
         if last and not stopped:
             end = len(text)  # the end: nothing is held back
@@ -297,8 +301,8 @@ class ChoiceText:
             stop = n
         elif finish == "stop":
             stop = j + sum(1 for start in self.starts[j:] if start < end)
-        else:
-            stop = j + sum(1 for k in range(j, n) if (self.starts[k + 1] if k + 1 < n else len(self.text)) <= end)
+        else:  # the tokens whose text is sent (a character split over tokens: with its last one)
+            stop = j + sum(1 for token_end in self.ends[j:] if token_end <= end)
         self.released = stop
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         decode = self.tokenizer.decode

@@ -28,7 +28,8 @@ The modules, along the seams of vLLM (v1) and nano-vllm:
 
 ============== ==========================================================================================
 ``request``      ``Request`` (its sampling settings: ``SAMPLING``), ``Result``, ``validate``, ``Sequence`` (``fork``)
-``block_pool``   ``PagedKVCache`` (blocks, free list, reference counts, prefix cache, copy on write), ``block_hashes``
+``block_pool``   ``PagedKVCache`` (blocks, free list, reference counts, prefix cache, copy on write), ``block_hashes``;
+                 a sequence's block table against it: ``allocate_slots``, ``cache_full_blocks``, ``used_slots``
 ``scheduler``    ``schedule_step`` (an exercise)
 ``model_runner`` ``slot_mapping``, ``paged_attention`` (exercises), the pass's layout, ``paged_forward``
 ``sampler``      the next token: the argmax, or chapter 06's processors and a draw; its log-probabilities

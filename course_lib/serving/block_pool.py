@@ -1,11 +1,14 @@
 """The paged KV cache: one pool of fixed-size blocks for every layer, a free list, reference counts and the prefix
-cache (vLLM's ``core/block_pool.py`` and ``kv_cache_manager.py``, nano-vllm's ``engine/block_manager.py``).
+cache (vLLM's ``core/block_pool.py`` and ``kv_cache_manager.py``, nano-vllm's ``engine/block_manager.py``); a
+sequence's block table against the pool (``allocate_slots``, ``cache_full_blocks``, ``used_slots``: the kv_cache_manager's
+part, parallel sampling's copy on write included).
 
 Shapes: L layers, H heads, Dh head size, N blocks in the pool, S block size (slots per block). The pool of one layer
 holds keys (N, S, H, Dh) and values (N, S, H, Dh); slot ``b * S + o`` is offset o of block b.
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 import torch
@@ -125,3 +128,40 @@ class PagedKVCache:
             parent = h
         return blocks
 
+
+# ----------------------------------------------------------------------------------------------------
+# a sequence's block table (``serving.request.Sequence``: blocks, n_cached, tokens, shared_tail) against the pool
+
+
+def allocate_slots(cache: PagedKVCache, seq, n: int) -> None:
+    """Fresh blocks for positions n_cached .. n_cached + n - 1 (never a block another sequence holds: see
+    ``Sequence.find_prefix``; a forked sequence's shared last block is copied first)."""
+    if seq.shared_tail and seq.tail_copy_needed():
+        seq.blocks[-1] = cache.copy_on_write(seq.blocks[-1])
+    while len(seq.blocks) * cache.block_size < seq.n_cached + n:
+        seq.blocks.append(cache.allocate())
+
+
+def cache_full_blocks(cache: PagedKVCache, seq, before: int) -> None:
+    """Remember every block filled since `before` tokens were cached (for the prefix cache)."""
+    S = cache.block_size
+    for i in range(before // S, seq.n_cached // S):
+        cache.register(tuple(seq.tokens[:(i + 1) * S]), seq.blocks[i])
+
+
+def used_slots(cache: PagedKVCache, running: list, forked: bool = True) -> int:
+    """Slots holding a cached token, each shared block counted once: the running sequences' cached tokens, less a
+    block's S slots for each reference to a block beyond its first (only full blocks are shared, found by prefix;
+    every table holds just the blocks its n_cached fill; a forked sequence's shared last block, partly filled, holds
+    n_cached % S for every sequence that shares it). forked: whether any sequence may share a partly filled last
+    block (parallel sampling); False skips looking for one."""
+    tables = [seq.blocks for seq in running]
+    shared = sum(map(len, tables)) - len(set(itertools.chain.from_iterable(tables)))  # references beyond the first
+    used = sum(seq.n_cached for seq in running) - cache.block_size * shared
+    if forked:  # parallel sampling: a partly filled last block may be shared too (it holds n_cached % S)
+        S, tails = cache.block_size, {}
+        for seq in running:
+            if seq.shared_tail and seq.n_cached % S:
+                tails[seq.blocks[-1]] = tails.get(seq.blocks[-1], -1) + 1  # references beyond the first
+                used += (S - seq.n_cached % S) * (tails[seq.blocks[-1]] > 0)
+    return used

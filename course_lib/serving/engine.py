@@ -5,7 +5,6 @@ sampler picks each finished chunk's token; requests join and leave between steps
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -15,7 +14,7 @@ from .. import kernels
 from ..decoding import (apply_frequency_presence_penalty, apply_repetition_penalty, apply_temperature, min_p_filter,
                         top_k_filter, top_p_filter)
 from ..validation import check_positive, is_count
-from .block_pool import PagedKVCache
+from .block_pool import PagedKVCache, allocate_slots, cache_full_blocks, used_slots
 from .metrics import StepLog
 from .model_runner import paged_attention, paged_forward, slot_mapping
 from .request import Request, Result, Sequence, pending_requests, sample_names, validate
@@ -204,7 +203,7 @@ class Engine:
                 seq.result.admissions.append((seq.n_tokens, seq.n_cached))
         chunks, prefill_tokens = [], 0
         for seq, n in scheduled:
-            self._make_room(cache, seq, n)
+            allocate_slots(cache, seq, n)
             if not (n == 1 and seq.prompt_len <= seq.n_cached == seq.n_tokens - 1):  # not a decode: a prompt chunk
                 prefill_tokens += n
             chunks.append((seq.blocks, seq.n_cached, seq.tokens[seq.n_cached:seq.n_cached + n]))
@@ -225,7 +224,7 @@ class Engine:
                 output.finished += self._fail(cache, seq, running, step, failed[i])
                 continue
             seq.n_cached += n
-            self._register_full_blocks(cache, seq, seq.n_cached - n)
+            cache_full_blocks(cache, seq, seq.n_cached - n)
             if seq.n_cached != seq.n_tokens:  # a prompt chunk short of the end: no token yet
                 continue
             for seq in (seq, *self._fork(seq, running)) if seq.forks else (seq,):  # n > 1: its prompt is computed
@@ -261,7 +260,7 @@ class Engine:
         log.states.append(states)
         held = cache.num_blocks - len(cache.free)
         log.allocated.append(held * cache.block_bytes)
-        log.used.append(self._used_slots(cache, running) * cache.block_bytes // S)
+        log.used.append(used_slots(cache, running, self.forked) * cache.block_bytes // S)
         log.batch.append(len(scheduled))
         log.computed.append(sum(n for _, n in scheduled))
         log.prefill.append(prefill_tokens)
@@ -303,8 +302,8 @@ class Engine:
 
     def _admissible(self, waiting: list, running: list) -> list:
         """The first waiting sequences that fit under max_num_seqs beside the running ones (a request with n > 1 not
-        forked yet counts n)."""
-        room = self.max_num_seqs - len(running)
+        forked yet counts n, waiting or running)."""
+        room = self.max_num_seqs - sum(1 + len(seq.forks) for seq in running)
         for end, seq in enumerate(waiting):
             room -= 1 + len(seq.forks)
             if room < 0:
@@ -343,35 +342,3 @@ class Engine:
         else:
             lines.append("no block leaked: the scheduler returned nothing although it could schedule")
         return "; ".join(lines)
-
-    @staticmethod
-    def _make_room(cache: PagedKVCache, seq: Sequence, n: int) -> None:
-        """Fresh blocks for positions n_cached .. n_cached + n - 1 (never a block another sequence holds: see
-        find_prefix; a forked sequence's shared last block is copied first)."""
-        if seq.shared_tail and seq.tail_copy_needed():
-            seq.blocks[-1] = cache.copy_on_write(seq.blocks[-1])
-        while len(seq.blocks) * cache.block_size < seq.n_cached + n:
-            seq.blocks.append(cache.allocate())
-
-    @staticmethod
-    def _register_full_blocks(cache: PagedKVCache, seq: Sequence, before: int) -> None:
-        """Remember every block this step filled (for the prefix cache)."""
-        S = cache.block_size
-        for i in range(before // S, seq.n_cached // S):
-            cache.register(tuple(seq.tokens[:(i + 1) * S]), seq.blocks[i])
-
-    def _used_slots(self, cache: PagedKVCache, running: list) -> int:
-        """Slots holding a cached token, each shared block counted once: the running sequences' cached tokens, less a
-        block's S slots for each reference to a block beyond its first (only full blocks are shared, found by prefix;
-        every table holds just the blocks its n_cached fill; a forked sequence's shared last block, partly filled, holds
-        n_cached % S for every sequence that shares it)."""
-        tables = [seq.blocks for seq in running]
-        shared = sum(map(len, tables)) - len(set(itertools.chain.from_iterable(tables)))  # references beyond the first
-        used = sum(seq.n_cached for seq in running) - cache.block_size * shared
-        if self.forked:  # parallel sampling: a partly filled last block may be shared too (it holds n_cached % S)
-            S, tails = cache.block_size, {}
-            for seq in running:
-                if seq.shared_tail and seq.n_cached % S:
-                    tails[seq.blocks[-1]] = tails.get(seq.blocks[-1], -1) + 1  # references beyond the first
-                    used += (S - seq.n_cached % S) * (tails[seq.blocks[-1]] > 0)
-        return used

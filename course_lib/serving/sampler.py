@@ -14,6 +14,7 @@ from ..gpt import greedy_choice, sample_choice
 #: Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): logits divided by a temperature near 0
 #: overflow float32 (1e-45 gives inf and NaN probabilities), and the limit tau -> 0+ is the argmax anyway.
 GREEDY_BELOW = 1e-5
+PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")  # the processors a greedy request keeps
 
 
 def choose_token(logits: torch.Tensor, greedy: int, tokens: list, prompt_len: int, sampling: dict | None, generator,
@@ -32,12 +33,13 @@ def scores_drawn_from(logits: torch.Tensor, tokens: list, prompt_len: int, sampl
                       processors: dict | None = None) -> tuple:
     """(scores (1, V) float32, drawn): the scores ``choose_token`` picks the next token from, and whether it draws
     from softmax(scores) (True) or takes their argmax (False: greedy, or a temperature below ``GREEDY_BELOW``, whose
-    scores are the logits after the penalties only)."""
+    scores are the logits after the penalties only: temperature, top-k, top-p and min-p are dropped, as vLLM does
+    at temperature 0; no filter moves the argmax)."""
     if sampling is None:
         return logits[None].float(), False
     ids = torch.tensor([tokens])
     drawn = sampling.get("temperature", 1.0) >= GREEDY_BELOW
-    settings = sampling if drawn else {key: value for key, value in sampling.items() if key != "temperature"}
+    settings = sampling if drawn else {key: value for key, value in sampling.items() if key in PENALTIES}
     return process_logits(logits[None].float(), ids, ids[:, prompt_len:], **settings, **(processors or {})), drawn
 
 

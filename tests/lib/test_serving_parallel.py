@@ -179,6 +179,24 @@ def test_n_counts_against_max_num_seqs(small):
     assert all(results[name].error is None for name in ("a", "a/1", "a/2", "b"))
 
 
+def test_a_request_with_n_prefilling_over_several_steps_keeps_room_for_its_forks_under_max_num_seqs(small):
+    """"a" (n = 3) computes its 10-token prompt in chunks of 4, 4 and 2 (budget 4); "b" arrives meanwhile. Counted
+    by hand: "a" and its forks fill max_num_seqs = 3, so "b" waits until they leave; the running sequences never
+    exceed 3 (the cap counted a running "a" as 1 and admitted "b" beside its last chunk, with the budget's 2 tokens
+    left: the fork then made 4 run at once)."""
+    engine = Engine(small, num_blocks=40, block_size=4, token_budget=4, max_num_seqs=3)
+    engine.add_request(Request("a", list(range(1, 11)), 3, n=3, sampling=dict(temperature=1.0)))
+    most = 0
+    while engine.waiting or engine.running:
+        if engine.clock == 1:
+            engine.add_request(Request("b", [20, 21], 3))
+        engine.step()
+        most = max(most, len(engine.running))
+    assert most <= 3
+    assert all(engine.results[name].error is None for name in ("a", "a/1", "a/2", "b"))
+    assert engine.results["b"].first_token_step > engine.results["a"].finish_step
+
+
 def logprobs_oracle(model64, prompt, tokens, sampling, k):
     """Per emitted token: (its log-probability, the top k), from the float64 model over the whole sequence alone,
     the processors applied in float64 (greedy: the penalties only), log_softmax."""
@@ -186,8 +204,8 @@ def logprobs_oracle(model64, prompt, tokens, sampling, k):
     with torch.no_grad():
         logits = model64(idx)[0][0].double()  # (T, V): the logits at every position
     settings = dict(sampling or {})
-    if settings.get("temperature", 1.0) < 1e-5:
-        settings.pop("temperature")
+    if settings.get("temperature", 1.0) < 1e-5:  # greedy: an argmax, no draw; vLLM too drops the filters then
+        settings = {key: value for key, value in settings.items() if key.endswith("penalty")}
     out = []
     for j, token in enumerate(tokens):
         t = len(prompt) + j
@@ -198,7 +216,9 @@ def logprobs_oracle(model64, prompt, tokens, sampling, k):
     return out
 
 
-@pytest.mark.parametrize("sampling", [None, dict(temperature=0.0, frequency_penalty=1.0), *SETTINGS])
+@pytest.mark.parametrize("sampling", [None, dict(temperature=0.0, frequency_penalty=1.0), *SETTINGS,
+                                      dict(temperature=0.0, top_k=2, frequency_penalty=1.0),
+                                      dict(temperature=1e-7, top_p=0.3, min_p=0.5)])
 def test_logprobs_are_those_of_the_distribution_the_token_was_drawn_from(small, sampling):
     model64 = copy.deepcopy(small).double()
     requests = [Request(f"r{i}", list(range(3 + i, 12 + 2 * i)), 7, sampling=sampling, seed=40 + i, n=1 + (i == 1),

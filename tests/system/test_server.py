@@ -28,7 +28,7 @@ import openai  # noqa: E402
 from course_lib import assets, bench, cli  # noqa: E402
 from course_lib.bench import bench_serve_http, format_serve_http  # noqa: E402
 from course_lib.kv_cache import generate_cached  # noqa: E402
-from course_lib.server import Server  # noqa: E402
+from course_lib.server import ChoiceText, Server  # noqa: E402
 from course_lib.serving import Engine, Request  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -421,6 +421,39 @@ def brute_cut(text: str, stops: list) -> tuple:
     return len(known) - held, False
 
 
+def test_each_token_s_logprobs_come_once_with_the_text_of_its_first_byte_s_character_brute_force():
+    """Random UTF-8 texts (1- to 4-byte characters) cut into tokens of 1 to 3 bytes anywhere, fed to a choice as the
+    server does (a chunk goes out when it holds text or a finish_reason): every token's log-probability comes exactly
+    once, in order, by the end, at the offset of the character holding its first byte (counted from the text's
+    characters' byte lengths), never in a chunk before the one that sends that character."""
+    rng = random.Random(0)
+    alphabet = ["a", " ", ".", "\u00e9", "\u6771", "\u20ac", "\U0001f600"]
+    for _ in range(300):
+        chars = [rng.choice(alphabet) for _ in range(rng.randrange(1, 10))]
+        data = "".join(chars).encode()
+        cuts = [0]
+        while cuts[-1] < len(data):
+            cuts.append(min(len(data), cuts[-1] + rng.randrange(1, 4)))
+        table = {i: data[a:b] for i, (a, b) in enumerate(zip(cuts, cuts[1:]))}
+
+        class Bytes:
+            def decode(self, ids):
+                return b"".join(table[i] for i in ids).decode("utf-8", errors="replace")
+
+        char_of_byte = [i for i, ch in enumerate(chars) for _ in ch.encode()]
+        choice, sent, released = ChoiceText(Bytes(), [], True), "", []
+        for i in table:
+            text, finish, logprobs = choice.add(i, (-float(i), []), i == len(table) - 1)
+            if text or finish:
+                sent += text
+                released += zip(logprobs["token_logprobs"], logprobs["text_offset"])
+                assert all(offset < len(sent) for _, offset in released)
+            else:
+                assert not logprobs["tokens"], "released in no chunk: lost"
+        assert sent == "".join(chars)
+        assert released == [(-float(i), char_of_byte[cuts[i]]) for i in table]
+
+
 def test_stop_cut_is_the_brute_force_cut_token_by_token_and_a_100_kb_stop_string_costs_nothing_more():
     from course_lib.server import stop_cut
 
@@ -639,13 +672,14 @@ def test_a_body_sent_a_byte_now_and_then_is_refused_in_time_and_holds_up_no_shut
 
 
 class ByteTokenizer:
-    """char-gpt's characters as bytes, but for two token ids: `first` decodes to b" \xc3" and `second` to b"\xa9",
-    so that together they are " \u00e9", whose "\u00e9" is split over the two (as byte-level BPE splits characters)."""
+    """char-gpt's characters as bytes, but for the token ids of `split` ({id: bytes}); by default two: `first` decodes
+    to b" \xc3" and `second` to b"\xa9", so that together they are " \u00e9", whose "\u00e9" is split over the two
+    (as byte-level BPE splits characters)."""
 
-    def __init__(self, chars, first: int, second: int):
+    def __init__(self, chars, first: int = None, second: int = None, split: dict | None = None):
         self.chars, self.vocab_size = chars, chars.vocab_size
         self.table = {i: chars.decode([i]).encode() for i in range(chars.vocab_size)}
-        self.table.update({first: b" \xc3", second: b"\xa9"})
+        self.table.update(split or {first: b" \xc3", second: b"\xa9"})
 
     def encode(self, text: str) -> list:
         return self.chars.encode(text)
@@ -681,6 +715,40 @@ def test_a_character_split_over_two_tokens_neither_leaks_before_a_stop_nor_match
                 else [json.loads(raw)]
             assert "".join(p["choices"][0]["text"] for p in pieces) == want, stream  # no " " before the stop
             assert pieces[-1]["choices"][0]["finish_reason"] == ("stop" if stop in final else "length")
+
+
+def test_logprobs_of_a_character_split_over_three_tokens_all_come_with_its_text(model, tokenizer, monkeypatch):
+    """" \u6771": a token holding " " and the first byte of "\u6771" (3 bytes), then two tokens with the others: each
+    of the 40 tokens has its log-probability, streamed or not; the three come in the chunk that sends the character,
+    at their offsets. (A token's text seemed to end where the next token's began, inside the character: the first
+    and the second were released with no text, in no chunk, and lost.)"""
+    import course_lib.server as server_module
+
+    ids = tokenizer.encode(PROMPTS[0])
+    tokens = generate_cached(model, torch.tensor([ids]), 40)[0, len(ids):].tolist()
+    j = next(j for j in range(len(tokens) - 2) if len(set(tokens[j:j + 3])) == 3
+             and not set(tokens[j:j + 3]) & set(tokens[:j]))  # three tokens met here first
+    fake = ByteTokenizer(tokenizer, split=dict(zip(tokens[j:j + 3], (b" \xe6", b"\x9d", b"\xb1"))))
+    final = fake.decode(tokens)
+    offset = len(fake.decode(tokens[:j]))
+    assert final[offset:offset + 2] == " \u6771"
+    monkeypatch.setattr(server_module, "_load", lambda name: (model, fake))
+    with Server(MODEL, num_blocks=64, block_size=8) as running:
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "logprobs": 1,
+                    "stream": stream}
+            with httpx.stream("POST", f"{running.url}/completions", json=body, timeout=30) as response:
+                raw = b"".join(response.iter_bytes()).decode()
+            chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")] if stream \
+                else [json.loads(raw)]
+            choices = [c["choices"][0] for c in chunks]
+            assert "".join(c["text"] for c in choices) == final
+            offsets = [o for c in choices for o in c["logprobs"]["text_offset"]]
+            assert len(offsets) == 40, (stream, len(offsets))
+            assert offsets[j:j + 4] == [offset, offset + 1, offset + 1, offset + 2]
+            if stream:
+                carrier = next(c for c in choices if "\u6771" in c["text"])
+                assert carrier["logprobs"]["text_offset"][:3] == [offset, offset + 1, offset + 1]
 
 
 class BlockingTokenizer:
