@@ -10,9 +10,13 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# Installed without their dependencies: xgrammar (chapter 15's comparison) declares triton, a GPU compiler it does not
+# import on CPU; what it does import is pinned in pyproject.toml (torch, transformers, numpy), comes with a pin (pydantic, with openai) or is here.
+NO_DEPS = xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+$(VENV)/.installed: pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet --no-deps $(NO_DEPS)
 	@touch $@
 
 lab: setup                     ## start JupyterLab on notebooks/
