@@ -15,6 +15,7 @@ import torch
 import xgrammar
 
 from course_lib import assets, structured
+from course_lib.structured import automaton
 from course_lib.checks.ch15 import regex_allows, regex_allows_eos
 from course_lib.structured import Constraint, TokenIndex, constrained_mask, regex_dfa, schema_regex, token_index
 
@@ -188,7 +189,7 @@ def test_the_dfa_matches_and_stays_live_exactly_as_regex_says_on_random_strings(
 @pytest.mark.parametrize("lo,hi", [(0, 0x7F), (0x70, 0x90), (0x7F0, 0x810), (0xD7F0, 0xE010), (0xFFF0, 0x10010),
                                    (0x10FFF0, 0x10FFFF), (0xE9, 0xE9), (0x3B1, 0x3C9), (0x80, 0x7FF)])
 def test_utf8_ranges_cover_exactly_the_encodings_of_the_interval(lo, hi):
-    sequences = [seq for a, b in structured._normalise([(lo, hi)]) for seq in structured.utf8_ranges(a, b)]
+    sequences = [seq for a, b in automaton._normalise([(lo, hi)]) for seq in automaton.utf8_ranges(a, b)]
     covered = set()
     for seq in sequences:
         todo = [b""]
