@@ -24,8 +24,13 @@ import codecs
 from functools import lru_cache
 
 import regex
+import torch
 
-__all__ = ["regex_allows", "regex_allows_eos"]
+from ..structured import regex_dfa
+from .core import call_learner, fail, passed
+
+__all__ = ["regex_allows", "regex_allows_eos", "check_token_index", "check_constrained_mask", "state_prefixes",
+           "CHECK_VOCAB"]
 
 
 @lru_cache(maxsize=256)
@@ -88,3 +93,114 @@ def regex_allows_eos(pattern: str, prefix: bytes) -> bool:
     """Whether the prefix (bytes) is complete UTF-8 and its text is fully matched by the pattern."""
     split = _split_utf8(prefix)
     return split is not None and not split[1] and _compiled(pattern).fullmatch(split[0]) is not None
+
+
+# ----------------------------------------------------------------------------------------------------
+# the visible checks
+
+# a small vocabulary of bytes: letters, words, tokens that cross a literal boundary, a character split over two
+# tokens (b"caf\xc3" + b"\xa9 "), a lone lead and a lone continuation byte, and the empty token
+CHECK_VOCAB = [b"a", b"b", b"c", b"e", b"f", b" ", b"!", b"-", b"ab", b"ca", b"caf", b"cafe", b" b", b"a b", b"e ",
+               b"\xc3\xa9", b"caf\xc3", b"\xa9 ", b"\xa9", b"\xc3", b" ab", b"bc!", b"\xc3\xa9 a", b""]
+CHECK_PATTERNS = [r"a( b)?", r"(café|cafe) [a-c]{1,3}!?", r"(ab|a-b)c?"]
+
+
+def state_prefixes(dfa) -> dict:
+    """{state: the shortest byte string that walks the DFA from its start to it} (breadth first, lowest byte first):
+    a string that names each state, so that a state's behaviour can be asked of the ground truth."""
+    prefixes, todo = {dfa.start: b""}, [dfa.start]
+    for state in todo:
+        for byte, nxt in sorted(dfa.transitions[state].items()):
+            if nxt not in prefixes:
+                prefixes[nxt] = prefixes[state] + bytes([byte])
+                todo.append(nxt)
+    return prefixes
+
+
+def _behaviour(pattern: str, prefix: bytes, probes) -> tuple:
+    """What the ground truth allows after prefix: each probe token's verdict, and EOS's."""
+    return tuple(regex_allows(pattern, prefix, t) for t in probes) + (regex_allows_eos(pattern, prefix),)
+
+
+def _show(token: bytes) -> str:
+    return repr(token)
+
+
+def check_token_index(token_index) -> None:
+    """Your token_index against the partial-match ground truth (course_lib.checks.ch15), on the patterns
+    CHECK_PATTERNS and the byte vocabulary CHECK_VOCAB: in every state exactly the tokens that can still lead to a
+    string of the language, each landing in a state that behaves as the prefix and the token together."""
+    for pattern in CHECK_PATTERNS:
+        dfa = regex_dfa(pattern)
+        index = call_learner(lambda: token_index(dfa, list(CHECK_VOCAB)), f"token_index(regex_dfa({pattern!r}), vocab)",
+                             "token_bytes[i] is token i's bytes", (RuntimeError, TypeError, KeyError, AttributeError,
+                                                                    UnicodeDecodeError, IndexError))
+        if not isinstance(index, list) or len(index) != dfa.num_states or not all(isinstance(r, dict) for r in index):
+            fail(f"token_index must return a list of dfa.num_states = {dfa.num_states} dicts (one per state), "
+                 f"got {type(index).__name__}" + (f" of length {len(index)}" if isinstance(index, (list, tuple)) else ""))
+        for state, prefix in state_prefixes(dfa).items():
+            where = f"pattern {pattern!r}, state {state} (reached by {prefix!r})"
+            truth = {t for t, data in enumerate(CHECK_VOCAB) if regex_allows(pattern, prefix, data)}
+            got = set(index[state])
+            if "" in [CHECK_VOCAB[t].decode("latin-1") for t in got]:
+                fail(f"{where}: the empty token is allowed; a token with no bytes is never allowed (it would not move)")
+            for t in sorted(got - truth):
+                token = CHECK_VOCAB[t]
+                if regex_allows(pattern, prefix, token[:1]):
+                    fail(f"{where}: token {_show(token)} is allowed, but only its first byte leads on; "
+                         f"{prefix + token!r} begins no string of the language: walk ALL of a token's bytes")
+                fail(f"{where}: token {_show(token)} is allowed, but {prefix + token!r} begins no string of the language")
+            for t in sorted(truth - got):
+                token = CHECK_VOCAB[t]
+                try:
+                    token.decode()
+                except UnicodeDecodeError:
+                    fail(f"{where}: token {_show(token)} is missing: its bytes are part of a character (the UTF-8 of é "
+                         f"is b'\\xc3\\xa9'), and {prefix + token!r} can still be completed: build the index over "
+                         f"bytes, not characters")
+                fail(f"{where}: token {_show(token)} is missing: {prefix + token!r} can still be completed into a "
+                     f"string of the language")
+            for t in sorted(got & truth):
+                token, landing = CHECK_VOCAB[t], index[state][t]
+                if not isinstance(landing, int) or not 0 <= landing < dfa.num_states:
+                    fail(f"{where}: token {_show(token)} lands in {landing!r}, not a state (an int in [0, {dfa.num_states - 1}])")
+                if _behaviour(pattern, state_prefixes(dfa)[landing], CHECK_VOCAB) != _behaviour(pattern, prefix + token, CHECK_VOCAB):
+                    if len(token) > 1 and landing == dfa.walk(state, token[:1]):
+                        fail(f"{where}: token {_show(token)} lands where its first byte does; the state must advance over "
+                             f"all {len(token)} bytes")
+                    fail(f"{where}: token {_show(token)} lands in state {landing}, which does not behave as "
+                         f"{prefix + token!r} (another token or EOS is allowed in one and not the other)")
+    passed("token_index")
+
+
+def check_constrained_mask(constrained_mask) -> None:
+    """Your constrained_mask on random logits: the allowed tokens keep their logits, every other token gets -inf, EOS
+    is kept only in an accepting state (and ignored when eos_token_id is None), the logits given are not modified."""
+    g = torch.Generator().manual_seed(1500)
+    logits = torch.randn(12, generator=g) * 3
+    allowed = {1: 4, 3: 0, 7: 2}
+    for accepting in (False, True):
+        for eos in (None, 11, 3):
+            given = logits.clone()
+            name = f"constrained_mask(logits, {allowed}, accepting={accepting}, eos_token_id={eos})"
+            out = call_learner(lambda: constrained_mask(given, allowed, accepting, eos), name, "",
+                               (RuntimeError, TypeError, IndexError))
+            if not torch.equal(given, logits):
+                fail(f"{name} changed the logits it was given; return a masked copy (a caller may still need them)")
+            if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+                fail(f"{name} must return a tensor of shape {tuple(logits.shape)}, got "
+                     + (f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__))
+            keep = set(allowed) | ({eos} if accepting and eos is not None else set())
+            for t in range(12):
+                if t in keep and out[t] != logits[t]:
+                    fail(f"{name}: token {t} is allowed and must keep its logit {logits[t]:.4f}, got {out[t]:.4f} "
+                         f"(the mask only removes tokens; the softmax renormalises)")
+                if t not in keep and out[t] != float("-inf"):
+                    if t == eos and not accepting:
+                        fail(f"{name}: EOS is allowed in a state that is not accepting; the text so far is not in the "
+                             f"language, so EOS must wait for an accepting state")
+                    if torch.isfinite(out[t]) and out[t] < -1e3:
+                        fail(f"{name}: token {t} gets {out[t]:.3g}, not -inf: a finite logit still has a probability "
+                             f"that is not exactly 0")
+                    fail(f"{name}: token {t} is not allowed and must get -inf, got {out[t]:.4f}")
+    passed("constrained_mask")

@@ -8,7 +8,6 @@ import random
 import re
 
 import jsonschema
-import outlines_core
 import pytest
 import regex
 import torch
@@ -16,6 +15,7 @@ import xgrammar
 
 from course_lib import assets, structured
 from course_lib.structured import automaton
+from course_lib.structured.libraries import Libraries
 from course_lib.checks.ch15 import regex_allows, regex_allows_eos
 from course_lib.structured import Constraint, TokenIndex, constrained_mask, regex_dfa, schema_regex, token_index
 
@@ -215,45 +215,22 @@ EOS = len(VOCABS["bpe-gpt"])
 
 @pytest.fixture(scope="module")
 def libraries():
-    vocab = VOCABS["bpe-gpt"]
-    ids: dict = {}
-    for t, data in enumerate(vocab):
-        ids.setdefault(data, []).append(t)
-    info = xgrammar.TokenizerInfo(vocab + [b""], vocab_type=xgrammar.VocabType.RAW, vocab_size=EOS + 1,
-                                  stop_token_ids=[EOS])
-    return xgrammar.GrammarCompiler(info, max_threads=1), outlines_core.Vocabulary(EOS, ids)
+    return Libraries(VOCABS["bpe-gpt"])
 
 
 def library_sets(pattern, libraries):
-    """{(library, prefix): allowed token ids (EOS as EOS)} along each example fed token by token (its BPE tokens
-    and its single bytes); outlines-core's walk stops where it refuses a token; None for a refused pattern."""
-    compiler, vocabulary = libraries
-    vocab = VOCABS["bpe-gpt"]
+    """{(library, prefix): allowed token ids (EOS as EOS)} after each token prefix of each example fed as its BPE
+    tokens and as its single bytes (None where the library refuses the pattern or a token), and whether outlines-core
+    refuses the pattern."""
     tokenizer = assets.tokenizer("bpe-gpt")
-    try:
-        outlines = outlines_core.Index(pattern, vocabulary)
-    except ValueError:
-        outlines = None
-    grammar = compiler.compile_regex(pattern)
     found: dict = {}
     for example in PATTERNS[pattern]:
         for ids in (tokenizer.encode(example), list(example.encode())):
-            matcher = xgrammar.GrammarMatcher(grammar)
-            state = outlines.get_initial_state() if outlines else None
-            prefix = b""
             for k in range(len(ids) + 1):
-                bitmask = xgrammar.allocate_token_bitmask(1, EOS + 1)
-                matcher.fill_next_token_bitmask(bitmask)
-                words = bitmask[0].tolist()
-                found["xgrammar", prefix] = {t for t in range(EOS + 1) if (words[t // 32] >> (t % 32)) & 1}
-                if state is not None:
-                    found["outlines-core", prefix] = set(outlines.get_allowed_tokens(state))
-                if k == len(ids):
-                    break
-                assert matcher.accept_token(ids[k])
-                state = outlines.get_next_state(state, ids[k]) if state is not None else None
-                prefix += vocab[ids[k]]
-    return found, outlines is None
+                prefix = b"".join(VOCABS["bpe-gpt"][t] for t in ids[:k])
+                found["xgrammar", prefix] = libraries.xgrammar(pattern, ids[:k])
+                found["outlines-core", prefix] = libraries.outlines(pattern, ids[:k])
+    return found, libraries.outlines(pattern, []) is None
 
 
 def truth_set(pattern, prefix):
@@ -275,6 +252,9 @@ def test_xgrammar_and_outlines_core_against_the_ground_truth(libraries):
             kinds.setdefault("outlines-core refuses anchors", []).append(pattern)
             assert pattern.startswith("^")
         for (library, prefix), allowed in found.items():
+            if allowed is None:  # outlines-core refused a token earlier on this walk: a missed continuation, counted there
+                assert library == "outlines-core", (pattern, prefix)
+                continue
             truth = truth_set(pattern, prefix)
             extra, missing = allowed - truth, truth - allowed
             if not extra and not missing:
@@ -332,7 +312,7 @@ def test_every_string_of_a_schema_regex_parses_and_validates_and_xgrammar_accept
     them all but those with an integer -0 or a backslash escape in a string, which JSON and the validator accept."""
     schema, rng = SCHEMAS[k], random.Random(k)
     dfa = regex_dfa(schema_regex(schema))
-    grammar = libraries[0].compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+    grammar = libraries.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
     refused = []
     for _ in range(60):
         text = random_member(dfa, rng)
@@ -357,7 +337,7 @@ def test_an_instance_the_validator_rejects_is_not_in_the_schema_regex(k, instanc
 
 
 def test_xgrammar_refuses_minus_zero_and_escapes_that_json_and_the_validator_accept(libraries):
-    grammar = libraries[0].compile_json_schema(json.dumps(SCHEMAS[0]), any_whitespace=False, separators=(",", ":"))
+    grammar = libraries.compiler.compile_json_schema(json.dumps(SCHEMAS[0]), any_whitespace=False, separators=(",", ":"))
     for text in ('{"name":"a","age":-0}', '{"name":"\\u00e9","age":1}', '{"name":"\\\\","age":1}'):
         jsonschema.validate(json.loads(text), SCHEMAS[0])
         assert regex_dfa(schema_regex(SCHEMAS[0])).matches(text)
