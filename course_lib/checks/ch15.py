@@ -48,31 +48,29 @@ def _split_utf8(data: bytes):
     return text, decoder.getstate()[0]
 
 
-def _candidates(pattern: str, tail: bytes):
-    """Code points whose UTF-8 begins with `tail` (1-3 bytes of an incomplete character) that decide every test the
-    pattern can make: the interval's ends and each non-ASCII character of the pattern's text, with its neighbours."""
+def _interval_ends(tail: bytes) -> list:
+    """The lowest and the highest character whose UTF-8 begins with `tail` (1-3 bytes of an incomplete character).
+    After most lead bytes any continuation byte may follow; after E0, ED, F0 and F4 the second byte's range is
+    narrower (no overlong forms, no surrogates, nothing past U+10FFFF): the first valid one is found by trying."""
     length = 2 if tail[0] < 0xE0 else 3 if tail[0] < 0xF0 else 4
-    lo = (tail + bytes([0x80] * (length - len(tail)))).decode("utf-8", errors="ignore")
-    hi = (tail + bytes([0xBF] * (length - len(tail)))).decode("utf-8", errors="ignore")
+    ends = []
+    for fill, seconds in ((0x80, range(0x80, 0xC0)), (0xBF, range(0xBF, 0x7F, -1))):
+        for second in (seconds if len(tail) == 1 else [None]):
+            probe = tail + (bytes([second]) if second is not None else b"")
+            try:
+                ends.append((probe + bytes([fill] * (length - len(probe)))).decode())
+                break
+            except UnicodeDecodeError:
+                continue
+    return ends
+
+
+def _candidates(pattern: str, tail: bytes):
+    """Characters whose UTF-8 begins with `tail` that decide every test the pattern can make: the interval's two ends
+    and each non-ASCII character of the pattern's text and its two neighbours, where they begin with `tail`."""
     points = {ord(ch) + d for ch in pattern if ord(ch) > 0x7F for d in (-1, 0, 1)}
-    for end in (lo, hi):  # an interval's end that is itself a valid character (0x80 / 0xBF fill always is, but not
-        if len(end) == 1:  # after E0 / ED / F0 / F4, whose second byte's range is narrower: then scan inwards)
-            points.add(ord(end))
-    for point in sorted(points):
-        if 0xD800 <= point <= 0xDFFF or not 0 <= point <= 0x10FFFF:
-            continue
-        if chr(point).encode().startswith(tail):
-            yield chr(point)
-    # the narrower second-byte ranges: scan the first valid continuation from either side
-    for second in list(range(0x80, 0xC0)) + list(range(0xBF, 0x7F, -1)):
-        if len(tail) != 1:
-            break
-        probe = tail + bytes([second] + [0x80] * (length - 2))
-        try:
-            yield probe.decode("utf-8")
-            break
-        except UnicodeDecodeError:
-            continue
+    near = [chr(p) for p in sorted(points) if 0 <= p <= 0x10FFFF and not 0xD800 <= p <= 0xDFFF]
+    return _interval_ends(tail) + [ch for ch in near if ch.encode().startswith(tail)]
 
 
 def regex_allows(pattern: str, prefix: bytes, token: bytes) -> bool:

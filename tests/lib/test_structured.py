@@ -38,6 +38,7 @@ PATTERNS = {
     r"(\+|-)?(0|[1-9]\d*)(\.\d+)?": ["-12.50", "0"],
     r"(the|then|there) (and|an)": ["there an", "the and"],
     r"“[^”]{1,6}”—…": ["“Ünïcø”—…"],
+    r"[😀-😂]{1,2}!|.🙂": ["😀😂!", "x🙂", "😂🙂"],
 }
 
 
@@ -84,6 +85,17 @@ def disagreements(pattern: str, vocab: list, build=token_index) -> list:
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_the_token_index_is_the_partial_match_ground_truth(pattern, vocab):
     assert disagreements(pattern, VOCABS[vocab]) == []
+
+
+@pytest.mark.parametrize("tail,ends", [(b"\xc3", "\u00c0\u00ff"), (b"\xe0", "\u0800\u0fff"), (b"\xed", "\ud000\ud7ff"),
+                                       (b"\xf0", "\U00010000\U0003ffff"), (b"\xf4", "\U00100000\U0010ffff"),
+                                       (b"\xf0\x9f", "\U0001f000\U0001ffff"), (b"\xe2\x80", "\u2000\u203f")])
+def test_the_ground_truth_knows_which_characters_begin_with_an_incomplete_tail(tail, ends):
+    """By brute force over every code point: the lowest and highest character whose UTF-8 begins with the tail."""
+    from course_lib.checks.ch15 import _interval_ends
+
+    found = [chr(p) for p in range(0x110000) if not 0xD800 <= p <= 0xDFFF and chr(p).encode().startswith(tail)]
+    assert [found[0], found[-1]] == list(ends) == _interval_ends(tail)
 
 
 def test_the_held_prefixes_end_inside_characters_and_bpe_tokens_cross_literal_boundaries():
