@@ -16,6 +16,11 @@ the ``regex`` package's partial matching, never with course_lib.structured:
   non-ASCII character literally, not as an escape).
 
 EOS is allowed after a prefix exactly when the prefix is complete UTF-8 and fully in L.
+
+The visible checks hand the learner's ``token_index`` the course's DFA (the exercise's input, not what it checks) and
+name each state by the shortest bytes that reach it (``state_prefixes``); every verdict on allowed tokens, and on
+where a token lands (a state that behaves as prefix + token: the same tokens and EOS allowed after it), is the
+``regex`` package's.
 Patterns are compiled with ``regex.ASCII`` (``\\d``, ``\\w``, ``\\s`` over ASCII, as the course's regex subset reads them).
 """
 from __future__ import annotations
@@ -140,7 +145,7 @@ def check_token_index(token_index) -> None:
             where = f"pattern {pattern!r}, state {state} (reached by {prefix!r})"
             truth = {t for t, data in enumerate(CHECK_VOCAB) if regex_allows(pattern, prefix, data)}
             got = set(index[state])
-            if "" in [CHECK_VOCAB[t].decode("latin-1") for t in got]:
+            if any(not CHECK_VOCAB[t] for t in got):
                 fail(f"{where}: the empty token is allowed; a token with no bytes is never allowed (it would not move)")
             for t in sorted(got - truth):
                 token = CHECK_VOCAB[t]

@@ -304,6 +304,9 @@ SCHEMAS = [
     {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"},
                                                                   "code": {"type": "string", "maxLength": 2}}},
      "maxItems": 2},
+    {"type": "object", "title": "optional and nested", "properties": {
+        "a": {"type": "object", "properties": {"b": {"enum": [[1, 2], {"x": None}, "é"]}}, "required": ["b"]},
+        "c": {"type": "array", "items": {"type": "boolean"}, "minItems": 2}}, "additionalProperties": False},
 ]
 
 
@@ -365,8 +368,13 @@ def test_a_valid_compact_instance_is_in_the_schema_regex(k, instance):
 
 
 @pytest.mark.parametrize("schema,what", [({"$ref": "#"}, "recursion"), ({"type": "number"}, "not in this subset"),
-                                         ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": []},
-                                          "required"), ([], "dict")])
+                                         ({"type": "integer", "minimum": 0}, "'minimum'"),
+                                         ({"type": "string", "pattern": "a+"}, "'pattern'"),
+                                         ({"type": "string", "format": "email"}, "'format'"),
+                                         ({"type": "string", "maxLength": 2, "minLength": 3}, "minLength <= maxLength"),
+                                         ({"type": "array", "items": {"type": "null"}, "uniqueItems": True}, "'uniqueItems'"),
+                                         ({"type": "object", "properties": {}, "required": ["a"]}, "'a' is not in properties"),
+                                         ({"enum": [1], "type": "string"}, "no other keyword"), ([], "dict")])
 def test_a_schema_outside_the_subset_is_a_value_error_saying_why(schema, what):
     with pytest.raises(ValueError, match=what):
         schema_regex(schema)
