@@ -398,14 +398,13 @@ def test_constrained_generation_with_the_bpe_model_gives_a_string_of_the_languag
 # stop strings: the course has one implementation, the server's stop_cut; here it meets the BPE model's tokens
 
 
-@pytest.mark.parametrize("text,stop", [("a café, then more", "é,"), ("naïve “quotes” end", "” e"),
-                                       ("price: 5 € only", "€"), ("the end. The", "d. T")])
-def test_stop_cut_on_bpe_tokens_that_split_characters_never_releases_a_stop_prefix_or_half_a_character(text, stop):
+STOP_CASES = [("a café, then more", "é,"), ("naïve “quotes” end", "” e"), ("price: 5 € only", "€"), ("the end. The", "d. T")]
+
+
+def check_stop_cut_on_split_bpe_tokens(stop_cut, text: str, stop: str) -> None:
     """The text arrives as bpe-gpt tokens, each multi-byte character split into its single bytes (tokens the model
     can emit): after each token the released text is a prefix of the text before the stop, has no U+FFFD and does
     not end with a proper prefix of the stop; at the end it is exactly the text before the stop."""
-    from course_lib.server import stop_cut
-
     tokenizer = assets.tokenizer("bpe-gpt")
     ids = [t for token in tokenizer.encode(text) for t in
            (list(tokenizer.vocab[token]) if max(tokenizer.vocab[token]) >= 0x80 else [token])]  # byte ids 0..255
@@ -422,3 +421,38 @@ def test_stop_cut_on_bpe_tokens_that_split_characters_never_releases_a_stop_pref
         if stopped:
             break
     assert stopped and released == before
+
+
+@pytest.mark.parametrize("text,stop", STOP_CASES)
+def test_stop_cut_on_bpe_tokens_that_split_characters_never_releases_a_stop_prefix_or_half_a_character(text, stop):
+    from course_lib.server import stop_cut
+
+    check_stop_cut_on_split_bpe_tokens(stop_cut, text, stop)
+
+
+def stop_cut_sends_all_before_a_stop(text, stops, start=0):
+    """Planted: the text up to a complete stop, and all of it while none is complete (a stop's prefix, U+FFFD too)."""
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return (first, True) if first >= 0 else (len(text), False)
+
+
+def stop_cut_sends_the_replacement_character(text, stops, start=0):
+    """Planted: holds back a stop's prefix, but not a character whose bytes have not all arrived (U+FFFD)."""
+    from course_lib.server import _stop_prefix
+
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    if first >= 0:
+        return first, True
+    return len(text) - max(_stop_prefix(text, s, 0) for s in stops), False
+
+
+@pytest.mark.parametrize("planted,fails", [(stop_cut_sends_all_before_a_stop, {0, 1, 2, 3}),
+                                          (stop_cut_sends_the_replacement_character, {0, 1, 2})])  # 3: ASCII alone
+def test_each_planted_stop_cut_fails_the_check_where_it_should(planted, fails):
+    failed = set()
+    for k, (text, stop) in enumerate(STOP_CASES):
+        try:
+            check_stop_cut_on_split_bpe_tokens(planted, text, stop)
+        except AssertionError:
+            failed.add(k)
+    assert failed == fails
