@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("bench", help="benchmarks: `course bench train`, `course bench decode`, `course bench serve` "
                                      "(against Hugging Face), `course bench serve-http` (`course serve` under Poisson "
-                                     "arrivals), `course bench grade` (grading speed)", add_help=False)
+                                     "arrivals), `course bench structured` (chapter 15's constraint against xgrammar), "
+                                     "`course bench grade` (grading speed)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: _tool("bench", a.args))
 

@@ -133,6 +133,35 @@ class CharTokenizer:
         return "".join(self.chars[i] for i in ids)
 
 
+#: The JSON records of chapter 15's json-gpt: their schema, and the values the generator draws from
+RECORD_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "minLength": 2, "maxLength": 16},
+    "age": {"type": "integer"},
+    "city": {"enum": ["Paris", "Lyon", "Nice", "Lille", "Brest"]},
+    "tags": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 8}, "maxItems": 3}},
+    "required": ["name", "age", "city", "tags"]}
+RECORD_NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Frances", "John", "Radia", "Tony", "Leslie",
+                "Margaret", "Niklaus", "Sophie", "Dennis", "Ken", "Guido", "Hedy", "Claude", "Karen"]
+RECORD_TAGS = ["math", "code", "chess", "music", "radio", "logic", "art", "tea", "maps", "boats"]
+
+
+def json_records(n: int = 4000, seed: int = 0) -> str:
+    """n synthetic JSON records of RECORD_SCHEMA, one per line, compact (no spaces), properties in the schema's
+    order: the same text on every machine (Python's random, seeded). Names are one or two of RECORD_NAMES, ages
+    18..90, tags 0..3 distinct RECORD_TAGS."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        record = {"name": " ".join(rng.sample(RECORD_NAMES, rng.choice((1, 1, 2)))), "age": rng.randint(18, 90),
+                  "city": rng.choice(RECORD_SCHEMA["properties"]["city"]["enum"]),
+                  "tags": rng.sample(RECORD_TAGS, rng.randint(0, 3))}
+        lines.append(json.dumps(record, separators=(",", ":")))
+    return "\n".join(lines) + "\n"
+
+
 def train_val_split(data: torch.Tensor, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
     """Split a 1-D token tensor into (train, val): the first 1 - val_fraction of it, then the rest.
 

@@ -13,6 +13,7 @@ the per-step losses and the figures the model reached, which ``tests/lib/test_as
     gru-reversal-attention     the same with additive attention, 1 thread
     transformer-reversal       chapter 03's 2 + 2-layer post-LN encoder-decoder transformer, 1 thread
     induction-2l, induction-1l two-layer and one-layer attention-only models of repeated random tokens (chapter 13), 1 thread
+    json-gpt                   a small character GPT of synthetic JSON records (data.json_records, chapter 15), 2 threads
 
 The notebooks load these checkpoints instead of training: the same recipe on another CPU takes a
 slightly different path (its kernels round differently), so a notebook that trained would print other
@@ -20,7 +21,8 @@ figures there. Same recipe, same CPU kind and same torch version give byte-ident
 
     course pretrain                                  # all of them: about 6 minutes on 2 otherwise idle cores (plus about
                                                      # 1 min for the induction pair), plus bpe-gpt (char-gpt's training
-                                                     # again; 39 min measured on 2 busy shared cores)
+                                                     # again; 39 min measured on 2 busy shared cores), plus json-gpt
+                                                     # (4.5 min measured on 2 busy shared cores)
     course pretrain --only gru-reversal-attention    # one of them (repeatable)
     course pretrain --only char-gpt-draft --steps 50 --out /tmp/check   # a quick reproducibility check
 """
@@ -39,7 +41,8 @@ from torch import nn
 
 from . import assets
 from .bpe import BPETokenizer, train_bpe
-from .data import DIGIT_VOCAB_SIZE, CharTokenizer, Seq2SeqBatch, default_corpus, digits_to_text, reversal_batch, train_val_split
+from .data import (DIGIT_VOCAB_SIZE, CharTokenizer, Seq2SeqBatch, default_corpus, digits_to_text, json_records,
+                   reversal_batch, train_val_split)
 from .encoder_decoder import exact_match, train_transformer
 from .gpt import count_parameters, estimate_loss, text_nats
 from .heads import train_induction
@@ -61,7 +64,8 @@ class Recipe:
     then ``train(model, progress=..., **train_args, **evaluate)`` trains it, evaluates it and returns
     what it measured (a dict of record fields: losses, evaluation figures). A character model
     (``corpus=True``) reads the default corpus: its ``vocab_size`` comes from the corpus's
-    ``CharTokenizer`` and its vocabulary is saved with the weights.
+    ``CharTokenizer`` and its vocabulary is saved with the weights; one of the JSON records (``records=True``) alike,
+    with ``data.json_records()`` for the corpus.
     """
 
     model: str  # a class name of assets.MODEL_CLASSES
@@ -72,6 +76,7 @@ class Recipe:
     threads: int
     evaluate: dict = field(default_factory=dict)  # what decides the evaluation after training (recorded with its figures)
     corpus: bool = False
+    records: bool = False  # a character model of data.json_records() (its vocabulary saved with the weights)
     bpe: bool = False  # a BPE model of the default corpus: config["vocab_size"] tokens, merges learned on the training text
 
 
@@ -93,18 +98,28 @@ def evaluation_losses(model: nn.Module, train: torch.Tensor, val: torch.Tensor) 
             "val_loss": estimate_loss(model, fixed_batches(val, block, EVAL_BATCH_SIZE, EVAL_BATCHES, VAL_EVAL_SEED))}
 
 
-def train_char_gpt(model: nn.Module, progress: bool = True, **train_config) -> dict:
-    """``train_gpt`` on the default corpus (90 / 10 split) with TrainConfig(**train_config).
+def _train_on_text(model: nn.Module, text: str | None, corpus: str, progress: bool, train_config: dict) -> dict:
+    """``train_gpt`` on `text` (None: the default corpus; 90 / 10 split) with TrainConfig(**train_config).
 
-    Returns the corpus, the losses reached on the fixed evaluation batches and the periodic evaluations.
-    """
-    _, train, val = corpus_splits()
+    Returns the corpus (`corpus` names it), the losses reached on the fixed evaluation batches and the periodic
+    evaluations."""
+    _, train, val = corpus_splits(text)
     history = train_gpt(model, train, val, TrainConfig(**train_config), progress=progress)
     losses = evaluation_losses(model, train, val)
-    return {"corpus": "default_corpus()", "corpus_chars": len(train) + len(val), "val_fraction": VAL_FRACTION,
+    return {"corpus": corpus, "corpus_chars": len(train) + len(val), "val_fraction": VAL_FRACTION,
             "eval": {"batches": EVAL_BATCHES, "batch_size": EVAL_BATCH_SIZE, "train_seed": TRAIN_EVAL_SEED, "val_seed": VAL_EVAL_SEED},
             **{k: round(v, 4) for k, v in losses.items()},
             "history": [{k: round(v, 4) if isinstance(v, float) else v for k, v in e.items()} for e in history.evals]}
+
+
+def train_char_gpt(model: nn.Module, progress: bool = True, **train_config) -> dict:
+    """``train_gpt`` on the default corpus (90 / 10 split) with TrainConfig(**train_config)."""
+    return _train_on_text(model, None, "default_corpus()", progress, train_config)
+
+
+def train_json_gpt(model: nn.Module, progress: bool = True, **train_config) -> dict:
+    """``train_gpt`` on the synthetic JSON records ``data.json_records()`` (90 / 10 split) with TrainConfig(**train_config)."""
+    return _train_on_text(model, json_records(), "json_records()", progress, train_config)
 
 
 def bpe_corpus_splits(vocab_size: int, text: str | None = None):
@@ -244,6 +259,11 @@ RECIPES: dict[str, Recipe] = {
                            train=train_induction, train_args=_INDUCTION_TRAINING, threads=1, evaluate=_INDUCTION_EVALUATION),
     "induction-1l": Recipe("AttentionOnly", {"vocab_size": 16, "max_len": 32, "d_model": 32, "n_layer": 1, "n_head": 2}, seed=0,
                            train=train_induction, train_args=_INDUCTION_TRAINING, threads=1, evaluate=_INDUCTION_EVALUATION),
+    # chapter 15: a model that knows the format, to compare free and constrained sampling of JSON records
+    "json-gpt": Recipe("GPT", dict(block_size=128, n_layer=2, n_head=4, n_embd=64, dropout=0.0, bias=True), seed=0,
+                       train=train_json_gpt, train_args=asdict(TrainConfig(steps=600, batch_size=32, lr=3e-3, min_lr=3e-4,
+                                                                           warmup_steps=50, eval_every=150, seed=0)),
+                       threads=2, records=True),
 }
 
 
@@ -282,7 +302,7 @@ def train(name: str, steps: int | None = None, progress: bool = True) -> tuple[n
     Notebooks call this to train a shipped model themselves, by the recipe it was shipped with.
     """
     r = recipe(name, steps)
-    tokenizer = CharTokenizer(default_corpus()) if r.corpus else None
+    tokenizer = CharTokenizer(default_corpus()) if r.corpus else CharTokenizer(json_records()) if r.records else None
     config = {"vocab_size": tokenizer.vocab_size, **r.config} if tokenizer else dict(r.config)
     with threads(r.threads):
         torch.manual_seed(r.seed)
@@ -304,7 +324,8 @@ def pretrain(name: str, out: Path = ASSETS, steps: int | None = None, progress: 
     model, record = train(name, steps, progress)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.pt"
-    vocab = "".join(CharTokenizer(default_corpus()).chars) if RECIPES[name].corpus else None
+    r = RECIPES[name]
+    vocab = "".join(CharTokenizer(default_corpus() if r.corpus else json_records()).chars) if r.corpus or r.records else None
     merges = [list(pair) for pair in bpe_corpus_splits(record["config"]["vocab_size"])[0].merges] if RECIPES[name].bpe else None
     save_checkpoint(path, model, record["config"], vocab, merges)
     record = {**record, "bytes": path.stat().st_size, "torch": torch.__version__}

@@ -4,7 +4,8 @@
 float32, int8 and bfloat16 weights, with the memory-bandwidth bound; then chapter 11's Llama-style model (``decode``).
 ``course bench serve``: many requests at once, continuous batching over a paged cache against static batching and
 Hugging Face's continuous batching, the load sweeps and the engine's speed against its targets (``serve``).
-``course bench serve-http``: ``course serve`` under Poisson arrivals over HTTP (``serve_http``). ``course bench grade``:
+``course bench serve-http``: ``course serve`` under Poisson arrivals over HTTP (``serve_http``). ``course bench structured``:
+chapter 15's token index and per-step constraint against xgrammar and outlines-core (``structured``). ``course bench grade``:
 grading speed (``course_lib.grading.bench``, with the grading code it times).
 
 The modules: ``timing`` (a torch thread count for a block, contenders timed alternately after a warm-up),
@@ -25,13 +26,14 @@ from .serve import (SERVE_MODELS, SERVE_REQUESTS, SERVE_SYSTEMS, SERVE_TARGETS, 
                     format_serve, format_serve_load, format_serve_speed, format_serve_wall, poisson_arrivals,
                     serve_model, serve_ratios)
 from .serve_http import bench_serve_http, format_serve_http
+from .structured import bench_index, bench_step, format_structured
 from .timing import Runs, alternate, threads
 from .train import bench_train, format_train
 
 __all__ = [
     "DECODE_SHAPES", "LLAMA_DECODE_SHAPES", "LLAMA_FOR_GPT_SHAPE", "READ_WIDTHS", "SERVE_MODELS", "SERVE_REQUESTS",
     "SERVE_SYSTEMS", "SERVE_TARGETS", "SWEEP_BUDGETS", "SWEEP_RATES", "TRANSFORMERS_VERSION", "UNCACHED_TOKENS",
-    "WALL_RATES", "WALL_SYSTEMS", "Runs", "alternate", "bench_decode", "bench_llama_decode", "bench_serve",
+    "WALL_RATES", "WALL_SYSTEMS", "Runs", "alternate", "bench_decode", "bench_index", "bench_step", "format_structured", "bench_llama_decode", "bench_serve",
     "bench_serve_http", "bench_serve_load", "bench_serve_speed", "bench_serve_wall", "bench_train", "format_decode",
     "format_kernels", "format_llama_decode", "format_serve", "format_serve_http", "format_serve_load",
     "format_serve_speed", "format_serve_wall", "format_train", "greedy_uncached", "hf_generate", "hf_replay",
@@ -44,9 +46,9 @@ __all__ = [
 QUICK_TOKENS, QUICK_UNCACHED_TOKENS, QUICK_REQUESTS, QUICK_SPEED_TOKENS = 32, 8, 8, 8
 QUICK_RATIO_SECONDS = 2.0  # --quick: each of the engine's own speed ratios timed for about this long
 #: Timed repeats by default
-REPEATS = {"train": 7, "decode": 5, "serve": 3}
+REPEATS = {"train": 7, "decode": 5, "serve": 3, "structured": 20}
 #: Torch threads by default (serve: 1, see its --threads help)
-THREADS = {"train": 2, "decode": 2, "serve": 1}
+THREADS = {"train": 2, "decode": 2, "serve": 1, "structured": 1}
 
 
 def _llama_rows(args) -> dict:
@@ -123,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         return bench_serve_http_main(argv[1:])
     parser = argparse.ArgumentParser(prog="course bench", description="benchmarks (they print; they assert nothing); "
                                                                       "`course bench grade --help` for grading speed")
-    parser.add_argument("what", choices=["train", "decode", "serve"],
+    parser.add_argument("what", choices=["train", "decode", "serve", "structured"],
                         help="train: a training step of our GPT vs Hugging Face's GPT-2; decode: greedy decoding speed, "
                              "cached and uncached, vs Hugging Face's generate; serve: many requests at once, our continuous "
-                             "batching with a paged cache vs our static batching and Hugging Face's continuous batching")
+                             "batching with a paged cache vs our static batching and Hugging Face's continuous batching; "
+                             "structured: chapter 15's token index and per-step mask vs xgrammar and outlines-core")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed repeats; the median is reported (default: "
                              + ", ".join(f"{n} for {what}" for what, n in REPEATS.items()) + ")")
@@ -145,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                              + ", ".join(f"{m} {n}" for m, n in SERVE_REQUESTS.items()) + ")")
     parser.add_argument("--quick", action="store_true",
                         help=f"decode: {QUICK_TOKENS} new tokens ({QUICK_UNCACHED_TOKENS} uncached), 1 run, no warm-up; "
+                             f"structured: bpe-gpt's vocabulary only, 1 run; "
                              f"serve: {QUICK_REQUESTS} requests, 1 run, no warm-up, the engine's speed ratios timed for "
                              f"{QUICK_RATIO_SECONDS:g} s each (a smoke run)")
     parser.add_argument("--family", choices=["all", "gpt", "llama"], default="all",
@@ -155,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--shapes for {args.what} must be among {list(allowed)}, got {args.shapes}")
     if args.what == "serve":
         _serve(args)
+        return 0
+    if args.what == "structured":
+        rows = bench_index(vocab_sizes=(512,)) if args.quick else bench_index()
+        step = bench_step(repeats=args.repeats or (1 if args.quick else REPEATS["structured"]), warmup=0 if args.quick else 2,
+                          threads=args.threads or THREADS["structured"])
+        print(format_structured(rows, step))
         return 0
     args.threads = args.threads or THREADS[args.what]
     if args.what == "decode":

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from course_lib import assets
-from course_lib.data import CharTokenizer, Seq2SeqBatch, default_corpus, reversal_batch
+from course_lib.data import RECORD_SCHEMA, CharTokenizer, Seq2SeqBatch, default_corpus, json_records, reversal_batch
 from course_lib.encoder_decoder import Transformer
 from course_lib.gpt import GPT, attention_maps, estimate_loss, text_nats
 from course_lib.heads import ablate_head, copy_losses, induction_score, previous_token_score, repeated_random_tokens
@@ -24,6 +24,7 @@ from course_lib.train import fixed_batches
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CHAR_MODELS = sorted(name for name, recipe in RECIPES.items() if recipe.corpus)
+RECORD_MODELS = sorted(name for name, recipe in RECIPES.items() if recipe.records)
 BPE_MODELS = sorted(name for name, recipe in RECIPES.items() if recipe.bpe)
 REVERSAL_MODELS = {"gru-reversal-baseline": GRUSeq2Seq, "gru-reversal-attention": GRUSeq2Seq, "transformer-reversal": Transformer}
 INDUCTION_MODELS = ["induction-1l", "induction-2l"]
@@ -39,7 +40,8 @@ def splits():
 
 def test_every_recipe_is_shipped():
     assert assets.names() == sorted(RECIPES)
-    assert sorted([*REVERSAL_MODELS, *INDUCTION_MODELS]) == sorted(set(RECIPES) - set(CHAR_MODELS) - set(BPE_MODELS))
+    assert sorted([*REVERSAL_MODELS, *INDUCTION_MODELS]) == sorted(set(RECIPES) - set(CHAR_MODELS) - set(BPE_MODELS)
+                                                                   - set(RECORD_MODELS))
     for name in RECIPES:
         assert (assets.FOLDER / f"{name}.json").is_file()
 
@@ -52,7 +54,8 @@ def test_checkpoint_loads_as_its_class_and_its_record_repeats_its_recipe(name):
     assert all(p.dtype == torch.float32 for p in model.state_dict().values())
     assert record["parameters"] == sum(p.numel() for p in model.parameters())
     assert record["bytes"] == (assets.FOLDER / f"{name}.pt").stat().st_size < 5_000_000
-    vocab = {"vocab_size": CharTokenizer(default_corpus()).vocab_size} if recipe.corpus else {}
+    vocab = {"vocab_size": CharTokenizer(default_corpus()).vocab_size} if recipe.corpus else {
+        "vocab_size": CharTokenizer(json_records()).vocab_size} if recipe.records else {}
     assert record["config"] == {**vocab, **recipe.config} == assets._checkpoint(name)["config"]
     assert (record["name"], record["model"], record["seed"], record["trainer"], record["threads"]) == (
         name, recipe.model, recipe.seed, recipe.train.__name__, recipe.threads)
@@ -106,6 +109,30 @@ def test_the_tokenizer_of_a_char_model_is_the_default_corpus_one():
         assert assets.tokenizer(name).chars == CharTokenizer(default_corpus()).chars
     with pytest.raises(ValueError, match="not a character model"):
         assets.tokenizer("transformer-reversal")
+
+
+# ----------------------------------------------------------------------------- the JSON model (chapter 15)
+
+
+@pytest.mark.parametrize("name", RECORD_MODELS)
+def test_json_model_reaches_the_recorded_validation_loss_on_its_records_with_their_tokenizer(name):
+    """The records are valid for their schema (jsonschema); the model's tokenizer is theirs; its validation loss on
+    the recorded fixed batches of the records' last 10 % is the recorded one, and training helped."""
+    import json as json_module
+
+    import jsonschema
+
+    text = json_records()
+    for line in text.splitlines():
+        jsonschema.validate(json_module.loads(line), RECORD_SCHEMA)
+    assert assets.tokenizer(name).chars == CharTokenizer(text).chars
+    model, record = assets.load(name), assets.info(name)
+    _, _, val = corpus_splits(text)
+    e = record["eval"]
+    with torch.no_grad():
+        val_loss = estimate_loss(model, fixed_batches(val, model.config.block_size, e["batch_size"], e["batches"], e["val_seed"]))
+    assert abs(val_loss - record["val_loss"]) < 0.02, (val_loss, record["val_loss"])
+    assert record["corpus"] == "json_records()" and record["val_loss"] < record["history"][0]["val"]
 
 
 # ----------------------------------------------------------------------------- the BPE model (chapter 09)
@@ -257,13 +284,14 @@ def small_evaluation(monkeypatch):
     text = default_corpus()
     monkeypatch.setattr(module, "default_corpus", lambda: text[:len(text) // 10])
     monkeypatch.setattr(module, "EVAL_BATCHES", 1)
-    for name in CHAR_MODELS + BPE_MODELS:
+    monkeypatch.setattr(module, "json_records", lambda: json_records(400))
+    for name in CHAR_MODELS + BPE_MODELS + RECORD_MODELS:
         monkeypatch.setitem(RECIPES, name, replace(RECIPES[name], train_args={**RECIPES[name].train_args, "eval_batches": 1}))
 
 
 @pytest.mark.usefixtures("small_evaluation")
 @pytest.mark.parametrize("name", ["char-gpt-draft", "char-llama", "bpe-gpt", "gru-reversal-attention", "transformer-reversal",
-                                  "induction-2l"])
+                                  "induction-2l", "json-gpt"])
 def test_pretrain_is_deterministic(name, tmp_path):
     first = pretrain(name, tmp_path / "a", steps=3, progress=False)
     second = pretrain(name, tmp_path / "b", steps=3, progress=False)

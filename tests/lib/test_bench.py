@@ -314,3 +314,28 @@ def test_the_hugging_face_adapters_name_the_transformers_version_the_project_pin
     root = Path(__file__).resolve().parents[2]
     for pins in ("pyproject.toml", "environment.yml"):
         assert re.findall(r"transformers==([\w.]+)", (root / pins).read_text()) == [TRANSFORMERS_VERSION], pins
+
+
+def test_bench_structured_counts_the_index_entries_the_ground_truth_allows_and_prints_every_row(capsys, monkeypatch):
+    """The index table's entries are the (state, token) pairs the partial-match ground truth allows (each state named by
+    its shortest prefix); every contender is timed; `course bench structured --quick` prints both tables."""
+    import course_lib.bench as bench
+    from course_lib.bench.structured import PATTERNS, bench_index
+    from course_lib.bpe import BPETokenizer
+    from course_lib.checks.ch15 import regex_allows, state_prefixes
+    from course_lib.data import default_corpus
+    from course_lib.structured import regex_dfa
+
+    (row,) = bench_index(vocab_sizes=(300,), patterns={"number": PATTERNS["number"]}, corpus_chars=5000)
+    tokenizer = BPETokenizer.train(default_corpus()[:5000], 300)
+    vocab = [tokenizer.vocab[i] for i in range(300)]
+    dfa = regex_dfa(PATTERNS["number"])
+    allowed = sum(regex_allows(PATTERNS["number"], prefix, token) for prefix in state_prefixes(dfa).values() for token in vocab)
+    assert row["vocab_size"] == 300 and row["states"] == dfa.num_states and row["entries"] == allowed
+    assert all(seconds > 0 for seconds in row["seconds"].values()) and len(row["seconds"]) == 3
+
+    original = bench.bench_index
+    monkeypatch.setattr(bench, "bench_index", lambda **kw: original(vocab_sizes=(300,), corpus_chars=5000))
+    assert main(["structured", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n   300 ") == len(PATTERNS) and "ours (index lookup" in out and "xgrammar (bitmask" in out

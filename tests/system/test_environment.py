@@ -32,3 +32,16 @@ def test_readme_holds_the_two_commands_and_ci_calls_the_test_command():
     assert "make lab" in readme and "make test" in readme
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make test$", ci, re.M)
+
+
+def test_the_packages_installed_without_dependencies_are_pinned_alike_in_the_makefile_environment_yml_and_readme():
+    """The Makefile's NO_DEPS (xgrammar without triton) is what environment.yml's note and the README tell conda users
+    to install, and what this environment has."""
+    from importlib.metadata import version
+
+    pins = re.search(r"^NO_DEPS = (.+)$", (ROOT / "Makefile").read_text(), re.M)[1].split()
+    assert pins and all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][0-9A-Za-z.]*", p) for p in pins), pins
+    note = "pip install --no-deps " + " ".join(pins)
+    assert note in (ROOT / "environment.yml").read_text()
+    assert note in " ".join((ROOT / "README.md").read_text().split())
+    assert all(version(p.split("==")[0]) == p.split("==")[1] for p in pins)

@@ -1,0 +1,110 @@
+"""Chapter 15: the token index (Willard & Louf), the per-step mask, one request's constraint, decoding under it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..gpt import extend, greedy_choice, sample_choice
+from .automaton import ByteDFA, regex_dfa
+
+
+def token_index(dfa: ByteDFA, token_bytes: list) -> list:
+    """Willard & Louf's index: a list with one dict per DFA state, {token id: the state its bytes lead to}, holding
+    exactly the tokens whose bytes walk from that state to a live state. token_bytes[i] is token i's bytes (bytes,
+    possibly part of a character's UTF-8 encoding); an empty token is never allowed."""
+    index = []
+    for state in range(dfa.num_states):
+        allowed = {}
+        for token, data in enumerate(token_bytes):
+            end = dfa.walk(state, data) if data else None
+            if end is not None:
+                allowed[token] = end
+        index.append(allowed)
+    return index
+
+
+def constrained_mask(logits: torch.Tensor, allowed: dict, accepting: bool, eos_token_id: int | None) -> torch.Tensor:
+    """logits (V,) -> (V,): the same logits where a token is allowed, -inf elsewhere. Allowed: the keys of `allowed`
+    (one state's entry of the token index) and, only when the state is accepting, eos_token_id (if not None)."""
+    keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    keep[list(allowed)] = True
+    if accepting and eos_token_id is not None:
+        keep[eos_token_id] = True
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+@dataclass
+class TokenIndex:
+    """A pattern compiled once for one vocabulary and shared by every request that uses it: the DFA, the token index
+    (built by ``token_index``, the course's or one given in its place) and the vocabulary's EOS id (None: a model
+    without one, whose constrained output ends when the state is accepting and allows no token)."""
+    dfa: ByteDFA
+    next: list
+    eos_token_id: int | None
+
+    @classmethod
+    def build(cls, pattern: str, token_bytes: list, eos_token_id: int | None = None, *, token_index=token_index):
+        if eos_token_id is not None and not 0 <= eos_token_id < len(token_bytes):
+            raise ValueError(f"eos_token_id must be in [0, {len(token_bytes) - 1}] or None, got {eos_token_id}")
+        if eos_token_id is not None and token_bytes[eos_token_id]:
+            token_bytes = list(token_bytes)
+            token_bytes[eos_token_id] = b""  # EOS is never text
+        dfa = regex_dfa(pattern)
+        return cls(dfa, token_index(dfa, token_bytes), eos_token_id)
+
+
+@dataclass
+class Constraint:
+    """One request's constraint: the shared index and this request's DFA state (what an engine holds per request).
+    ``mask(logits)`` masks one row (V,); ``advance(token)`` moves the state (ValueError for a token the mask forbids);
+    ``finished``: EOS was taken, or the state is accepting and allows no further token."""
+    index: TokenIndex
+    state: int = 0
+    eos_taken: bool = field(default=False)
+
+    def mask(self, logits: torch.Tensor, *, constrained_mask=constrained_mask) -> torch.Tensor:
+        return constrained_mask(logits, self.index.next[self.state], self.state in self.index.dfa.accepting,
+                                self.index.eos_token_id)
+
+    def advance(self, token: int) -> None:
+        token = int(token)
+        if token == self.index.eos_token_id and self.state in self.index.dfa.accepting:
+            self.eos_taken = True
+        elif token in self.index.next[self.state]:
+            self.state = self.index.next[self.state][token]
+        else:
+            raise ValueError(f"token {token} is not allowed in state {self.state}")
+
+    @property
+    def finished(self) -> bool:
+        return self.eos_taken or (self.state in self.index.dfa.accepting and not self.index.next[self.state])
+
+
+@torch.no_grad()
+def constrained_generate(model, idx: torch.Tensor, max_new_tokens: int, constraint: Constraint, *,
+                         greedy: bool = False, temperature: float = 1.0, generator: torch.Generator | None = None,
+                         constrained_mask=constrained_mask) -> torch.Tensor:
+    """Extend one row idx (1, T) under `constraint` (advanced in place), at most max_new_tokens tokens, through the
+    library's one loop (``gpt.extend``): each step's logits masked by ``constrained_mask`` (the course's or the
+    learner's), then the argmax (greedy) or a draw from softmax(masked / temperature). Stops early once the
+    constraint is finished (EOS taken, or an accepting state that allows nothing more); the EOS token, if taken, is
+    the last token. Returns (1, T + n). A constraint that allows no token in a non-accepting state cannot happen:
+    its states are live."""
+    if idx.dim() != 2 or idx.shape[0] != 1:
+        raise ValueError(f"idx must have shape (1, T), got {tuple(idx.shape)}")
+    if not greedy and temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (or greedy=True), got {temperature}")
+    if constraint.finished:
+        return idx
+
+    def next_logits(tokens, new):
+        logits = model(tokens[:, -model.config.block_size:])[0][0, -1]
+        return constraint.mask(logits, constrained_mask=constrained_mask)[None]
+
+    def choose(logits):
+        token = greedy_choice(logits) if greedy else sample_choice(logits / temperature, generator)
+        constraint.advance(int(token))
+        return token
+
+    return extend(idx, max_new_tokens, next_logits, choose, done=lambda tokens: constraint.finished)
