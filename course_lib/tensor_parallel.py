@@ -24,7 +24,9 @@ method a child process imports the function it runs by name, and a function or c
 module to be imported from, so it cannot reach the child. ``fork`` copies the whole kernel, the learner's classes
 included, and nothing is pickled on the way in (only the results come back pickled). The price of fork with PyTorch:
 the child must not use the parent's intra-op thread pool (OpenMP is not fork-safe), so each child sets its own thread
-count (``threads``, one by default: a parallel region with one thread runs inline) before it computes anything.
+count (``threads``, one by default: a parallel region with one thread runs inline) before it computes anything; and
+it must not write to the parent's ``sys.stdout``, which in a Jupyter kernel is a ZeroMQ socket shared with the
+parent's threads: what a rank prints is dropped (its return value and its error come back).
 Fork is Linux's (and macOS's) start method; the course runs on Linux.
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -59,14 +62,17 @@ GRACE_S = 1.0
 class RankError(RuntimeError):
     """A rank of a ``launch`` failed (an exception, a crash or the time limit); ``rank`` names it."""
 
-    def __init__(self, rank: int, message: str):
+    def __init__(self, rank: int, message: str, error_type: str | None = None):
         super().__init__(message)
         self.rank = rank
+        self.error_type = error_type  # the name of the exception the rank raised ("NotImplementedError"), if it raised
 
 
 def _worker(fn, rank, world_size, port, timeout, threads, args, results):
-    """One rank: join the group, run fn, send back (rank, "ok", pickled result) or (rank, "error", (when, traceback))."""
+    """One rank: join the group, run fn, send back (rank, "ok", pickled result) or
+    (rank, "error", (when, traceback, the exception's type name))."""
     failed_at = None
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # never the parent's streams: a Jupyter kernel's talk over ZeroMQ
     try:
         torch.set_num_threads(threads)  # before any computation: the parent's thread pool did not survive the fork
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no name lookup, works without a network
@@ -81,8 +87,8 @@ def _worker(fn, rank, world_size, port, timeout, threads, args, results):
         finally:
             dist.destroy_process_group()
         results.put((rank, "ok", pickle.dumps(out)))
-    except BaseException:  # noqa: BLE001 -- every failure, SystemExit included, is reported with its rank
-        results.put((rank, "error", (failed_at or time.monotonic(), traceback.format_exc())))
+    except BaseException as error:  # noqa: BLE001 -- every failure, SystemExit included, is reported with its rank
+        results.put((rank, "error", (failed_at or time.monotonic(), traceback.format_exc(), type(error).__name__)))
 
 
 def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, threads: int = 1) -> list:
@@ -105,7 +111,7 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, thr
     processes = [context.Process(target=_worker, args=(fn, rank, world_size, store.port, timeout, threads, args, results),
                                  daemon=True) for rank in range(world_size)]
     done: dict[int, object] = {}
-    failed: dict[int, tuple[float, str]] = {}  # rank -> (when it failed, traceback)
+    failed: dict[int, tuple] = {}  # rank -> (when it failed, traceback, exception type name or None)
     first_failure = 0.0  # when the parent heard of the first failure
     deadline = time.monotonic() + timeout
     try:
@@ -119,7 +125,7 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, thr
                     if rank not in done and rank not in failed and process.exitcode not in (None, 0):
                         first_failure = first_failure if failed else time.monotonic()
                         # a crash has no report: taken as the cause, since a rank that a collective failed reports
-                        failed[rank] = (float("-inf"), f"rank {rank} of {world_size} died (exit code {process.exitcode})")
+                        failed[rank] = (float("-inf"), f"rank {rank} of {world_size} died (exit code {process.exitcode})", None)
                 if failed and time.monotonic() > first_failure + GRACE_S:
                     break  # the other ranks had their time to report why they stopped
                 if time.monotonic() > deadline:
@@ -134,10 +140,11 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, thr
                 failed[rank] = payload
         if failed:  # the rank that failed first: a collective the others were in then failed because of it
             rank = min(failed, key=lambda r: failed[r][0])
-            text = failed[rank][1]
+            _, text, error_type = failed[rank]
             others = sorted(set(failed) - {rank})
             then = f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)" if others else ""
-            raise RankError(rank, f"rank {rank} of {world_size} failed{then}: {text.strip().splitlines()[-1]}\n\n{text}")
+            raise RankError(rank, f"rank {rank} of {world_size} failed{then}: {text.strip().splitlines()[-1]}\n\n{text}",
+                            error_type)
         return [done[rank] for rank in range(world_size)]
     finally:
         for process in processes:
@@ -154,11 +161,13 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, thr
 
 @dataclass
 class AllReduceCount:
-    """What ``count_all_reduces`` counted: calls, and the elements and bytes of the tensors reduced."""
+    """What ``count_all_reduces`` counted: calls, the elements and bytes of the tensors reduced, and the seconds
+    spent inside the calls (the communication, waiting for the slowest rank included)."""
 
     calls: int = 0
     elements: int = 0
     bytes: int = 0
+    seconds: float = 0.0
 
 
 @contextlib.contextmanager
@@ -173,7 +182,11 @@ def count_all_reduces():
         count.calls += 1
         count.elements += tensor.numel()
         count.bytes += tensor.numel() * tensor.element_size()
-        return original(tensor, *args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return original(tensor, *args, **kwargs)
+        finally:
+            count.seconds += time.perf_counter() - start
 
     dist.all_reduce = counted
     try:
@@ -182,13 +195,48 @@ def count_all_reduces():
         dist.all_reduce = original
 
 
-def _check_split(name: str, size: int, world_size: int):
-    check_positive("world_size", world_size)
+def ring_all_reduce(tensor: torch.Tensor) -> int:
+    """Sum a contiguous `tensor` over the ranks of the process group, in place, by the ring algorithm (NCCL's and
+    Baidu's ring all-reduce), with ``torch.distributed``'s point-to-point send and receive; call it on every rank.
+
+    The tensor is cut into p chunks; in p - 1 steps of reduce-scatter each rank sends one chunk to its right
+    neighbour and adds the chunk its left neighbour sends, until each holds one chunk summed over every rank; in
+    p - 1 steps of all-gather the summed chunks go round the ring once. Returns the elements this rank sent:
+    2 (p - 1) n / p of the n elements when p divides n, whatever p, against the (p - 1) n of sending the whole
+    tensor to every other rank.
+    """
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous (the chunks are views of it)")
+    p, rank = dist.get_world_size(), dist.get_rank()
+    chunks = tensor.view(-1).tensor_split(p)
+    right, left = (rank + 1) % p, (rank - 1) % p
+    sent = 0
+    for step in range(p - 1):  # reduce-scatter: afterwards this rank holds chunk (rank + 1) % p summed
+        out, into = chunks[(rank - step) % p], chunks[(rank - step - 1) % p]
+        received = torch.empty_like(into)
+        request = dist.isend(out, right)
+        dist.recv(received, left)
+        request.wait()
+        into += received
+        sent += out.numel()
+    for step in range(p - 1):  # all-gather: each summed chunk travels once round the ring
+        out, into = chunks[(rank - step + 1) % p], chunks[(rank - step) % p]
+        request = dist.isend(out, right)
+        dist.recv(into, left)
+        request.wait()
+        sent += out.numel()
+    return sent
+
+
+def check_divides(name: str, size: int, world_size: int, by: str = "world_size"):
+    """ValueError naming `name` unless world_size (an integer >= 1, called `by`) divides size."""
+    check_positive(by, world_size)
     if size % world_size:
-        raise ValueError(f"{name} ({size}) must be divisible by world_size ({world_size})")
+        raise ValueError(f"{name} ({size}) must be divisible by {by} ({world_size})")
 
 
-def _check_rank(rank: int, world_size: int):
+def check_rank(rank: int, world_size: int):
+    """ValueError naming rank unless it is an integer in [0, world_size)."""
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an integer in [0, {world_size - 1}], got {rank!r}")
 
@@ -206,11 +254,10 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, rank: int, world_size: int, chunks: int = 1):
         super().__init__()
-        check_positive("chunks", chunks)
-        _check_split("out_features", linear.out_features, chunks)
+        check_divides("out_features", linear.out_features, chunks, by="chunks")
         block = linear.out_features // chunks
-        _check_split("out_features per chunk", block, world_size)
-        _check_rank(rank, world_size)
+        check_divides("out_features per chunk", block, world_size)
+        check_rank(rank, world_size)
         part = block // world_size
         rows = torch.cat([torch.arange(c * block + rank * part, c * block + (rank + 1) * part) for c in range(chunks)])
         self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
@@ -233,8 +280,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, rank: int, world_size: int):
         super().__init__()
-        _check_split("in_features", linear.in_features, world_size)
-        _check_rank(rank, world_size)
+        check_divides("in_features", linear.in_features, world_size)
+        check_rank(rank, world_size)
         part = linear.in_features // world_size
         self.weight = nn.Parameter(linear.weight.detach()[:, rank * part:(rank + 1) * part].clone())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
@@ -256,7 +303,7 @@ def shard_block(block: GPTBlock, rank: int, world_size: int, column_parallel_lin
     on the rank's heads), two all-reduces per forward; summed over the ranks its output is the full block's.
     ValueError unless world_size divides n_head. The block given is left as it was.
     """
-    _check_split("n_head", block.attn.n_head, world_size)
+    check_divides("n_head", block.attn.n_head, world_size)
     shard = copy.deepcopy(block)
     attn, mlp = shard.attn, shard.mlp
     attn.c_attn = column_parallel_linear(block.attn.c_attn, rank, world_size, chunks=3)
@@ -284,7 +331,7 @@ def shard_gpt(model: GPT, rank: int, world_size: int, shard_block=shard_block) -
 def shard_cache(config: GPTConfig, world_size: int, batch_size: int, max_len: int, *, dtype=torch.float32) -> StaticKVCache:
     """A rank's KV cache: the keys and values of its n_head / world_size heads, in every layer, for batch_size rows
     and max_len tokens: (1 / world_size) of the full model's cache. ValueError unless world_size divides n_head."""
-    _check_split("n_head", config.n_head, world_size)
+    check_divides("n_head", config.n_head, world_size)
     return StaticKVCache(config.n_layer, batch_size, config.n_head // world_size, config.n_embd // config.n_head,
                          max_len, dtype=dtype)
 

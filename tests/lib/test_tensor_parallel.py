@@ -238,3 +238,21 @@ def test_sharded_gpt2_small_shape_equals_one_process():
                 nn.init.normal_(parameter, 0.0 if name.endswith("bias") else 1.0, 0.05)
     idx = torch.tensor([[464, 3290, 318, 257, 922]])
     check_sharded(model, idx, 4, 2)
+
+
+def ring(rank, world_size, n):
+    x = torch.arange(n, dtype=torch.float64) * (rank + 1)  # integers: every order of addition is exact
+    sent = tp.ring_all_reduce(x)
+    return x, sent
+
+
+@pytest.mark.parametrize("p, n", [(2, 12), (3, 12), (4, 12), (4, 10)])
+def test_ring_all_reduce_sums_and_sends_2_p_minus_1_over_p(p, n):
+    expected = torch.arange(n, dtype=torch.float64) * sum(range(1, p + 1))
+    results = tp.launch(ring, p, n)
+    for x, sent in results:
+        assert torch.equal(x, expected)
+    if n % p == 0:
+        assert [sent for _, sent in results] == [2 * (p - 1) * n // p] * p
+    else:  # uneven chunks: over every rank, each of the p - 1 steps of each phase sends the whole tensor once
+        assert sum(sent for _, sent in results) == 2 * (p - 1) * n
