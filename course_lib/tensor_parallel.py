@@ -26,7 +26,10 @@ included, and nothing is pickled on the way in (only the results come back pickl
 the child must not use the parent's intra-op thread pool (OpenMP is not fork-safe), so each child sets its own thread
 count (``threads``, one by default: a parallel region with one thread runs inline) before it computes anything; and
 it must not write to the parent's ``sys.stdout``, which in a Jupyter kernel is a ZeroMQ socket shared with the
-parent's threads: what a rank prints is dropped (its return value and its error come back).
+parent's threads: what a rank prints is dropped (its return value and its error come back). For the same reason
+the ranks meet through a file (``FileStore``) rather than a TCP store served by the parent: a store's server thread
+in the parent, caught holding a lock at the moment of a fork, left the child's own store client waiting forever
+(a few launches in a hundred, measured). The ranks then talk to each other over TCP on the loopback address.
 Fork is Linux's (and macOS's) start method; the course runs on Linux.
 """
 from __future__ import annotations
@@ -38,7 +41,9 @@ import multiprocessing
 import os
 import pickle
 import queue
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -68,16 +73,19 @@ class RankError(RuntimeError):
         self.error_type = error_type  # the name of the exception the rank raised ("NotImplementedError"), if it raised
 
 
-def _worker(fn, rank, world_size, port, timeout, threads, args, results):
+def _worker(fn, rank, world_size, store_path, timeout, threads, args, results):
     """One rank: join the group, run fn, send back (rank, "ok", pickled result) or
     (rank, "error", (when, traceback, the exception's type name))."""
     failed_at = None
     sys.stdout = sys.stderr = open(os.devnull, "w")  # never the parent's streams: a Jupyter kernel's talk over ZeroMQ
+    for fd in (1, 2):  # nor its file descriptors (which a kernel copies into the notebook): C++ logs included
+        os.dup2(sys.stdout.fileno(), fd)
     try:
         torch.set_num_threads(threads)  # before any computation: the parent's thread pool did not survive the fork
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no name lookup, works without a network
         limit = datetime.timedelta(seconds=timeout)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=limit)
+        store = dist.FileStore(store_path, world_size)  # the rendezvous: a file, no server thread to fork from
+        store.set_timeout(limit)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=limit)
         try:
             out = fn(rank, world_size, *args)
@@ -92,7 +100,8 @@ def _worker(fn, rank, world_size, port, timeout, threads, args, results):
 
 
 def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, threads: int = 1) -> list:
-    """Run fn(rank, world_size, *args) on world_size forked processes joined in a gloo process group on 127.0.0.1.
+    """Run fn(rank, world_size, *args) on world_size forked processes joined in a gloo process group on the loopback
+    interface (they meet through a file in a temporary folder, removed afterwards).
 
     Returns [what rank 0 returned, ..., what rank world_size - 1 returned] (each pickled on its way back). Every
     collective waits at most `timeout` seconds for the other ranks, and the whole group may run `timeout` seconds.
@@ -105,10 +114,10 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, thr
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     context = multiprocessing.get_context("fork")
-    limit = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=limit, wait_for_workers=False)  # the rendezvous
+    folder = tempfile.mkdtemp(prefix="course-tp-")
     results = context.Queue()
-    processes = [context.Process(target=_worker, args=(fn, rank, world_size, store.port, timeout, threads, args, results),
+    processes = [context.Process(target=_worker, args=(fn, rank, world_size, os.path.join(folder, "store"), timeout,
+                                                       threads, args, results),
                                  daemon=True) for rank in range(world_size)]
     done: dict[int, object] = {}
     failed: dict[int, tuple] = {}  # rank -> (when it failed, traceback, exception type name or None)
@@ -156,43 +165,33 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, thr
                 process.kill()
                 process.join()
         results.close()
-        del store
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @dataclass
 class AllReduceCount:
-    """What ``count_all_reduces`` counted: calls, the elements and bytes of the tensors reduced, and the seconds
-    spent inside the calls (the communication, waiting for the slowest rank included)."""
+    """What ``count_all_reduces`` counted: all-reduces run, and the seconds the backend spent on them (each from its
+    start to its end on gloo's side: the communication, waiting for the slowest rank included)."""
 
     calls: int = 0
-    elements: int = 0
-    bytes: int = 0
     seconds: float = 0.0
 
 
 @contextlib.contextmanager
 def count_all_reduces():
-    """Count every ``torch.distributed.all_reduce`` call this process makes inside the block; yields an AllReduceCount.
+    """Count the all-reduces this process runs inside the block; yields an AllReduceCount, filled in when the block ends.
 
-    It wraps the function ``torch.distributed.all_reduce`` for the duration (what ``dist.all_reduce(...)`` calls), so
-    the count is of the calls made, not of the calls a design should make."""
-    count, original = AllReduceCount(), dist.all_reduce
-
-    def counted(tensor, *args, **kwargs):
-        count.calls += 1
-        count.elements += tensor.numel()
-        count.bytes += tensor.numel() * tensor.element_size()
-        start = time.perf_counter()
-        try:
-            return original(tensor, *args, **kwargs)
-        finally:
-            count.seconds += time.perf_counter() - start
-
-    dist.all_reduce = counted
-    try:
+    The count is the process group's own record: gloo reports each collective it runs to PyTorch's profiler (an
+    event "gloo:all_reduce"), whoever called it and however (``dist.all_reduce`` or a name bound to it), so the count
+    is of the all-reduces made, not of the calls a design should make; nothing is replaced. The profiler slows
+    every operation in the block a little: time computation outside it."""
+    count = AllReduceCount()
+    with torch.autograd.profiler.profile() as profile:
         yield count
-    finally:
-        dist.all_reduce = original
+    # the raw events: building the profiler's event tree (function_events) would take seconds for a decoding
+    events = [event for event in profile.kineto_results.events() if event.name() == "gloo:all_reduce"]
+    count.calls = len(events)
+    count.seconds = sum(event.duration_ns() for event in events) / 1e9
 
 
 def ring_all_reduce(tensor: torch.Tensor) -> int:
@@ -295,7 +294,7 @@ class RowParallelLinear(nn.Module):
 
 def shard_block(block: GPTBlock, rank: int, world_size: int, column_parallel_linear=ColumnParallelLinear,
                 row_parallel_linear=RowParallelLinear) -> GPTBlock:
-    """Rank `rank`'s share of a GPT block (course_lib.gpt), its heads split across world_size ranks: a new block.
+    """Rank `rank`'s share of a GPT block (chapter 04's GPTBlock), its heads split across world_size ranks: a new block.
 
     attn.c_attn column-parallel with chunks=3 (the q, k and v of heads rank * H/p .. (rank + 1) * H/p - 1),
     attn.c_proj row-parallel, attn.n_head = H / p; mlp.c_fc column-parallel, mlp.c_proj row-parallel; the

@@ -78,7 +78,9 @@ def check_column_parallel_linear(ColumnParallelLinear) -> None:
             if not isinstance(getattr(plain, "weight", None), torch.Tensor):
                 fail(f"{what}) has no tensor .weight: keep the rank's rows of the full weight as .weight")
             assert_shape(plain.weight, (24 // p, 12), f"{what}).weight (out / world_size, in)")
-            y = call_learner(lambda: plain(x), f"{what})(x)")
+            y = call_learner(lambda: plain(x), f"{what})(x), outside any process group",
+                             "a column-parallel layer computes its own outputs without communicating: no torch.distributed "
+                             "call in its forward", (RuntimeError, ValueError))
             assert_tensor(y, f"{what})(x)")
             assert_close(y, expected[..., rank * 24 // p:(rank + 1) * 24 // p],
                          f"{what})(x): the full layer's outputs {rank * 24 // p} .. {(rank + 1) * 24 // p - 1}")
@@ -132,13 +134,15 @@ def check_row_parallel_linear(RowParallelLinear) -> None:
             continue
         fail(f"RowParallelLinear(Linear({bad[0].in_features}, 4), rank={bad[1]}, world_size={bad[2]}) did not raise "
              "ValueError: world_size must divide in_features, and rank must be in [0, world_size)")
-    call_learner(lambda: RowParallelLinear(full, 0, 2), "RowParallelLinear(linear 16 -> 6, rank=0, world_size=2)",
-                 errors=(RuntimeError, TypeError))
     p = 2
-    for rank, (y, calls, shape) in enumerate(_launch(_row_job, p, "RowParallelLinear", RowParallelLinear, full, x)):
+    for rank in range(p):
+        layer = call_learner(lambda: RowParallelLinear(full, rank, p), f"RowParallelLinear(linear 16 -> 6, rank={rank}, "
+                             f"world_size={p})", errors=(RuntimeError, TypeError))
+        shape = tuple(getattr(layer, "weight", torch.empty(0)).shape)
         if shape != (6, 16 // p):
             fail(f"rank {rank}'s weight has shape {shape}, expected (out, in / world_size) = (6, {16 // p}): keep the "
                  "rank's columns of the full weight (its slice of the input features)")
+    for rank, (y, calls, shape) in enumerate(_launch(_row_job, p, "RowParallelLinear", RowParallelLinear, full, x)):
         if calls == 0:
             fail(f"rank {rank} made no all-reduce: each rank holds only its partial sum x_rank @ W_rank^T; "
                  "torch.distributed.all_reduce sums them over the ranks (in place)")
@@ -160,42 +164,51 @@ def _block_job(rank, world_size, shard_block, model, idx):
     cache = tp.shard_cache(model.config, world_size, idx.shape[0], idx.shape[1])
     with torch.inference_mode(), tp.count_all_reduces() as count:
         logits = cached_forward(shard, idx, cache)
-    heads = [b.attn.n_head for b in shard.transformer.h]
-    numel = [sum(p.numel() for p in b.parameters()) for b in shard.transformer.h]
-    return logits, count.calls, heads, numel
+    return logits, count.calls
 
 
 def check_shard_block(shard_block) -> None:
     """Visible checks for chapter 16, exercise 3: a GPT block split by heads, two all-reduces per block."""
-    model = tiny_parallel_gpt()
-    block = model.transformer.h[0]
-    H, C, L = block.attn.n_head, model.config.n_embd, model.config.n_layer
+    six = tiny_parallel_gpt(n_layer=1, n_head=6, n_embd=48).transformer.h[0]
     try:
-        shard_block(block, 0, 3)
+        shard_block(six, 0, 4, column_parallel_linear=tp.ColumnParallelLinear, row_parallel_linear=tp.RowParallelLinear)
     except ValueError:
         pass
     except NotImplementedError:
         raise
     else:
-        fail(f"shard_block(block, 0, world_size=3) of a block of {H} heads did not raise ValueError: heads split "
-             "unevenly would give the ranks different work and different shapes; world_size must divide n_head")
+        fail("shard_block(block, 0, world_size=4) of a block of 6 heads of 8 channels did not raise ValueError: its 48 "
+             "channels split in 4 slices of 12 cut heads in half (heads split unevenly); world_size must divide n_head")
+    model = tiny_parallel_gpt()
+    block = model.transformer.h[0]
+    H, C, L = block.attn.n_head, model.config.n_embd, model.config.n_layer
     idx = torch.tensor([[3, 14, 15, 9, 2, 6, 5, 35], [8, 9, 7, 9, 3, 2, 38, 4]])
     expected = model(idx)[0].detach()
     replicated = sum(p.numel() for p in (*block.ln_1.parameters(), *block.ln_2.parameters())) + 2 * C
     whole = sum(p.numel() for p in block.parameters())
     for p in (2, 4):
-        for rank, (logits, calls, heads, numel) in enumerate(_launch(_block_job, p, "shard_block", shard_block, model, idx)):
+        for rank in range(p):  # what each rank holds, built here: no communication needed
+            where = f"shard_block(block, rank={rank}, world_size={p})"
+            shard = call_learner(lambda: shard_block(block, rank, p, column_parallel_linear=tp.ColumnParallelLinear,
+                                                     row_parallel_linear=tp.RowParallelLinear), where,
+                                 errors=(RuntimeError, TypeError, ValueError))
+            if shard is block or not isinstance(shard, nn.Module):
+                fail(f"{where} returned {'the block itself' if shard is block else type(shard).__name__}: return a new "
+                     "block (a copy), the full one left as it was")
+            if getattr(shard.attn, "n_head", None) != H // p:
+                fail(f"{where}: attn.n_head is {getattr(shard.attn, 'n_head', None)}, expected H / world_size = {H // p}: "
+                     "a rank runs its own heads only (of the same head size C / H as the full block)")
+            numel = sum(t.numel() for t in shard.parameters())
+            if numel != (whole - replicated) // p + replicated:
+                fail(f"{where} holds {numel} parameter elements, expected {(whole - replicated) // p + replicated}: "
+                     "1 / world_size of the four weight matrices and of the column-parallel biases, the LayerNorms and "
+                     "the row-parallel biases whole. Are all four linear layers (attn.c_attn, attn.c_proj, mlp.c_fc, "
+                     "mlp.c_proj) replaced by their parallel versions?")
+        for rank, (logits, calls) in enumerate(_launch(_block_job, p, "shard_block", shard_block, model, idx)):
             where = f"rank {rank} of {p}"
-            if heads != [H // p] * L:
-                fail(f"{where}: the sharded blocks' attn.n_head are {heads}, expected H / world_size = {H // p}: a rank "
-                     "runs its own heads only (of the same head size C / H as the full block)")
             if calls != 2 * L:
                 fail(f"{where}: {calls} all-reduces in a forward pass through {L} blocks, expected 2 per block "
                      "(after the attention's output projection and after the MLP's second layer, both row-parallel)")
-            if numel != [(whole - replicated) // p + replicated] * L:
-                fail(f"{where}: a sharded block holds {numel[0]} parameter elements, expected "
-                     f"{(whole - replicated) // p + replicated}: 1 / world_size of the four weight matrices and of the "
-                     "column-parallel biases, the LayerNorms and the row-parallel biases whole")
             if not torch.allclose(logits, expected, rtol=1e-4, atol=1e-4):
                 fail(f"{where}: the sharded model's logits differ from one process's by "
                      f"{(logits - expected).abs().max().item():.3g}. Is c_attn split with chunks=3 (each rank the q, k and "

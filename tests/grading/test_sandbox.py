@@ -109,7 +109,7 @@ def test_grading_works_on_a_machine_where_jupyter_never_ran(fresh_machine, outsi
 
 @needs_bwrap
 def test_a_loopback_process_group_runs_inside_the_sandbox_under_its_caps():
-    """Chapter 16's build exercise is graded with its processes: two ranks joined by gloo on 127.0.0.1 inside the
+    """Chapter 16's build exercise is graded with its processes: two, then four ranks joined by gloo on loopback inside the
     sandbox's own network namespace, under the clean room's process and memory caps, sum what they should."""
     probe = ("import torch, torch.distributed as dist\n"
              "from course_lib.tensor_parallel import launch\n"
@@ -117,11 +117,11 @@ def test_a_loopback_process_group_runs_inside_the_sandbox_under_its_caps():
              "    x = torch.tensor([rank + 1.0])\n"
              "    dist.all_reduce(x)\n"
              "    return x.item()\n"
-             "print(launch(rank_sum, 2, timeout=30))\n")
+             "print(launch(rank_sum, 2, timeout=30), launch(rank_sum, 4, timeout=30))\n")
     limits = Limits()
     with Confinement(limits, f"course-sandbox-test-{os.getpid()}") as confinement:
         result = subprocess.run(sandbox.bwrap_command([sys.executable, "-c", probe]), capture_output=True, text=True,
                                 timeout=120, cwd="/", env=sandbox.clean_environment() | {"PATH": os.environ["PATH"]},
                                 preexec_fn=preexec(limits, confinement))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "[3.0, 3.0]"
+    assert result.stdout.strip() == "[3.0, 3.0] [10.0, 10.0, 10.0, 10.0]"

@@ -110,16 +110,22 @@ def test_launch_rejects_bad_settings(kwargs, name):
         tp.launch(collectives, **kwargs)
 
 
-def test_the_counter_counts_calls_and_bytes_and_restores_all_reduce():
+def test_the_counter_counts_every_all_reduce_and_nothing_else_and_replaces_nothing():
     original = dist.all_reduce
 
     def run(rank, world_size):
+        reduce = dist.all_reduce  # a name bound before the count: counted too
         with tp.count_all_reduces() as count:
             dist.all_reduce(torch.zeros(3, 5))
-            dist.all_reduce(torch.zeros(7, dtype=torch.float64))
-        return count.calls, count.elements, count.bytes, dist.all_reduce is original
+            reduce(torch.zeros(7, dtype=torch.float64))
+            with torch.inference_mode():
+                dist.all_reduce(torch.zeros(2))
+            dist.broadcast(torch.zeros(4), src=0)  # another collective: not an all-reduce
+            dist.all_gather([torch.zeros(1) for _ in range(world_size)], torch.zeros(1))
+            replaced = dist.all_reduce is not original
+        return count.calls, count.seconds > 0, replaced
 
-    assert tp.launch(run, 2) == [(2, 22, 3 * 5 * 4 + 7 * 8, True)] * 2
+    assert tp.launch(run, 2) == [(3, True, False)] * 2
 
 
 # ---------------------------------------------------------------- the parallel layers
