@@ -346,3 +346,37 @@ def tp_generate(model: GPT, idx, max_new_tokens: int, rank: int, world_size: int
     cache = shard_cache(model.config, world_size, B, T + max_new_tokens)
     return extend(idx, max_new_tokens, lambda tokens, new: cached_forward(shard, new, cache)[:, -1], greedy_choice)
 
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Greedy decoding of the shipped ``char-gpt`` tensor-parallel across the processes ``torchrun`` starts, on one
+    machine or several: ``torchrun --nnodes 2 --nproc-per-node 1 --node-rank R --master-addr HOST --master-port PORT
+    -m course_lib.tensor_parallel --prompt "ROMEO:" --new-tokens 40`` on each machine (R = 0 and 1, HOST the address of
+    node 0). torchrun sets RANK and WORLD_SIZE and the rendezvous address; every rank decodes, rank 0 prints
+    {"world_size", "tokens", "text"} as one JSON line. The same ``tp_generate`` as the notebook's, under ``torchrun``
+    instead of ``launch``."""
+    import argparse
+    import json
+
+    from . import assets
+
+    parser = argparse.ArgumentParser(prog="python -m course_lib.tensor_parallel", description=main.__doc__.split("\n")[0])
+    parser.add_argument("--prompt", default="ROMEO:")
+    parser.add_argument("--new-tokens", type=int, default=40)
+    args = parser.parse_args(argv)
+    check_positive("new_tokens", args.new_tokens)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))  # env://: torchrun's rendezvous
+    try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        model, tokenizer = assets.load("char-gpt"), assets.tokenizer("char-gpt")
+        tokens = tp_generate(model, torch.tensor([tokenizer.encode(args.prompt)]), args.new_tokens, rank, world_size)
+        if rank == 0:
+            print(json.dumps({"world_size": world_size, "tokens": tokens[0].tolist(),
+                              "text": tokenizer.decode(tokens[0].tolist())}), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

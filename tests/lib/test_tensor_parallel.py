@@ -262,3 +262,35 @@ def test_ring_all_reduce_sums_and_sends_2_p_minus_1_over_p(p, n):
         assert [sent for _, sent in results] == [2 * (p - 1) * n // p] * p
     else:  # uneven chunks: over every rank, each of the p - 1 steps of each phase sends the whole tensor once
         assert sum(sent for _, sent in results) == 2 * (p - 1) * n
+
+
+def test_torchrun_across_two_nodes_on_loopback_decodes_as_one_process(char_gpt, tmp_path):
+    """Section 5's command: two torchrun "nodes" (node ranks 0 and 1, one process each) meet at a rendezvous address on
+    127.0.0.1 and decode char-gpt tensor-parallel; rank 0's tokens are one process's."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a free port for the rendezvous (node 0 listens there)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "-m", "course_lib.tensor_parallel", "--prompt", "ROMEO:", "--new-tokens", "12"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+             for node in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    [line] = [line for line in outputs[0][0].splitlines() if line.startswith("{")]
+    result = json.loads(line)
+    tokenizer = assets.tokenizer("char-gpt")
+    expected = generate_cached(char_gpt, torch.tensor([tokenizer.encode("ROMEO:")]), 12)
+    assert result["world_size"] == 2
+    assert result["tokens"] == expected[0].tolist()
+    assert not [line for line in outputs[1][0].splitlines() if line.startswith("{")]  # rank 1 prints nothing
