@@ -66,7 +66,7 @@ quick: setup                   ## the tests/ units that took at most QUICK=10 s 
 # while nbval re-executes them, as is and as on another CPU. Their measured claims must hold there too. OpenMP's
 # threads spin here (no OMP_WAIT_POLICY), as on a learner's machine: the harder case for the timed claims.
 # `course execute` reads this list too: it refuses these chapters on a busy machine unless --busy-ok.
-TIMED = solutions/05-kv-cache solutions/07-speculative solutions/08-memory-bound solutions/11-modern-decoder solutions/12-serving solutions/14-tiled-attention
+TIMED = solutions/05-kv-cache solutions/07-speculative solutions/08-memory-bound solutions/11-modern-decoder solutions/12-serving solutions/14-tiled-attention solutions/16-tensor-parallel
 busy: setup                    ## nbval of the timed chapters while both cores are kept busy
 	@$(BIN)/python -c "while True: pass" & a=$$!; $(BIN)/python -c "while True: pass" & b=$$!; \
 	trap 'kill $$a $$b 2>/dev/null' EXIT; \

@@ -188,10 +188,12 @@ class GPT(nn.Module):
 def qkv_heads(attn, x):
     """The queries, keys and values of a GPT attention module (its fused ``c_attn`` and ``n_head``: a
     CausalSelfAttention, or heads.HeadAttention), split into heads: x (B, T, C) -> q, k, v, each (B, H, T, Dh).
+    ``c_attn``'s output is [q | k | v] side by side, each H * Dh wide: C for a whole module, C / p for a rank's
+    share of one (chapter 16's ``tensor_parallel.shard_block``, H its heads alone).
     ``CausalSelfAttention.forward`` writes the same split (chapter 04's exercise); every other reader calls this."""
-    B, T, C = x.shape
-    q, k, v = attn.c_attn(x).split(C, dim=2)  # each (B, T, C)
-    return tuple(t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k, v))
+    B, T, _ = x.shape
+    q, k, v = attn.c_attn(x).chunk(3, dim=2)  # each (B, T, H * Dh)
+    return tuple(t.view(B, T, attn.n_head, -1).transpose(1, 2) for t in (q, k, v))
 
 
 def gpt_block(block: GPTBlock, x, attend: Callable):

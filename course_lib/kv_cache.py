@@ -268,14 +268,14 @@ def cached_attention(attn, x, cache, layer: int, allowed):
     ``F.scaled_dot_product_attention`` without a mask). Returns (B, T, C); the new keys and values
     are written into the cache.
     """
-    B, T, C = x.shape
+    B, T, _ = x.shape
     q, k, v = qkv_heads(attn, x)  # (B, H, T, Dh)
     keys, values = cache.update(layer, k, v)  # (B, H, T_k, Dh)
     if allowed is None:
         y = F.scaled_dot_product_attention(q, keys, values)  # (B, H, T, Dh)
     else:
         y = masked_softmax(q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1]), allowed) @ values
-    return attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
+    return attn.c_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, H * Dh): C, or a rank's C / p (chapter 16)
 
 
 @torch.no_grad()

@@ -6,7 +6,8 @@ float32, int8 and bfloat16 weights, with the memory-bandwidth bound; then chapte
 Hugging Face's continuous batching, the load sweeps and the engine's speed against its targets (``serve``).
 ``course bench serve-http``: ``course serve`` under Poisson arrivals over HTTP (``serve_http``). ``course bench structured``:
 chapter 15's token index and per-step constraint against xgrammar and outlines-core (``structured``). ``course bench grade``:
-grading speed (``course_lib.grading.bench``, with the grading code it times).
+grading speed (``course_lib.grading.bench``, with the grading code it times). ``course bench tensor-parallel``:
+chapter 16's decoding sharded across 1 and 2 processes against one process (``tensor_parallel``).
 
 The modules: ``timing`` (a torch thread count for a block, contenders timed alternately after a warm-up),
 ``hf_adapters`` (every use of transformers' internals, tied to the pinned version), and one per benchmark. Every
@@ -27,6 +28,7 @@ from .serve import (SERVE_MODELS, SERVE_REQUESTS, SERVE_SYSTEMS, SERVE_TARGETS, 
                     serve_model, serve_ratios)
 from .serve_http import bench_serve_http, format_serve_http
 from .structured import bench_index, bench_step, format_structured
+from .tensor_parallel import TP_WORLD_SIZES, bench_tensor_parallel, format_tensor_parallel
 from .timing import Runs, alternate, threads
 from .train import bench_train, format_train
 
@@ -38,7 +40,7 @@ __all__ = [
     "format_kernels", "format_llama_decode", "format_serve", "format_serve_http", "format_serve_load",
     "format_serve_speed", "format_serve_wall", "format_train", "greedy_uncached", "hf_generate", "hf_replay",
     "hf_serve", "main", "poisson_arrivals", "read_bandwidth", "read_bandwidths", "serve_model", "serve_ratios",
-    "threads",
+    "threads", "TP_WORLD_SIZES", "bench_tensor_parallel", "format_tensor_parallel",
 ]
 
 #: ``--quick`` (a smoke run): new tokens of the cached and of the uncached decode rows, requests per serve trace, new
@@ -119,12 +121,17 @@ def main(argv: list[str] | None = None) -> int:
         from ..grading.bench import main as bench_grade_main
 
         return bench_grade_main(argv[1:])
+    if argv[:1] == ["tensor-parallel"]:  # chapter 16: its own options
+        from .tensor_parallel import main as bench_tensor_parallel_main
+
+        return bench_tensor_parallel_main(argv[1:])
     if argv[:1] == ["serve-http"]:  # the engine behind HTTP: its own options
         from .serve_http import main as bench_serve_http_main
 
         return bench_serve_http_main(argv[1:])
     parser = argparse.ArgumentParser(prog="course bench", description="benchmarks (they print; they assert nothing); "
-                                                                      "`course bench grade --help` for grading speed")
+                                                                      "`course bench grade --help` for grading speed, "
+                                                                      "`course bench tensor-parallel --help` for chapter 16's")
     parser.add_argument("what", choices=["train", "decode", "serve", "structured"],
                         help="train: a training step of our GPT vs Hugging Face's GPT-2; decode: greedy decoding speed, "
                              "cached and uncached, vs Hugging Face's generate; serve: many requests at once, our continuous "

@@ -23,6 +23,7 @@ from .ch12 import *  # noqa: F401,F403
 from .ch13 import *  # noqa: F401,F403
 from .ch14 import *  # noqa: F401,F403
 from .ch15 import *  # noqa: F401,F403
+from .ch16 import *  # noqa: F401,F403
 
 globals().update({name: says_unfinished(value) for name, value in list(globals().items())
                   if name.startswith("check_") and callable(value)})

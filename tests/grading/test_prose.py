@@ -83,6 +83,9 @@ CITED: dict[str, dict[str, str]] = {
                "192, else 32; kv_split_size = 512 (so 256 x 512 tiles at T = 1024)",
     },
 
+    "16-tensor-parallel": {
+    },
+
 }
 
 CHAPTERS = grading.chapters(ROOT)

@@ -6,6 +6,7 @@ bubblewrap can create anything, so a path under /tmp would hide the bug).
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from course_lib import grading
 from course_lib.grading import sandbox
+from course_lib.grading.limits import Confinement, Limits, preexec
 from tests.roundtrip import Chapter, write_submissions
 
 needs_bwrap = pytest.mark.skipif(not sandbox.available(), reason="bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
@@ -103,3 +105,23 @@ def test_grading_works_on_a_machine_where_jupyter_never_ran(fresh_machine, outsi
     assert not fresh_machine.exists() and not Path(outside_tmp / "home-never-made").exists()
     [result] = grading.grade(submissions, outside_tmp / "work", sandboxed=True)
     assert not result.error, result.error
+
+
+@needs_bwrap
+def test_a_loopback_process_group_runs_inside_the_sandbox_under_its_caps():
+    """Chapter 16's build exercise is graded with its processes: two, then four ranks joined by gloo on loopback inside the
+    sandbox's own network namespace, under the clean room's process and memory caps, sum what they should."""
+    probe = ("import torch, torch.distributed as dist\n"
+             "from course_lib.tensor_parallel import launch\n"
+             "def rank_sum(rank, world_size):\n"
+             "    x = torch.tensor([rank + 1.0])\n"
+             "    dist.all_reduce(x)\n"
+             "    return x.item()\n"
+             "print(launch(rank_sum, 2, timeout=30), launch(rank_sum, 4, timeout=30))\n")
+    limits = Limits()
+    with Confinement(limits, f"course-sandbox-test-{os.getpid()}") as confinement:
+        result = subprocess.run(sandbox.bwrap_command([sys.executable, "-c", probe]), capture_output=True, text=True,
+                                timeout=120, cwd="/", env=sandbox.clean_environment() | {"PATH": os.environ["PATH"]},
+                                preexec_fn=preexec(limits, confinement))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[3.0, 3.0] [10.0, 10.0, 10.0, 10.0]"

@@ -339,3 +339,15 @@ def test_bench_structured_counts_the_index_entries_the_ground_truth_allows_and_p
     assert main(["structured", "--quick"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n   300 ") == len(PATTERNS) and "ours (index lookup" in out and "xgrammar (bitmask" in out
+
+
+def test_bench_tensor_parallel_tiny_run_has_every_row_and_one_process_s_tokens(capsys):
+    from course_lib.bench import bench_tensor_parallel
+
+    result = bench_tensor_parallel("tiny", (1, 2), new_tokens=4, prompt_len=4, repeats=1, warmup=0)
+    assert [(r["name"], r["processes"], r["threads"]) for r in result["rows"]] == [
+        ("one process", 1, 1), ("one process", 1, 2), ("tensor-parallel", 1, 1), ("tensor-parallel", 2, 1)]
+    assert all(r["same_tokens"] and r["tokens_per_s"] > 0 for r in result["rows"])
+    assert main(["tensor-parallel", "--tokens", "2", "--repeats", "1", "--world-sizes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor-parallel            2" in out and "same tokens as one process" in out
