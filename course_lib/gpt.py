@@ -193,7 +193,8 @@ def qkv_heads(attn, x):
     ``CausalSelfAttention.forward`` writes the same split (chapter 04's exercise); every other reader calls this."""
     B, T, _ = x.shape
     q, k, v = attn.c_attn(x).chunk(3, dim=2)  # each (B, T, H * Dh)
-    return tuple(t.view(B, T, attn.n_head, -1).transpose(1, 2) for t in (q, k, v))
+    head_size = q.shape[-1] // attn.n_head  # stated, not -1: a view of T = 0 tokens must still know it
+    return tuple(t.view(B, T, attn.n_head, head_size).transpose(1, 2) for t in (q, k, v))
 
 
 def gpt_block(block: GPTBlock, x, attend: Callable):

@@ -275,7 +275,8 @@ def cached_attention(attn, x, cache, layer: int, allowed):
         y = F.scaled_dot_product_attention(q, keys, values)  # (B, H, T, Dh)
     else:
         y = masked_softmax(q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1]), allowed) @ values
-    return attn.c_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, H * Dh): C, or a rank's C / p (chapter 16)
+    H, Dh = y.shape[1], y.shape[3]
+    return attn.c_proj(y.transpose(1, 2).reshape(B, T, H * Dh))  # C, or a rank's C / p (chapter 16); T may be 0
 
 
 @torch.no_grad()
