@@ -298,19 +298,22 @@ def extend(idx: torch.Tensor, max_new_tokens: int, next_logits: Callable, choose
 def gpt_sample(model: GPT, idx, max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, generator=None):
     """Extend idx (B, T) by max_new_tokens tokens, one at a time, each fed back as input.
 
-    greedy=True takes the most likely token; otherwise it samples from softmax(logits / temperature).
+    greedy=True takes the most likely token; otherwise it samples from softmax(logits / temperature), at the
+    temperature of chapter 06's ``apply_temperature`` (which range-checks it; temperature 0 is greedy).
     The context is cropped to the last block_size tokens. Returns (B, T + max_new_tokens).
     There is no KV cache here: every step re-runs the whole context (chapter 05 fixes that).
     """
+    from .decoding import apply_temperature, check_settings  # chapter 06's processor (decoding imports this module)
+
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if not greedy and temperature <= 0:
-        raise ValueError(f"temperature must be > 0 (use greedy=True for the argmax), got {temperature}")
+    check_settings(model.config.vocab_size, temperature=temperature)  # greedy or not, as generate
 
     was_training = model.training
     model.eval()
     idx = extend(idx, max_new_tokens, lambda tokens, new: model(tokens[:, -model.config.block_size:])[0][:, -1],
-                 greedy_choice if greedy else lambda logits: sample_choice(logits / temperature, generator))
+                 greedy_choice if greedy else lambda logits: sample_choice(apply_temperature(logits, temperature),
+                                                                            generator))
     model.train(was_training)
     return idx
 

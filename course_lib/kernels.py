@@ -85,12 +85,12 @@ def rows_bucket(rows: int) -> int:
     return 1 << max(0, rows - 1).bit_length()
 
 
-def _calls_to_time(run) -> int:
-    """Run once to warm up (first-call overheads, caches), once timed: how many calls fill BUDGET_S."""
-    run()
+def _seconds(run, calls: int = 1) -> float:
+    """Seconds per call of `calls` calls of run."""
     start = time.perf_counter()
-    run()
-    return max(1, min(1000, int(BUDGET_S / max(time.perf_counter() - start, 1e-7))))
+    for _ in range(calls):
+        run()
+    return (time.perf_counter() - start) / calls
 
 
 def measure(weight, bias, x, cycle_bytes: int = COLD_BYTES) -> dict[str, float]:
@@ -106,15 +106,18 @@ def measure(weight, bias, x, cycle_bytes: int = COLD_BYTES) -> dict[str, float]:
     copies = max(1, math.ceil(min(cycle_bytes, COLD_BYTES) / (weight.numel() * weight.element_size())))
     weights = [weight] + [weight.clone() for _ in range(copies - 1)]
     with torch.no_grad():
+        for kernel in KERNELS.values():
+            kernel(x, weight, bias)  # warm-up: first-call overheads (one copy: what is timed is a read from memory)
         runs = {name: (lambda kernel=kernel: [kernel(x, w, bias) for w in weights]) for name, kernel in KERNELS.items()}
-        calls = {name: _calls_to_time(run) for name, run in runs.items()}
-        times = {name: math.inf for name in KERNELS}
-        for _ in range(ROUNDS):
+        probe = {name: _seconds(run) for name, run in runs.items()}  # one call each, in turn
+        calls = {name: max(1, min(1000, int(BUDGET_S / max(seconds, 1e-7)))) for name, seconds in probe.items()}
+        if all(n == 1 for n in calls.values()):  # the probe was a round of one call each: the first of ROUNDS
+            times, rounds = {name: seconds / copies for name, seconds in probe.items()}, ROUNDS - 1
+        else:
+            times, rounds = {name: math.inf for name in KERNELS}, ROUNDS
+        for _ in range(rounds):
             for name, run in runs.items():
-                start = time.perf_counter()
-                for _ in range(calls[name]):
-                    run()
-                times[name] = min(times[name], (time.perf_counter() - start) / (calls[name] * copies))
+                times[name] = min(times[name], _seconds(run, calls[name]) / copies)
     return times
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .decoding import apply_temperature, check_settings
 from .kv_cache import KVCache, cached_forward
 from .validation import check_positive
 
@@ -30,14 +31,14 @@ from .validation import check_positive
 def probs_from_logits(logits: torch.Tensor, do_sample: bool = True, temperature: float = 1.0) -> torch.Tensor:
     """The distribution each next token is drawn from: logits (..., V) -> float64 probabilities (..., V).
 
-    Sampling: softmax(logits / temperature). Greedy (do_sample=False): the one-hot vector of the argmax,
-    so that greedy decoding is sampling from a distribution that puts all its mass on one token.
+    Sampling: softmax(logits / temperature), at the temperature of ``decoding.apply_temperature`` (which
+    range-checks it; temperature 0 puts all the mass on the largest logit(s)). Greedy (do_sample=False): the
+    one-hot vector of the argmax, so that greedy decoding is sampling from a distribution that puts all its mass
+    on one token.
     """
     if not do_sample:
         return F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).double()
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 when sampling (use do_sample=False for greedy), got {temperature}")
-    return torch.softmax(logits.double() / temperature, dim=-1)
+    return torch.softmax(apply_temperature(logits.double(), temperature), dim=-1)
 
 
 def draw_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -136,8 +137,7 @@ def check_speculative_arguments(target, draft, input_ids, max_new_tokens, num_dr
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     check_positive("num_draft_tokens", num_draft_tokens)
-    if do_sample and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when sampling (use do_sample=False for greedy), got {temperature}")
+    check_settings(target.config.vocab_size, temperature=temperature)  # by its processor, greedy or not, as generate
     if target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(f"target and draft must share one vocabulary: target vocab_size = {target.config.vocab_size}, "
                          f"draft vocab_size = {draft.config.vocab_size}")

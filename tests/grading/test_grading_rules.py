@@ -34,10 +34,56 @@ def submitted(double="def double(x):\n    return 2 * x\n", quad="def quad(x):\n 
     return notebook
 
 
-def verdicts(notebook, limits=Limits(timeout=20)):
-    reading = read_submission(SOURCE, notebook)
-    found = run_cleanroom([chapter_job("ch", SOURCE, reading.answers)], limits, sandboxed=False)
-    return {grade_id: v for (_, grade_id), v in found.items()}
+def markdown_answer():
+    notebook = submitted()
+    notebook["cells"][1]["cell_type"] = "markdown"
+    del notebook["cells"][1]["outputs"]
+    return notebook
+
+
+def deleted_answer():
+    notebook = submitted()
+    del notebook["cells"][1]
+    return notebook
+
+
+DEFAULT, SHORT = Limits(timeout=20), Limits(timeout=2)
+OPTIMIZER_STEP = ("import torch\n"
+                  "def double(x):\n"
+                  "    model = torch.nn.Linear(2, 1)\n"
+                  "    opt = torch.optim.AdamW(model.parameters(), lr=0.1)\n"
+                  "    model(torch.ones(1, 2)).sum().backward()\n"
+                  "    opt.step()\n"
+                  "    return 2 * x\n")
+#: The submissions the clean room grades: name -> (notebook, limits). Each is one chapter of one clean room run per
+#: limits, as a learner's chapters share one clean room when graded: Python and torch start once per run, not per test.
+GRADED = {
+    "markdown_answer": (markdown_answer(), DEFAULT),
+    "deleted_answer": (deleted_answer(), DEFAULT),
+    "earlier_bug": (submitted(double="def double(x):\n    return 3 * x\n"), DEFAULT),
+    "later_bug": (submitted(quad="def quad(x):\n    return double(x)\n"), DEFAULT),
+    "loop": (submitted(double="def double(x):\n    while True:\n        pass\n"), SHORT),
+    "exit": (submitted(double="import os\ndef double(x):\n    os._exit(3)\n"), DEFAULT),
+    "printing_loop": (submitted(double="def double(x):\n    while True:\n        print('x' * 1000)\n"), SHORT),
+    "memory_hog": (submitted(double="import torch\ndef double(x):\n    torch.ones(3 * 2**30, dtype=torch.uint8)\n"
+                                    "    return 2 * x\n"), Limits(timeout=20, memory_gib=2)),
+    "optimizer_step": (submitted(double=OPTIMIZER_STEP), DEFAULT),
+    "patch_when_called": (submitted(double="import torch\ndef double(x):\n    torch.allclose = lambda *a, **k: True\n"
+                                           "    return 2 * x\n"), DEFAULT),
+}
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    """name -> {grade_id: Verdict} for every submission of GRADED, one clean room run per limits."""
+    runs: dict[Limits, list] = {}
+    for name, (notebook, limits) in GRADED.items():
+        runs.setdefault(limits, []).append(chapter_job(name, SOURCE, read_submission(SOURCE, notebook).answers))
+    found: dict[str, dict] = {}
+    for limits, jobs in runs.items():
+        for (name, grade_id), verdict in run_cleanroom(jobs, limits, sandboxed=False).items():
+            found.setdefault(name, {})[grade_id] = verdict
+    return found
 
 
 # --- reading a submission: honest accidents -------------------------------------------------
@@ -75,21 +121,16 @@ def test_foreign_nbgrader_metadata_is_ignored_and_noted():
     assert not any(nbgrader_meta(c).get("grade_id") == "from-another-course" for c in reading.notebook["cells"])
 
 
-def test_an_answer_switched_to_markdown_is_graded_as_code():
-    notebook = submitted()
-    notebook["cells"][1]["cell_type"] = "markdown"
-    del notebook["cells"][1]["outputs"]
-    reading = read_submission(SOURCE, notebook)
+def test_an_answer_switched_to_markdown_is_graded_as_code(verdicts):
+    reading = read_submission(SOURCE, markdown_answer())
     assert reading.answers["double-solution"].startswith("def double")
     assert reading.notebook["cells"][1]["cell_type"] == "code"
     assert reading.notes == ["double-solution had been switched to markdown: it was graded as the code it holds"]
-    assert all(v.passed for v in verdicts(notebook).values())
+    assert all(v.passed for v in verdicts["markdown_answer"].values())
 
 
-def test_a_deleted_answer_fails_its_own_tests_only():
-    notebook = submitted()
-    del notebook["cells"][1]
-    found = verdicts(notebook)
+def test_a_deleted_answer_fails_its_own_tests_only(verdicts):
+    found = verdicts["deleted_answer"]
     assert not found["double-visible"].passed and "double" in found["double-visible"].message
     assert found["quad-visible"].passed
 
@@ -118,59 +159,51 @@ def test_the_clean_room_loads_definitions_and_constants_but_no_patches():
 
 # --- one mistake costs one exercise ---------------------------------------------------------------
 
-def test_a_bug_in_an_earlier_exercise_does_not_cost_a_later_one_that_calls_it():
-    found = verdicts(submitted(double="def double(x):\n    return 3 * x\n"))
+def test_a_bug_in_an_earlier_exercise_does_not_cost_a_later_one_that_calls_it(verdicts):
+    found = verdicts["earlier_bug"]
     assert not found["double-visible"].passed
     assert found["quad-visible"].passed, "quad is tested with the reference double"
 
 
-def test_a_later_exercise_is_judged_on_its_own_code():
-    found = verdicts(submitted(quad="def quad(x):\n    return double(x)\n"))
+def test_a_later_exercise_is_judged_on_its_own_code(verdicts):
+    found = verdicts["later_bug"]
     assert found["double-visible"].passed and not found["quad-visible"].passed
 
 
 # --- errors cost their own exercise, in plain words ---------------------------------------------------
 
-def test_a_test_past_the_time_limit_is_stopped_and_costs_its_exercise():
-    found = verdicts(submitted(double="def double(x):\n    while True:\n        pass\n"), Limits(timeout=2))
+def test_a_test_past_the_time_limit_is_stopped_and_costs_its_exercise(verdicts):
+    found = verdicts["loop"]
     assert found["double-visible"].error.startswith("a test of this exercise did not finish within 2 s")
     assert found["quad-visible"].passed
 
 
-def test_code_that_ends_the_process_costs_its_exercise():
-    found = verdicts(submitted(double="import os\ndef double(x):\n    os._exit(3)\n"))
+def test_code_that_ends_the_process_costs_its_exercise(verdicts):
+    found = verdicts["exit"]
     assert "exit code 3" in found["double-visible"].error
     assert found["quad-visible"].passed
 
 
-def test_printing_forever_is_only_a_loop():
-    found = verdicts(submitted(double="def double(x):\n    while True:\n        print('x' * 1000)\n"), Limits(timeout=2))
+def test_printing_forever_is_only_a_loop(verdicts):
+    found = verdicts["printing_loop"]
     assert "did not finish within 2 s" in found["double-visible"].error
     assert found["quad-visible"].passed
 
 
-def test_memory_past_the_cap_is_an_error_that_says_so():
-    hog = "import torch\ndef double(x):\n    torch.ones(3 * 2**30, dtype=torch.uint8)\n    return 2 * x\n"
-    found = verdicts(submitted(double=hog), Limits(timeout=20, memory_gib=2))
+def test_memory_past_the_cap_is_an_error_that_says_so(verdicts):
+    found = verdicts["memory_hog"]
     assert found["double-visible"].error == "your code used more than 2 GiB of memory (the grading limit)"
     assert found["quad-visible"].passed
 
 
-def test_the_clean_room_accepts_a_solution_that_takes_an_optimizer_step():
+def test_the_clean_room_accepts_a_solution_that_takes_an_optimizer_step(verdicts):
     """torch imports torch._dynamo lazily at the first optimizer step, which re-binds torch attributes:
     that must not be mistaken for the learner patching torch."""
-    step = ("def double(x):\n"
-            "    model = torch.nn.Linear(2, 1)\n"
-            "    opt = torch.optim.AdamW(model.parameters(), lr=0.1)\n"
-            "    model(torch.ones(1, 2)).sum().backward()\n"
-            "    opt.step()\n"
-            "    return 2 * x\n")
-    assert all(v.passed for v in verdicts(submitted(double="import torch\n" + step)).values())
+    assert all(v.passed for v in verdicts["optimizer_step"].values())
 
 
-def test_monkeypatching_when_called_is_caught():
-    patch = "import torch\ndef double(x):\n    torch.allclose = lambda *a, **k: True\n    return 2 * x\n"
-    found = verdicts(submitted(double=patch))
+def test_monkeypatching_when_called_is_caught(verdicts):
+    found = verdicts["patch_when_called"]
     assert not found["double-visible"].passed and "tests cannot be tricked" in found["double-visible"].message
 
 

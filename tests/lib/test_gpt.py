@@ -12,6 +12,7 @@ from torch import nn
 from course_lib.gpt import (GPT, IGNORE_INDEX, CausalSelfAttention, GPTConfig, attention_maps, count_parameters, estimate_loss,
                             gpt_layers, gpt_logits, gpt_param_count, gpt_sample, greedy_choice, qkv_heads,
                             sample_choice, text_nats)
+from course_lib.decoding import apply_temperature
 from tests.helpers import assert_parity
 
 
@@ -214,10 +215,26 @@ def test_gpt_sample_is_reproducible_with_a_generator_and_validates(generator):
     a = gpt_sample(model, prompt, 8, temperature=0.7, generator=torch.Generator().manual_seed(1))
     b = gpt_sample(model, prompt, 8, temperature=0.7, generator=torch.Generator().manual_seed(1))
     assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="temperature must be > 0"):
-        gpt_sample(model, prompt, 1, temperature=0.0)
+    with torch.no_grad():  # the first token: one multinomial draw from softmax(logits / 0.7), by hand
+        probs = torch.softmax(model(prompt)[0][:, -1] / 0.7, -1)
+    first = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a[:, 3:4], first)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
         gpt_sample(model, prompt, -1)
+
+
+def test_gpt_sample_checks_temperature_by_chapter_06s_processor_only(generator):
+    """One check of the temperature's range, apply_temperature's: the same ValueError, greedy or not (a second check
+    in gpt_sample, with its own range or words, fails), and temperature 0 is the processor's greedy limit."""
+    model = randomized(GPT(small_config()), seed=6)
+    prompt = torch.randint(0, 17, (1, 3), generator=generator)
+    with pytest.raises(ValueError, match=r"temperature must be >= 0") as processor:
+        apply_temperature(torch.zeros(1, 17), -0.5)
+    for greedy in (False, True):
+        with pytest.raises(ValueError) as ours:
+            gpt_sample(model, prompt, 1, temperature=-0.5, greedy=greedy)
+        assert str(ours.value) == str(processor.value)
+    assert torch.equal(gpt_sample(model, prompt, 8, temperature=0.0), gpt_sample(model, prompt, 8, greedy=True))
 
 
 def test_attention_maps_are_causal_distributions_equal_to_sdpa_weights(generator):

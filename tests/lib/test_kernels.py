@@ -93,6 +93,23 @@ def test_a_measurement_reads_the_weight_from_copies_as_large_as_the_model(monkey
     assert all(weight.data_ptr() in pointers for pointers in seen.values())
 
 
+def test_a_measurement_of_calls_past_the_budget_reads_the_copies_rounds_times_after_one_warm_up_call(monkeypatch):
+    """Each kernel: one warm-up call on one copy (first-call overheads), then ROUNDS timed passes over every copy, the
+    first of them the pass that found one call fills the budget: a pass of a large model's copies is not repeated."""
+    calls = {name: 0 for name in kernels.KERNELS}
+
+    def counter(name):
+        def kernel(x, weight, bias=None):
+            calls[name] += 1
+            return F.linear(x, weight, bias)
+        return kernel
+
+    monkeypatch.setattr(kernels, "KERNELS", {name: counter(name) for name in kernels.KERNELS})
+    monkeypatch.setattr(kernels, "BUDGET_S", 0.0)  # one call fills it, as a pass over 128 MiB does
+    kernels.measure(torch.randn(64, 32), None, torch.randn(1, 32), cycle_bytes=10 * 8192)
+    assert calls == {name: 1 + 10 * kernels.ROUNDS for name in kernels.KERNELS}
+
+
 def test_use_fastest_kernels_measures_with_the_models_weight_bytes(monkeypatch):
     cycles = []
     monkeypatch.setattr(kernels, "measure", lambda weight, bias, x, cycle_bytes: cycles.append(cycle_bytes) or

@@ -17,7 +17,7 @@ import torch
 from course_lib.gpt import GPT, GPTConfig, gpt_sample
 from course_lib.kv_cache import KVCache
 from course_lib.checks import AcceptSpy
-from course_lib.decoding import generate
+from course_lib.decoding import apply_temperature, generate
 from course_lib.speculative import (SpeculativeOutput, draw_token, expected_tokens_per_round,
                                     probs_from_logits, speculative_accept, speculative_generate)
 
@@ -340,13 +340,29 @@ def test_probs_from_logits_and_draw_token():
     logits = torch.tensor([1.0, 2.0, 3.0])
     torch.testing.assert_close(probs_from_logits(logits, True, 0.5), torch.softmax(logits.double() * 2, -1))
     assert draw_token(torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)).item() == 2
-    with pytest.raises(ValueError, match="temperature must be > 0"):
-        probs_from_logits(logits, True, 0.0)
+    # temperature 0: chapter 06's greedy limit, all the mass on the largest logit
+    torch.testing.assert_close(probs_from_logits(logits, True, 0.0), torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64))
+
+
+def test_temperature_is_range_checked_by_chapter_06s_processor_only():
+    """probs_from_logits and speculative_generate's argument check raise apply_temperature's own ValueError for a
+    negative temperature, sampling or greedy, as generate does (a second check with its own range or words fails)."""
+    with pytest.raises(ValueError, match=r"temperature must be >= 0") as processor:
+        apply_temperature(torch.zeros(1, 5), -0.5)
+    with pytest.raises(ValueError) as ours:
+        probs_from_logits(torch.zeros(5), True, -0.5)
+    assert str(ours.value) == str(processor.value)
+    target, draft = tiny_gpt(1), tiny_gpt(2)
+    for do_sample in (True, False):
+        with pytest.raises(ValueError) as ours:
+            speculative_generate(target, draft, torch.zeros(1, 3, dtype=torch.long), 5, do_sample=do_sample,
+                                 temperature=-0.5)
+        assert str(ours.value) == str(processor.value)
 
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(num_draft_tokens=0), "num_draft_tokens must be an integer >= 1"),
-    (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
+    (dict(do_sample=True, temperature=-1.0), "temperature must be >= 0"),
     (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 0"),
     (dict(max_new_tokens=30), r"must fit in the context, block_size = 32"),
     (dict(input_ids=torch.zeros(2, 3, dtype=torch.long)), r"input_ids must have shape \(1, T\)"),
