@@ -92,6 +92,11 @@ def _worker(fn, rank, world_size, store_path, timeout, threads, args, results):
         except BaseException:
             failed_at = time.monotonic()  # one clock for every process: the first failure is the cause of the others
             raise
+        else:
+            # no rank leaves before every rank is done: init_process_group can return on one rank while another is
+            # still connecting to it, and a rank whose fn made no collective then closed its sockets under that
+            # connection ("Gloo connectFullMesh failed ... Connection closed by peer", a few launches in a hundred)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         results.put((rank, "ok", pickle.dumps(out)))
