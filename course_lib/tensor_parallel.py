@@ -89,12 +89,18 @@ def _worker(fn, rank, world_size, store_path, timeout, threads, args, results):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=limit)
         try:
             out = fn(rank, world_size, *args)
+            # reported before the wait below, so that a group out of time names the ranks still running fn
+            results.put((rank, "ok", pickle.dumps(out)))
         except BaseException:
             failed_at = time.monotonic()  # one clock for every process: the first failure is the cause of the others
             raise
+        else:
+            # no rank leaves before every rank is done: init_process_group can return on one rank while another is
+            # still connecting to it, and a rank whose fn made no collective then closed its sockets under that
+            # connection ("Gloo connectFullMesh failed ... Connection closed by peer", a few launches in a hundred)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
-        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as error:  # noqa: BLE001 -- every failure, SystemExit included, is reported with its rank
         results.put((rank, "error", (failed_at or time.monotonic(), traceback.format_exc(), type(error).__name__)))
 
@@ -142,6 +148,8 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, thr
                     raise RankError(late[0], f"rank {late[0]} of {world_size} did not finish within {timeout} s "
                                               f"(ranks still running: {late})")
                 continue
+            if rank in done:
+                continue  # a rank that finished, then failed waiting for the others: one of them is the cause
             if status == "ok":
                 done[rank] = pickle.loads(payload)
             else:
