@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import jsonschema
 import pytest
@@ -220,6 +221,27 @@ def test_a_pattern_outside_the_subset_is_a_value_error_naming_the_pattern(patter
         regex_dfa(pattern)
 
 
+@pytest.mark.parametrize("pattern,where", [("a{1000000}", "over 10000"), ("a{0,100000}", "over 10000"),
+                                           ("(a{1000}){1000}", "more than 100000 NFA states"),
+                                           ("(a|b)*a(a|b){20}", "DFA has more than 100000 states"),
+                                           ("(" * 2000 + ")" * 2000, "nested deeper than 100"),
+                                           ("a*+a", "possessive"), ("a?+", "possessive"), ("x{2}{3}", "multiple repeat")])
+def test_a_pattern_too_large_or_repeated_twice_is_a_value_error_not_a_hang(pattern, where):
+    """A bound, a nesting or a subset construction past the limits is refused (it hung or hit RecursionError); a
+    second quantifier is refused too (Python reads a*+ as possessive: a*+a matches nothing, not aa)."""
+    assert pattern[:3] != "a*+" or regex.fullmatch(pattern, "aa") is None
+    with pytest.raises(ValueError, match="pattern .*" + re.escape(where)):
+        regex_dfa(pattern)
+
+
+def test_a_long_literal_pattern_builds_in_linear_time():
+    """Liveness is found backwards from the accepting states in one pass (a pass per state hung on long literals)."""
+    start = time.perf_counter()
+    dfa = regex_dfa("a" * 20000)
+    assert dfa.num_states == 20001 and dfa.matches("a" * 20000) and not dfa.matches("a" * 19999)
+    assert time.perf_counter() - start < 30
+
+
 # xgrammar and outlines-core, side by side with the ground truth
 
 EOS = len(VOCABS["bpe-gpt"])
@@ -374,7 +396,12 @@ def test_a_valid_compact_instance_is_in_the_schema_regex(k, instance):
                                          ({"type": "string", "maxLength": 2, "minLength": 3}, "minLength <= maxLength"),
                                          ({"type": "array", "items": {"type": "null"}, "uniqueItems": True}, "'uniqueItems'"),
                                          ({"type": "object", "properties": {}, "required": ["a"]}, "'a' is not in properties"),
-                                         ({"enum": [1], "type": "string"}, "no other keyword"), ([], "dict")])
+                                         ({"enum": [1], "type": "string"}, "no other keyword"), ([], "dict"),
+                                         ({"enum": []}, "non-empty list"), ({"enum": "ab"}, "non-empty list"),
+                                         ({"type": ["string", "null"]}, "not in this subset"),
+                                         ({"type": "string", "maxLength": True}, "must be integers"),
+                                         ({"type": "object", "properties": {"a": {"type": "null"}}, "required": "a"},
+                                          "required a list")])
 def test_a_schema_outside_the_subset_is_a_value_error_saying_why(schema, what):
     with pytest.raises(ValueError, match=what):
         schema_regex(schema)
