@@ -26,6 +26,7 @@ Patterns are compiled with ``regex.ASCII`` (``\\d``, ``\\w``, ``\\s`` over ASCII
 from __future__ import annotations
 
 import codecs
+import numbers
 from functools import lru_cache
 
 import regex
@@ -138,7 +139,11 @@ def check_token_index(token_index) -> None:
         index = call_learner(lambda: token_index(dfa, list(CHECK_VOCAB)), f"token_index(regex_dfa({pattern!r}), vocab)",
                              "token_bytes[i] is token i's bytes", (RuntimeError, TypeError, KeyError, AttributeError,
                                                                     UnicodeDecodeError, IndexError))
-        if not isinstance(index, list) or len(index) != dfa.num_states or not all(isinstance(r, dict) for r in index):
+        rows = [r for r in index if not isinstance(r, dict)] if isinstance(index, list) else []
+        if isinstance(index, list) and len(index) == dfa.num_states and rows:
+            fail(f"token_index must return one dict per state, {{token id: the state its bytes land in}}; a row is a "
+                 f"{type(rows[0]).__name__}: keep where each token lands, the next step starts there")
+        if not isinstance(index, list) or len(index) != dfa.num_states:
             fail(f"token_index must return a list of dfa.num_states = {dfa.num_states} dicts (one per state), "
                  f"got {type(index).__name__}" + (f" of length {len(index)}" if isinstance(index, (list, tuple)) else ""))
         for state, prefix in state_prefixes(dfa).items():
@@ -165,7 +170,7 @@ def check_token_index(token_index) -> None:
                      f"string of the language")
             for t in sorted(got & truth):
                 token, landing = CHECK_VOCAB[t], index[state][t]
-                if not isinstance(landing, int) or not 0 <= landing < dfa.num_states:
+                if not isinstance(landing, numbers.Integral) or isinstance(landing, bool) or not 0 <= landing < dfa.num_states:
                     fail(f"{where}: token {_show(token)} lands in {landing!r}, not a state (an int in [0, {dfa.num_states - 1}])")
                 if _behaviour(pattern, state_prefixes(dfa)[landing], CHECK_VOCAB) != _behaviour(pattern, prefix + token, CHECK_VOCAB):
                     if len(token) > 1 and landing == dfa.walk(state, token[:1]):
@@ -182,6 +187,19 @@ def check_constrained_mask(constrained_mask) -> None:
     g = torch.Generator().manual_seed(1500)
     logits = torch.randn(12, generator=g) * 3
     allowed = {1: 4, 3: 0, 7: 2}
+    first = []  # one call, then another, then the first again: the same arguments must give the same mask
+    for accepting, eos in ((False, None), (True, 11), (False, None)):
+        row = dict(allowed)
+        name = f"constrained_mask(logits, {allowed}, accepting={accepting}, eos_token_id={eos})"
+        first.append(call_learner(lambda: constrained_mask(logits.clone(), row, accepting, eos), name, "",
+                                  (RuntimeError, TypeError, IndexError)))
+        if row != allowed:
+            fail(f"{name} changed the dict `allowed` it was given to {row}: it is a row of the token index, shared by "
+                 f"every request in that state; read it, never write it")
+    if isinstance(first[0], torch.Tensor) and isinstance(first[2], torch.Tensor) and not torch.equal(first[0], first[2]):
+        fail("constrained_mask gave a different mask for the same arguments after another call (EOS of an accepting "
+             "state kept?): something is kept between calls, and one request's mask leaks into the next; build "
+             "each mask afresh")
     for accepting in (False, True):
         for eos in (None, 11, 3):
             given = logits.clone()
