@@ -183,7 +183,8 @@ def check_token_index(token_index) -> None:
 
 def check_constrained_mask(constrained_mask) -> None:
     """Your constrained_mask on random logits: the allowed tokens keep their logits, every other token gets -inf, EOS
-    is kept only in an accepting state (and ignored when eos_token_id is None), the logits given are not modified."""
+    is kept only in an accepting state (and ignored when eos_token_id is None), an empty row too, the logits and the
+    row given are not modified, and nothing is kept between calls."""
     g = torch.Generator().manual_seed(1500)
     logits = torch.randn(12, generator=g) * 3
     allowed = {1: 4, 3: 0, 7: 2}
@@ -200,28 +201,29 @@ def check_constrained_mask(constrained_mask) -> None:
         fail("constrained_mask gave a different mask for the same arguments after another call (EOS of an accepting "
              "state kept?): something is kept between calls, and one request's mask leaks into the next; build "
              "each mask afresh")
-    for accepting in (False, True):
-        for eos in (None, 11, 3):
-            given = logits.clone()
-            name = f"constrained_mask(logits, {allowed}, accepting={accepting}, eos_token_id={eos})"
-            out = call_learner(lambda: constrained_mask(given, allowed, accepting, eos), name, "",
-                               (RuntimeError, TypeError, IndexError))
-            if not torch.equal(given, logits):
-                fail(f"{name} changed the logits it was given; return a masked copy (a caller may still need them)")
-            if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
-                fail(f"{name} must return a tensor of shape {tuple(logits.shape)}, got "
-                     + (f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__))
-            keep = set(allowed) | ({eos} if accepting and eos is not None else set())
-            for t in range(12):
-                if t in keep and out[t] != logits[t]:
-                    fail(f"{name}: token {t} is allowed and must keep its logit {logits[t]:.4f}, got {out[t]:.4f} "
-                         f"(the mask only removes tokens; the softmax renormalises)")
-                if t not in keep and out[t] != float("-inf"):
-                    if t == eos and not accepting:
-                        fail(f"{name}: EOS is allowed in a state that is not accepting; the text so far is not in the "
-                             f"language, so EOS must wait for an accepting state")
-                    if torch.isfinite(out[t]) and out[t] < -1e3:
-                        fail(f"{name}: token {t} gets {out[t]:.3g}, not -inf: a finite logit still has a probability "
-                             f"that is not exactly 0")
-                    fail(f"{name}: token {t} is not allowed and must get -inf, got {out[t]:.4f}")
+    cases = [(allowed, a, e) for a in (False, True) for e in (None, 11, 3)] + [({}, True, 11), ({}, True, None), ({}, False, 3)]
+    for row, accepting, eos in cases:  # an empty row last: an accepting state where nothing but EOS may follow
+        given = logits.clone()
+        name = f"constrained_mask(logits, {row}, accepting={accepting}, eos_token_id={eos})"
+        out = call_learner(lambda: constrained_mask(given, row, accepting, eos), name,
+                           "" if row else "an empty row: the state allows no token, only EOS if it is accepting",
+                           (RuntimeError, TypeError, IndexError))
+        if not torch.equal(given, logits):
+            fail(f"{name} changed the logits it was given; return a masked copy (a caller may still need them)")
+        if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+            fail(f"{name} must return a tensor of shape {tuple(logits.shape)}, got "
+                 + (f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__))
+        keep = set(row) | ({eos} if accepting and eos is not None else set())
+        for t in range(12):
+            if t in keep and out[t] != logits[t]:
+                fail(f"{name}: token {t} is allowed and must keep its logit {logits[t]:.4f}, got {out[t]:.4f} "
+                     f"(the mask only removes tokens; the softmax renormalises)")
+            if t not in keep and out[t] != float("-inf"):
+                if t == eos and not accepting:
+                    fail(f"{name}: EOS is allowed in a state that is not accepting; the text so far is not in the "
+                         f"language, so EOS must wait for an accepting state")
+                if torch.isfinite(out[t]) and out[t] < -1e3:
+                    fail(f"{name}: token {t} gets {out[t]:.3g}, not -inf: a finite logit still has a probability "
+                         f"that is not exactly 0")
+                fail(f"{name}: token {t} is not allowed and must get -inf, got {out[t]:.4f}")
     passed("constrained_mask")

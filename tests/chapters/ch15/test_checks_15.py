@@ -63,8 +63,11 @@ TI, CM = reference.token_index, reference.constrained_mask
     (checks.check_constrained_mask, variant(CM, ("keep = torch.zeros(logits.shape[-1], dtype=torch.bool)",
                                                  "keep = KEPT.setdefault(logits.shape[-1], torch.zeros(logits.shape[-1], dtype=torch.bool))")),
      "something is kept between calls"),
+    (checks.check_constrained_mask, variant(CM, ("keep[list(allowed)] = True", "keep[torch.tensor(list(allowed))] = True")),
+     "an empty row: the state allows no token"),
 ], ids=["first byte", "not advanced", "characters", "empty token", "rows missing", "wrong landing", "EOS always",
-        "EOS never", "-1e9", "in place", "renormalised", "rows as sets", "allowed written", "mask kept between calls"])
+        "EOS never", "-1e9", "in place", "renormalised", "rows as sets", "allowed written", "mask kept between calls",
+        "empty row"])
 def test_each_classic_bug_gets_its_message(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):
         check(buggy)

@@ -79,6 +79,8 @@ def token_index(dfa, token_bytes):
     (CM, "a mask kept between calls", "KEPT = {}\n" + mutate(CM, ("keep = torch.zeros(logits.shape[-1], dtype=torch.bool)",
                                                   "keep = KEPT.setdefault(logits.shape[-1], torch.zeros(logits.shape[-1], dtype=torch.bool))")),
      ex(CM, "visible", "eos", "generate")),
+    (CM, "an empty row (an accepting state with nothing after it) not handled", mutate(CM, (KEEP, "keep[torch.tensor(list(allowed))] = True")),
+     ex(CM, "visible", "eos")),
     (CM, "correct: a tensor of -inf with the allowed logits copied in", '''
 def constrained_mask(logits, allowed, accepting, eos_token_id):
     ids = sorted(allowed) + ([eos_token_id] if accepting and eos_token_id is not None else [])
