@@ -142,10 +142,16 @@ def check_token_index(token_index) -> None:
         rows = [r for r in index if not isinstance(r, dict)] if isinstance(index, list) else []
         if isinstance(index, list) and len(index) == dfa.num_states and rows:
             fail(f"token_index must return one dict per state, {{token id: the state its bytes land in}}; a row is a "
-                 f"{type(rows[0]).__name__}: keep where each token lands, the next step starts there")
+                 f"{type(rows[0]).__name__}: make each row a dict from token id to where the token lands (the next step "
+                 f"starts there)")
         if not isinstance(index, list) or len(index) != dfa.num_states:
             fail(f"token_index must return a list of dfa.num_states = {dfa.num_states} dicts (one per state), "
                  f"got {type(index).__name__}" + (f" of length {len(index)}" if isinstance(index, (list, tuple)) else ""))
+        keys = [k for row in index for k in row if not isinstance(k, numbers.Integral) or isinstance(k, bool)
+                or not 0 <= k < len(CHECK_VOCAB)]
+        if keys:
+            fail(f"token_index(regex_dfa({pattern!r}), vocab): a row has the key {keys[0]!r}, not a token id; key each "
+                 f"row by the token's id, an int in [0, {len(CHECK_VOCAB) - 1}] (its index in token_bytes), not its bytes")
         for state, prefix in state_prefixes(dfa).items():
             where = f"pattern {pattern!r}, state {state} (reached by {prefix!r})"
             truth = {t for t, data in enumerate(CHECK_VOCAB) if regex_allows(pattern, prefix, data)}

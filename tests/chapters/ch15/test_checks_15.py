@@ -56,7 +56,9 @@ TI, CM = reference.token_index, reference.constrained_mask
     (checks.check_constrained_mask, variant(CM, (RETURN, 'return torch.log_softmax(logits.masked_fill(~keep, float("-inf")), -1)')),
      "must keep its logit"),
     (checks.check_token_index, variant(TI, ("index.append(allowed)", "index.append(set(allowed))")),
-     "a row is a set: keep where each token lands"),
+     "a row is a set: make each row a dict from token id to where the token lands"),
+    (checks.check_token_index, variant(TI, ("allowed[token] = end", "allowed[data] = end")),
+     r"a row has the key b'a', not a token id"),
     (checks.check_constrained_mask, variant(CM, ("keep[list(allowed)] = True", "if accepting and eos_token_id is not None:\n"
                                                  "        allowed[eos_token_id] = None\n    keep[list(allowed)] = True")),
      "changed the dict `allowed`"),
@@ -66,8 +68,8 @@ TI, CM = reference.token_index, reference.constrained_mask
     (checks.check_constrained_mask, variant(CM, ("keep[list(allowed)] = True", "keep[torch.tensor(list(allowed))] = True")),
      "an empty row: the state allows no token"),
 ], ids=["first byte", "not advanced", "characters", "empty token", "rows missing", "wrong landing", "EOS always",
-        "EOS never", "-1e9", "in place", "renormalised", "rows as sets", "allowed written", "mask kept between calls",
-        "empty row"])
+        "EOS never", "-1e9", "in place", "renormalised", "rows as sets", "keyed by bytes", "allowed written",
+        "mask kept between calls", "empty row"])
 def test_each_classic_bug_gets_its_message(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):
         check(buggy)
