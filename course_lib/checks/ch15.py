@@ -12,8 +12,7 @@ the ``regex`` package's partial matching, never with course_lib.structured:
 * with an incomplete tail r, some character x whose encoding begins with r must keep c + x a partial match. The
   characters that begin with r form one code-point interval; every set the pattern can test (a literal, a class, ``.``,
   ASCII ``\\d \\w \\s``) is constant between the code points written in the pattern, so trying the interval's ends and
-  each non-ASCII code point of the pattern's text, with its neighbours, decides it (the held patterns write every
-  non-ASCII character literally, not as an escape).
+  each non-ASCII code point of the pattern, written or as a \\x, \\u or \\U escape, with its neighbours, decides it.
 
 EOS is allowed after a prefix exactly when the prefix is complete UTF-8 and fully in L.
 
@@ -73,8 +72,11 @@ def _interval_ends(tail: bytes) -> list:
 
 def _candidates(pattern: str, tail: bytes):
     """Characters whose UTF-8 begins with `tail` that decide every test the pattern can make: the interval's two ends
-    and each non-ASCII character of the pattern's text and its two neighbours, where they begin with `tail`."""
-    points = {ord(ch) + d for ch in pattern if ord(ch) > 0x7F for d in (-1, 0, 1)}
+    and each non-ASCII character of the pattern, written or escaped (\\xHH, \\uHHHH, \\UHHHHHHHH), and its two
+    neighbours, where they begin with `tail`."""
+    escaped = regex.findall(r"\\x([0-9a-fA-F]{2})|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})", pattern)
+    written = [ord(ch) for ch in pattern] + [int("".join(h), 16) for h in escaped]
+    points = {p + d for p in written if p > 0x7F for d in (-1, 0, 1)}
     near = [chr(p) for p in sorted(points) if 0 <= p <= 0x10FFFF and not 0xD800 <= p <= 0xDFFF]
     return _interval_ends(tail) + [ch for ch in near if ch.encode().startswith(tail)]
 

@@ -99,6 +99,17 @@ def test_the_ground_truth_knows_which_characters_begin_with_an_incomplete_tail(t
     assert [found[0], found[-1]] == list(ends) == _interval_ends(tail)
 
 
+@pytest.mark.parametrize("pattern", [r"\xe9", r"[\xc5-\xc6]x", r"\xe9a", r"[\u4e00-\u4e01]", r"\U0001f600"])
+def test_the_ground_truth_reads_non_ascii_characters_written_as_escapes(pattern):
+    """A lead byte is allowed exactly when some character it begins is in the language: decided by trying every
+    character that begins with it (brute force over the 2- and 3-byte interval), never by the pattern's text."""
+    for tail in (b"\xc3", b"\xc4", b"\xe4", b"\xe4\xb8", b"\xf0\x9f\x98", b"\xc3\x85"[:1]):
+        lo, hi = (0x80, 0x7FF) if tail[0] < 0xE0 else (0x800, 0xFFFF) if tail[0] < 0xF0 else (0x10000, 0x10FFFF)
+        full = [chr(c) for c in range(lo, hi + 1) if not 0xD800 <= c <= 0xDFFF and chr(c).encode().startswith(tail)]
+        truth = any(regex.fullmatch(pattern, ch, partial=True) for ch in full)
+        assert regex_allows(pattern, b"", tail) == truth, (pattern, tail)
+
+
 def test_the_held_prefixes_end_inside_characters_and_bpe_tokens_cross_literal_boundaries():
     """The held set tests what it claims: prefixes that end inside a multi-byte character, and BPE tokens allowed
     somewhere that hold bytes of two literals (they run past the end of a word of the pattern)."""
