@@ -139,7 +139,9 @@ def check_token_index(token_index) -> None:
     for pattern in CHECK_PATTERNS:
         dfa = regex_dfa(pattern)
         index = call_learner(lambda: token_index(dfa, list(CHECK_VOCAB)), f"token_index(regex_dfa({pattern!r}), vocab)",
-                             "token_bytes[i] is token i's bytes", (RuntimeError, TypeError, KeyError, AttributeError,
+                             "token_bytes[i] is token i's bytes; a byte missing from dfa.transitions[state] leads "
+                             "nowhere: no string of the language goes that way, and dfa.walk returns None",
+                             (RuntimeError, TypeError, KeyError, AttributeError,
                                                                     UnicodeDecodeError, IndexError))
         rows = [r for r in index if not isinstance(r, dict)] if isinstance(index, list) else []
         if isinstance(index, list) and len(index) == dfa.num_states and rows:

@@ -46,6 +46,9 @@ TI, CM = reference.token_index, reference.constrained_mask
     (checks.check_token_index, variant(TI, ("index.append(allowed)", "index.append(allowed) if allowed else None")),
      "must return a list of dfa.num_states"),
     (checks.check_token_index, variant(TI, ("allowed[token] = end", "allowed[token] = end + 1")), "lands in"),
+    (checks.check_token_index, variant(TI, (WALK, "end = state if data else None\n            for byte in data:\n"
+                                                  "                end = dfa.transitions[end][byte]")),
+     "a byte missing from dfa.transitions.state. leads nowhere"),
     (checks.check_constrained_mask, variant(CM, ("if accepting and eos_token_id is not None:", "if eos_token_id is not None:")),
      "EOS is allowed in a state that is not accepting"),
     (checks.check_constrained_mask, variant(CM, ("if accepting and eos_token_id is not None:", "if False:")),
@@ -67,7 +70,7 @@ TI, CM = reference.token_index, reference.constrained_mask
      "something is kept between calls"),
     (checks.check_constrained_mask, variant(CM, ("keep[list(allowed)] = True", "keep[torch.tensor(list(allowed))] = True")),
      "an empty row: the state allows no token"),
-], ids=["first byte", "not advanced", "characters", "empty token", "rows missing", "wrong landing", "EOS always",
+], ids=["first byte", "not advanced", "characters", "empty token", "rows missing", "wrong landing", "missing byte", "EOS always",
         "EOS never", "-1e9", "in place", "renormalised", "rows as sets", "keyed by bytes", "allowed written",
         "mask kept between calls", "empty row"])
 def test_each_classic_bug_gets_its_message(check, buggy, message):
