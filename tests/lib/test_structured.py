@@ -263,6 +263,12 @@ def libraries():
     return Libraries(VOCABS["bpe-gpt"])
 
 
+@pytest.mark.parametrize("pattern", ["a(?=b)", "[", r"(a)\1"])
+def test_a_pattern_a_library_refuses_is_none_for_both(pattern, libraries):
+    """Both adapters answer None for a pattern their library cannot parse (xgrammar raised its RuntimeError)."""
+    assert libraries.xgrammar(pattern, []) is None and libraries.outlines(pattern, []) is None
+
+
 def library_sets(pattern, libraries):
     """{(library, prefix): allowed token ids (EOS as EOS)} after each token prefix of each example fed as its BPE
     tokens and as its single bytes (None where the library refuses the pattern or a token), and whether outlines-core
