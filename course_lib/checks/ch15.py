@@ -12,8 +12,7 @@ the ``regex`` package's partial matching, never with course_lib.structured:
 * with an incomplete tail r, some character x whose encoding begins with r must keep c + x a partial match. The
   characters that begin with r form one code-point interval; every set the pattern can test (a literal, a class, ``.``,
   ASCII ``\\d \\w \\s``) is constant between the code points written in the pattern, so trying the interval's ends and
-  each non-ASCII code point of the pattern's text, with its neighbours, decides it (the held patterns write every
-  non-ASCII character literally, not as an escape).
+  each non-ASCII code point of the pattern, written or as a \\x, \\u or \\U escape, with its neighbours, decides it.
 
 EOS is allowed after a prefix exactly when the prefix is complete UTF-8 and fully in L.
 
@@ -26,6 +25,7 @@ Patterns are compiled with ``regex.ASCII`` (``\\d``, ``\\w``, ``\\s`` over ASCII
 from __future__ import annotations
 
 import codecs
+import numbers
 from functools import lru_cache
 
 import regex
@@ -72,8 +72,11 @@ def _interval_ends(tail: bytes) -> list:
 
 def _candidates(pattern: str, tail: bytes):
     """Characters whose UTF-8 begins with `tail` that decide every test the pattern can make: the interval's two ends
-    and each non-ASCII character of the pattern's text and its two neighbours, where they begin with `tail`."""
-    points = {ord(ch) + d for ch in pattern if ord(ch) > 0x7F for d in (-1, 0, 1)}
+    and each non-ASCII character of the pattern, written or escaped (\\xHH, \\uHHHH, \\UHHHHHHHH), and its two
+    neighbours, where they begin with `tail`."""
+    escaped = regex.findall(r"\\x([0-9a-fA-F]{2})|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})", pattern)
+    written = [ord(ch) for ch in pattern] + [int("".join(h), 16) for h in escaped]
+    points = {p + d for p in written if p > 0x7F for d in (-1, 0, 1)}
     near = [chr(p) for p in sorted(points) if 0 <= p <= 0x10FFFF and not 0xD800 <= p <= 0xDFFF]
     return _interval_ends(tail) + [ch for ch in near if ch.encode().startswith(tail)]
 
@@ -136,11 +139,23 @@ def check_token_index(token_index) -> None:
     for pattern in CHECK_PATTERNS:
         dfa = regex_dfa(pattern)
         index = call_learner(lambda: token_index(dfa, list(CHECK_VOCAB)), f"token_index(regex_dfa({pattern!r}), vocab)",
-                             "token_bytes[i] is token i's bytes", (RuntimeError, TypeError, KeyError, AttributeError,
+                             "token_bytes[i] is token i's bytes; a byte missing from dfa.transitions[state] leads "
+                             "nowhere: no string of the language goes that way, and dfa.walk returns None",
+                             (RuntimeError, TypeError, KeyError, AttributeError,
                                                                     UnicodeDecodeError, IndexError))
-        if not isinstance(index, list) or len(index) != dfa.num_states or not all(isinstance(r, dict) for r in index):
+        rows = [r for r in index if not isinstance(r, dict)] if isinstance(index, list) else []
+        if isinstance(index, list) and len(index) == dfa.num_states and rows:
+            fail(f"token_index must return one dict per state, {{token id: the state its bytes land in}}; a row is a "
+                 f"{type(rows[0]).__name__}: make each row a dict from token id to where the token lands (the next step "
+                 f"starts there)")
+        if not isinstance(index, list) or len(index) != dfa.num_states:
             fail(f"token_index must return a list of dfa.num_states = {dfa.num_states} dicts (one per state), "
                  f"got {type(index).__name__}" + (f" of length {len(index)}" if isinstance(index, (list, tuple)) else ""))
+        keys = [k for row in index for k in row if not isinstance(k, numbers.Integral) or isinstance(k, bool)
+                or not 0 <= k < len(CHECK_VOCAB)]
+        if keys:
+            fail(f"token_index(regex_dfa({pattern!r}), vocab): a row has the key {keys[0]!r}, not a token id; key each "
+                 f"row by the token's id, an int in [0, {len(CHECK_VOCAB) - 1}] (its index in token_bytes), not its bytes")
         for state, prefix in state_prefixes(dfa).items():
             where = f"pattern {pattern!r}, state {state} (reached by {prefix!r})"
             truth = {t for t, data in enumerate(CHECK_VOCAB) if regex_allows(pattern, prefix, data)}
@@ -165,7 +180,7 @@ def check_token_index(token_index) -> None:
                      f"string of the language")
             for t in sorted(got & truth):
                 token, landing = CHECK_VOCAB[t], index[state][t]
-                if not isinstance(landing, int) or not 0 <= landing < dfa.num_states:
+                if not isinstance(landing, numbers.Integral) or isinstance(landing, bool) or not 0 <= landing < dfa.num_states:
                     fail(f"{where}: token {_show(token)} lands in {landing!r}, not a state (an int in [0, {dfa.num_states - 1}])")
                 if _behaviour(pattern, state_prefixes(dfa)[landing], CHECK_VOCAB) != _behaviour(pattern, prefix + token, CHECK_VOCAB):
                     if len(token) > 1 and landing == dfa.walk(state, token[:1]):
@@ -178,32 +193,47 @@ def check_token_index(token_index) -> None:
 
 def check_constrained_mask(constrained_mask) -> None:
     """Your constrained_mask on random logits: the allowed tokens keep their logits, every other token gets -inf, EOS
-    is kept only in an accepting state (and ignored when eos_token_id is None), the logits given are not modified."""
+    is kept only in an accepting state (and ignored when eos_token_id is None), an empty row too, the logits and the
+    row given are not modified, and nothing is kept between calls."""
     g = torch.Generator().manual_seed(1500)
     logits = torch.randn(12, generator=g) * 3
     allowed = {1: 4, 3: 0, 7: 2}
-    for accepting in (False, True):
-        for eos in (None, 11, 3):
-            given = logits.clone()
-            name = f"constrained_mask(logits, {allowed}, accepting={accepting}, eos_token_id={eos})"
-            out = call_learner(lambda: constrained_mask(given, allowed, accepting, eos), name, "",
-                               (RuntimeError, TypeError, IndexError))
-            if not torch.equal(given, logits):
-                fail(f"{name} changed the logits it was given; return a masked copy (a caller may still need them)")
-            if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
-                fail(f"{name} must return a tensor of shape {tuple(logits.shape)}, got "
-                     + (f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__))
-            keep = set(allowed) | ({eos} if accepting and eos is not None else set())
-            for t in range(12):
-                if t in keep and out[t] != logits[t]:
-                    fail(f"{name}: token {t} is allowed and must keep its logit {logits[t]:.4f}, got {out[t]:.4f} "
-                         f"(the mask only removes tokens; the softmax renormalises)")
-                if t not in keep and out[t] != float("-inf"):
-                    if t == eos and not accepting:
-                        fail(f"{name}: EOS is allowed in a state that is not accepting; the text so far is not in the "
-                             f"language, so EOS must wait for an accepting state")
-                    if torch.isfinite(out[t]) and out[t] < -1e3:
-                        fail(f"{name}: token {t} gets {out[t]:.3g}, not -inf: a finite logit still has a probability "
-                             f"that is not exactly 0")
-                    fail(f"{name}: token {t} is not allowed and must get -inf, got {out[t]:.4f}")
+    first = []  # one call, then another, then the first again: the same arguments must give the same mask
+    for accepting, eos in ((False, None), (True, 11), (False, None)):
+        row = dict(allowed)
+        name = f"constrained_mask(logits, {allowed}, accepting={accepting}, eos_token_id={eos})"
+        first.append(call_learner(lambda: constrained_mask(logits.clone(), row, accepting, eos), name, "",
+                                  (RuntimeError, TypeError, IndexError)))
+        if row != allowed:
+            fail(f"{name} changed the dict `allowed` it was given to {row}: it is a row of the token index, shared by "
+                 f"every request in that state; read it, never write it")
+    if isinstance(first[0], torch.Tensor) and isinstance(first[2], torch.Tensor) and not torch.equal(first[0], first[2]):
+        fail("constrained_mask gave a different mask for the same arguments after another call (EOS of an accepting "
+             "state kept?): something is kept between calls, and one request's mask leaks into the next; build "
+             "each mask afresh")
+    cases = [(allowed, a, e) for a in (False, True) for e in (None, 11, 3)] + [({}, True, 11), ({}, True, None), ({}, False, 3)]
+    for row, accepting, eos in cases:  # an empty row last: an accepting state where nothing but EOS may follow
+        given = logits.clone()
+        name = f"constrained_mask(logits, {row}, accepting={accepting}, eos_token_id={eos})"
+        out = call_learner(lambda: constrained_mask(given, row, accepting, eos), name,
+                           "" if row else "an empty row: the state allows no token, only EOS if it is accepting",
+                           (RuntimeError, TypeError, IndexError))
+        if not torch.equal(given, logits):
+            fail(f"{name} changed the logits it was given; return a masked copy (a caller may still need them)")
+        if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+            fail(f"{name} must return a tensor of shape {tuple(logits.shape)}, got "
+                 + (f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__))
+        keep = set(row) | ({eos} if accepting and eos is not None else set())
+        for t in range(12):
+            if t in keep and out[t] != logits[t]:
+                fail(f"{name}: token {t} is allowed and must keep its logit {logits[t]:.4f}, got {out[t]:.4f} "
+                     f"(the mask only removes tokens; the softmax renormalises)")
+            if t not in keep and out[t] != float("-inf"):
+                if t == eos and not accepting:
+                    fail(f"{name}: EOS is allowed in a state that is not accepting; the text so far is not in the "
+                         f"language, so EOS must wait for an accepting state")
+                if torch.isfinite(out[t]) and out[t] < -1e3:
+                    fail(f"{name}: token {t} gets {out[t]:.3g}, not -inf: a finite logit still has a probability "
+                         f"that is not exactly 0")
+                fail(f"{name}: token {t} is not allowed and must get -inf, got {out[t]:.4f}")
     passed("constrained_mask")

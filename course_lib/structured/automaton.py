@@ -14,6 +14,9 @@ DIGIT = ((0x30, 0x39),)
 WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
 SPACE = ((0x09, 0x0D), (0x20, 0x20))
 ESCAPED = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
+MAX_REPEAT = 10_000     # the largest m or n of a bound {m,n}
+MAX_DEPTH = 100         # the deepest nesting of groups
+MAX_STATES = 100_000    # the most NFA states, and the most DFA states, a pattern may need
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -80,7 +83,7 @@ def utf8_ranges(lo: int, hi: int) -> list:
 
 class _Parser:
     def __init__(self, pattern: str):
-        self.p, self.i = pattern, 0
+        self.p, self.i, self.depth = pattern, 0, 0
 
     def fail(self, what: str):
         raise ValueError(f"pattern {self.p!r}: {what} at position {self.i} (see course_lib.structured for the subset)")
@@ -120,7 +123,7 @@ class _Parser:
 
     def repeat(self):
         node = self.atom()
-        while self.peek() in ("?", "*", "+", "{"):
+        if self.peek() in ("?", "*", "+", "{"):
             ch = self.take()
             if ch == "?":
                 node = ("rep", node, 0, 1)
@@ -135,16 +138,23 @@ class _Parser:
                 self.i += found.end()
                 m = int(found[1])
                 n = m if found[2] is None else (int(found[3]) if found[3] else None)
+                if max(m, n or 0) > MAX_REPEAT:
+                    self.fail(f"bound {{{found[0][:-1]}}} is over {MAX_REPEAT} (each repeat is a copy in the automaton)")
                 if n is not None and n < m:
                     self.fail(f"bound {{{m},{n}}} has n < m")
                 node = ("rep", node, m, n)
             if self.peek() == "?":  # lazy: the same language
                 self.i += 1
+            if self.peek() in ("?", "*", "+", "{"):  # a*+ is possessive in Python: another language
+                self.fail("multiple repeat (a possessive quantifier such as *+ is not supported)")
         return node
 
     def atom(self):
         ch = self.take()
         if ch == "(":
+            self.depth += 1
+            if self.depth > MAX_DEPTH:
+                self.fail(f"groups nested deeper than {MAX_DEPTH}")
             if self.p.startswith("?:", self.i):
                 self.i += 2
             elif self.peek() == "?":
@@ -153,6 +163,7 @@ class _Parser:
             if self.peek() != ")":
                 self.fail("missing )")
             self.i += 1
+            self.depth -= 1
             return node
         if ch == "[":
             return ("set", self.charclass())
@@ -223,6 +234,9 @@ class _NFA:
         self.eps: list = []    # state -> [target]
 
     def new(self) -> int:
+        if len(self.edges) == MAX_STATES:
+            raise ValueError(f"it needs more than {MAX_STATES} NFA states (bounds multiply: (a{{100}}){{100}} "
+                             f"is 10,000 copies of a)")
         self.edges.append([])
         self.eps.append([])
         return len(self.edges) - 1
@@ -311,7 +325,10 @@ def regex_dfa(pattern: str) -> ByteDFA:
     tree = _Parser(pattern).parse()
     nfa = _NFA()
     nfa_start = nfa.new()
-    nfa_end = nfa.build(tree, nfa_start)
+    try:
+        nfa_end = nfa.build(tree, nfa_start)
+    except ValueError as error:
+        raise ValueError(f"pattern {pattern!r}: {error}") from None
     first = nfa.closure([nfa_start])
     ids, subsets, moves = {first: 0}, [first], []
     while len(moves) < len(subsets):
@@ -324,18 +341,23 @@ def regex_dfa(pattern: str) -> ByteDFA:
         for byte, ts in targets.items():
             subset = nfa.closure(ts)
             if subset not in ids:
+                if len(subsets) == MAX_STATES:
+                    raise ValueError(f"pattern {pattern!r}: its DFA has more than {MAX_STATES} states (the subset "
+                                     f"construction can grow exponentially, as for (a|b)*a(a|b){{20}})")
                 ids[subset] = len(subsets)
                 subsets.append(subset)
             move[byte] = ids[subset]
         moves.append(move)
     accepting = {i for i, subset in enumerate(subsets) if nfa_end in subset}
-    live, changed = set(accepting), True
-    while changed:
-        changed = False
-        for i, move in enumerate(moves):
-            if i not in live and any(t in live for t in move.values()):
-                live.add(i)
-                changed = True
+    into: list = [set() for _ in subsets]  # the reversed transitions: live states found backwards from the accepting
+    for i, move in enumerate(moves):
+        for t in move.values():
+            into[t].add(i)
+    live, todo = set(accepting), list(accepting)
+    while todo:
+        for i in into[todo.pop()] - live:
+            live.add(i)
+            todo.append(i)
     if 0 not in live:
         raise ValueError(f"pattern {pattern!r} matches no string")
     order = sorted(live)  # 0 stays the start

@@ -26,7 +26,8 @@ def token_index(dfa: ByteDFA, token_bytes: list) -> list:
 
 def constrained_mask(logits: torch.Tensor, allowed: dict, accepting: bool, eos_token_id: int | None) -> torch.Tensor:
     """logits (V,) -> (V,): the same logits where a token is allowed, -inf elsewhere. Allowed: the keys of `allowed`
-    (one state's entry of the token index) and, only when the state is accepting, eos_token_id (if not None)."""
+    (one state's entry of the token index) and, only when the state is accepting, eos_token_id (if not None). Writes
+    into neither logits nor allowed (a row shared by every request in that state)."""
     keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
     keep[list(allowed)] = True
     if accepting and eos_token_id is not None:

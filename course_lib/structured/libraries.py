@@ -26,7 +26,12 @@ class Libraries:
 
     def xgrammar(self, pattern: str, ids) -> set | None:
         if pattern not in self.grammars:
-            self.grammars[pattern] = self.compiler.compile_regex(pattern)
+            try:
+                self.grammars[pattern] = self.compiler.compile_regex(pattern)
+            except RuntimeError:  # xgrammar's parse error
+                self.grammars[pattern] = None
+        if self.grammars[pattern] is None:
+            return None
         matcher = xgrammar.GrammarMatcher(self.grammars[pattern])
         if not all(matcher.accept_token(int(t)) for t in ids):
             return None

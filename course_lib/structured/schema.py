@@ -19,7 +19,10 @@ ANNOTATIONS = {"type", "title", "description", "$schema"}
 
 def _bounds(schema: dict, low: str, high: str) -> tuple:
     lo, hi = schema.get(low, 0), schema.get(high)
-    if not (isinstance(lo, int) and lo >= 0 and (hi is None or isinstance(hi, int) and hi >= lo)):
+    def whole(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not (whole(lo) and lo >= 0 and (hi is None or whole(hi) and hi >= lo)):
         raise ValueError(f"schema: {low} and {high} must be integers with 0 <= {low} <= {high}, got {lo!r} and {hi!r}")
     return lo, hi
 
@@ -39,18 +42,23 @@ def schema_regex(schema: dict) -> str:
         extra = set(schema) - ANNOTATIONS - {"enum"}
         if extra or "type" in schema:
             raise ValueError(f"schema: an enum takes no other keyword here, got {sorted(extra | ({'type'} & set(schema)))}")
+        if not isinstance(schema["enum"], list) or not schema["enum"]:
+            raise ValueError(f"schema: enum must be a non-empty list, got {schema['enum']!r}")
         return "(?:" + "|".join(re.escape(json.dumps(v, ensure_ascii=False, separators=(",", ":")))
                                 for v in schema["enum"]) + ")"
     kind = schema.get("type")
-    if kind not in KEYWORDS:
+    if not isinstance(kind, str) or kind not in KEYWORDS:
         raise ValueError(f"schema: type {kind!r} is not in this subset (object, integer, string, boolean, null, array, enum)")
     extra = set(schema) - ANNOTATIONS - KEYWORDS[kind]
     if extra:
         raise ValueError(f"schema: keyword {sorted(extra)[0]!r} of a {kind} is not in this subset (the regex would not "
                          f"enforce it)")
     if kind == "object":
-        props = schema.get("properties", {})
-        missing = set(schema.get("required", [])) - set(props)
+        props, required = schema.get("properties", {}), schema.get("required", [])
+        if not isinstance(props, dict) or not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError(f"schema: properties must be a dict and required a list of names, got {props!r} and "
+                             f"{required!r}")
+        missing = set(required) - set(props)
         if missing:
             raise ValueError(f"schema: required property {sorted(missing)[0]!r} is not in properties")
         parts = [re.escape(json.dumps(name, ensure_ascii=False)) + ":" + schema_regex(sub) for name, sub in props.items()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import jsonschema
 import pytest
@@ -96,6 +97,17 @@ def test_the_ground_truth_knows_which_characters_begin_with_an_incomplete_tail(t
 
     found = [chr(p) for p in range(0x110000) if not 0xD800 <= p <= 0xDFFF and chr(p).encode().startswith(tail)]
     assert [found[0], found[-1]] == list(ends) == _interval_ends(tail)
+
+
+@pytest.mark.parametrize("pattern", [r"\xe9", r"[\xc5-\xc6]x", r"\xe9a", r"[\u4e00-\u4e01]", r"\U0001f600"])
+def test_the_ground_truth_reads_non_ascii_characters_written_as_escapes(pattern):
+    """A lead byte is allowed exactly when some character it begins is in the language: decided by trying every
+    character that begins with it (brute force over the 2- and 3-byte interval), never by the pattern's text."""
+    for tail in (b"\xc3", b"\xc4", b"\xe4", b"\xe4\xb8", b"\xf0\x9f\x98", b"\xc3\x85"[:1]):
+        lo, hi = (0x80, 0x7FF) if tail[0] < 0xE0 else (0x800, 0xFFFF) if tail[0] < 0xF0 else (0x10000, 0x10FFFF)
+        full = [chr(c) for c in range(lo, hi + 1) if not 0xD800 <= c <= 0xDFFF and chr(c).encode().startswith(tail)]
+        truth = any(regex.fullmatch(pattern, ch, partial=True) for ch in full)
+        assert regex_allows(pattern, b"", tail) == truth, (pattern, tail)
 
 
 def test_the_held_prefixes_end_inside_characters_and_bpe_tokens_cross_literal_boundaries():
@@ -220,6 +232,27 @@ def test_a_pattern_outside_the_subset_is_a_value_error_naming_the_pattern(patter
         regex_dfa(pattern)
 
 
+@pytest.mark.parametrize("pattern,where", [("a{1000000}", "over 10000"), ("a{0,100000}", "over 10000"),
+                                           ("(a{1000}){1000}", "more than 100000 NFA states"),
+                                           ("(a|b)*a(a|b){20}", "DFA has more than 100000 states"),
+                                           ("(" * 2000 + ")" * 2000, "nested deeper than 100"),
+                                           ("a*+a", "possessive"), ("a?+", "possessive"), ("x{2}{3}", "multiple repeat")])
+def test_a_pattern_too_large_or_repeated_twice_is_a_value_error_not_a_hang(pattern, where):
+    """A bound, a nesting or a subset construction past the limits is refused (it hung or hit RecursionError); a
+    second quantifier is refused too (Python reads a*+ as possessive: a*+a matches nothing, not aa)."""
+    assert pattern[:3] != "a*+" or regex.fullmatch(pattern, "aa") is None
+    with pytest.raises(ValueError, match="pattern .*" + re.escape(where)):
+        regex_dfa(pattern)
+
+
+def test_a_long_literal_pattern_builds_in_linear_time():
+    """Liveness is found backwards from the accepting states in one pass (a pass per state hung on long literals)."""
+    start = time.perf_counter()
+    dfa = regex_dfa("a" * 20000)
+    assert dfa.num_states == 20001 and dfa.matches("a" * 20000) and not dfa.matches("a" * 19999)
+    assert time.perf_counter() - start < 30
+
+
 # xgrammar and outlines-core, side by side with the ground truth
 
 EOS = len(VOCABS["bpe-gpt"])
@@ -228,6 +261,12 @@ EOS = len(VOCABS["bpe-gpt"])
 @pytest.fixture(scope="module")
 def libraries():
     return Libraries(VOCABS["bpe-gpt"])
+
+
+@pytest.mark.parametrize("pattern", ["a(?=b)", "[", r"(a)\1"])
+def test_a_pattern_a_library_refuses_is_none_for_both(pattern, libraries):
+    """Both adapters answer None for a pattern their library cannot parse (xgrammar raised its RuntimeError)."""
+    assert libraries.xgrammar(pattern, []) is None and libraries.outlines(pattern, []) is None
 
 
 def library_sets(pattern, libraries):
@@ -374,7 +413,12 @@ def test_a_valid_compact_instance_is_in_the_schema_regex(k, instance):
                                          ({"type": "string", "maxLength": 2, "minLength": 3}, "minLength <= maxLength"),
                                          ({"type": "array", "items": {"type": "null"}, "uniqueItems": True}, "'uniqueItems'"),
                                          ({"type": "object", "properties": {}, "required": ["a"]}, "'a' is not in properties"),
-                                         ({"enum": [1], "type": "string"}, "no other keyword"), ([], "dict")])
+                                         ({"enum": [1], "type": "string"}, "no other keyword"), ([], "dict"),
+                                         ({"enum": []}, "non-empty list"), ({"enum": "ab"}, "non-empty list"),
+                                         ({"type": ["string", "null"]}, "not in this subset"),
+                                         ({"type": "string", "maxLength": True}, "must be integers"),
+                                         ({"type": "object", "properties": {"a": {"type": "null"}}, "required": "a"},
+                                          "required a list")])
 def test_a_schema_outside_the_subset_is_a_value_error_saying_why(schema, what):
     with pytest.raises(ValueError, match=what):
         schema_regex(schema)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ def variant(function, *replacements):
     for old, new in replacements:
         assert old in source, f"{old!r} not in {function.__name__}"
         source = source.replace(old, new)
-    namespace = {"torch": torch, "ByteDFA": reference.ByteDFA}
+    namespace = {"torch": torch, "ByteDFA": reference.ByteDFA, "KEPT": {}}
     exec(source, namespace)  # noqa: S102 - the course's own code with one planted bug
     return namespace[function.__name__]
 
@@ -45,6 +46,9 @@ TI, CM = reference.token_index, reference.constrained_mask
     (checks.check_token_index, variant(TI, ("index.append(allowed)", "index.append(allowed) if allowed else None")),
      "must return a list of dfa.num_states"),
     (checks.check_token_index, variant(TI, ("allowed[token] = end", "allowed[token] = end + 1")), "lands in"),
+    (checks.check_token_index, variant(TI, (WALK, "end = state if data else None\n            for byte in data:\n"
+                                                  "                end = dfa.transitions[end][byte]")),
+     "a byte missing from dfa.transitions.state. leads nowhere"),
     (checks.check_constrained_mask, variant(CM, ("if accepting and eos_token_id is not None:", "if eos_token_id is not None:")),
      "EOS is allowed in a state that is not accepting"),
     (checks.check_constrained_mask, variant(CM, ("if accepting and eos_token_id is not None:", "if False:")),
@@ -54,8 +58,21 @@ TI, CM = reference.token_index, reference.constrained_mask
      "changed the logits it was given"),
     (checks.check_constrained_mask, variant(CM, (RETURN, 'return torch.log_softmax(logits.masked_fill(~keep, float("-inf")), -1)')),
      "must keep its logit"),
-], ids=["first byte", "not advanced", "characters", "empty token", "rows missing", "wrong landing", "EOS always",
-        "EOS never", "-1e9", "in place", "renormalised"])
+    (checks.check_token_index, variant(TI, ("index.append(allowed)", "index.append(set(allowed))")),
+     "a row is a set: make each row a dict from token id to where the token lands"),
+    (checks.check_token_index, variant(TI, ("allowed[token] = end", "allowed[data] = end")),
+     r"a row has the key b'a', not a token id"),
+    (checks.check_constrained_mask, variant(CM, ("keep[list(allowed)] = True", "if accepting and eos_token_id is not None:\n"
+                                                 "        allowed[eos_token_id] = None\n    keep[list(allowed)] = True")),
+     "changed the dict `allowed`"),
+    (checks.check_constrained_mask, variant(CM, ("keep = torch.zeros(logits.shape[-1], dtype=torch.bool)",
+                                                 "keep = KEPT.setdefault(logits.shape[-1], torch.zeros(logits.shape[-1], dtype=torch.bool))")),
+     "something is kept between calls"),
+    (checks.check_constrained_mask, variant(CM, ("keep[list(allowed)] = True", "keep[torch.tensor(list(allowed))] = True")),
+     "an empty row: the state allows no token"),
+], ids=["first byte", "not advanced", "characters", "empty token", "rows missing", "wrong landing", "missing byte", "EOS always",
+        "EOS never", "-1e9", "in place", "renormalised", "rows as sets", "keyed by bytes", "allowed written",
+        "mask kept between calls", "empty row"])
 def test_each_classic_bug_gets_its_message(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):
         check(buggy)
@@ -76,6 +93,30 @@ def by_transitions(dfa, token_bytes):
     return index
 
 
+def by_trie(dfa, token_bytes):
+    """Correct: the vocabulary as a trie of bytes, walked once per state (a shared prefix read once); landings as
+    numpy integers."""
+    trie: dict = {}
+    for token, data in enumerate(token_bytes):
+        node = trie
+        for byte in data:
+            node = node.setdefault(byte, {})
+        if data:
+            node.setdefault(None, []).append(token)
+    index = []
+    for state in range(dfa.num_states):
+        row, todo = {}, [(trie, state)]
+        while todo:
+            node, at = todo.pop()
+            for key, child in node.items():
+                if key is None:
+                    row.update({token: np.int64(at) for token in child})
+                elif key in dfa.transitions[at]:
+                    todo.append((child, dfa.transitions[at][key]))
+        index.append(row)
+    return index
+
+
 def copy_allowed(logits, allowed, accepting, eos_token_id):
     """Correct: a tensor of -inf with the allowed logits copied in."""
     ids = sorted(allowed) + ([eos_token_id] if accepting and eos_token_id is not None else [])
@@ -86,8 +127,9 @@ def copy_allowed(logits, allowed, accepting, eos_token_id):
 
 def test_correct_alternatives_pass(capsys):
     checks.check_token_index(by_transitions)
+    checks.check_token_index(by_trie)
     checks.check_constrained_mask(copy_allowed)
-    assert capsys.readouterr().out.count("all visible checks passed") == 2
+    assert capsys.readouterr().out.count("all visible checks passed") == 3
 
 
 def test_an_unfinished_exercise_is_not_written_yet():

@@ -73,6 +73,14 @@ def token_index(dfa, token_bytes):
     (CM, "the logits masked in place", mutate(CM, (RETURN, 'return logits.masked_fill_(~keep, float("-inf"))')), ex(CM, "visible")),
     (CM, "the masked logits renormalised", mutate(CM, (RETURN, 'return torch.log_softmax(logits.masked_fill(~keep, float("-inf")), -1)')),
      ex(CM, "visible", "generate")),
+    (CM, "EOS written into the index row it is given", mutate(CM, (KEEP, "if accepting and eos_token_id is not None:\n"
+                                                                         "        allowed[eos_token_id] = -1\n    " + KEEP)),
+     ex(CM, "visible", "eos")),
+    (CM, "a mask kept between calls", "KEPT = {}\n" + mutate(CM, ("keep = torch.zeros(logits.shape[-1], dtype=torch.bool)",
+                                                  "keep = KEPT.setdefault(logits.shape[-1], torch.zeros(logits.shape[-1], dtype=torch.bool))")),
+     ex(CM, "visible", "eos", "generate")),
+    (CM, "an empty row (an accepting state with nothing after it) not handled", mutate(CM, (KEEP, "keep[torch.tensor(list(allowed))] = True")),
+     ex(CM, "visible", "eos")),
     (CM, "correct: a tensor of -inf with the allowed logits copied in", '''
 def constrained_mask(logits, allowed, accepting, eos_token_id):
     ids = sorted(allowed) + ([eos_token_id] if accepting and eos_token_id is not None else [])
