@@ -6,7 +6,9 @@ live in course_lib.checks so the notebooks' checks and these tests cannot disagr
 """
 from __future__ import annotations
 
+import inspect
 import json
+import textwrap
 from pathlib import Path
 
 import torch
@@ -39,3 +41,17 @@ def failing(exercise: str, *names: str) -> set[str]:
     """The grade ids of an exercise's tests that a planted bug must fail: failing("gpt", "visible", "tying")."""
     return {f"{exercise}-{name}" for name in names}
 
+
+
+def mutant(obj, *replacements: tuple[str, str], namespace: dict | None = None):
+    """The course's function or class `obj` with each (old, new) replacement applied to its source: a planted bug.
+
+    Defined afresh in a copy of `namespace` (default: the globals of obj's module); each `old` must be in the source,
+    so that a planted bug cannot silently stop being planted when the reference changes."""
+    source = textwrap.dedent(inspect.getsource(obj))
+    for old, new in replacements:
+        assert old in source, f"{old!r} is not in {obj.__name__}"
+        source = source.replace(old, new)
+    namespace = dict(vars(inspect.getmodule(obj)) if namespace is None else namespace)
+    exec(source, namespace)  # noqa: S102 - the course's own code with a planted bug
+    return namespace[obj.__name__]

@@ -9,6 +9,7 @@ import torch
 from course_lib import checks
 from course_lib.attention import masked_softmax
 from course_lib.kv_cache import KVCache, StaticKVCache, cached_attention_step, cached_forward, generate_cached, kv_cache_bytes, position_ids
+from tests.helpers import mutant
 
 
 def step_without_mask(q, k, v, past_k, past_v):
@@ -79,17 +80,9 @@ def generate_position_zero(model, idx, max_new_tokens, attention_mask=None):
 
 def generate_planted(*replacements):
     """The reference generate_cached with one planted mistake (source replacements), for the left-padded path."""
-    import inspect
-
     from course_lib import kv_cache
 
-    source = inspect.getsource(kv_cache.generate_cached)
-    for old, new in replacements:
-        assert old in source, old
-        source = source.replace(old, new)
-    namespace = dict(vars(kv_cache))
-    exec(source, namespace)
-    return namespace["generate_cached"]
+    return mutant(kv_cache.generate_cached, *replacements)
 
 
 PREFILL = "logits = cached_forward(model, idx, cache, None if mask is None else mask[:, :T], positions)  # prefill"

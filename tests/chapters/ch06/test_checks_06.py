@@ -1,15 +1,13 @@
 """Chapter 06's learner-facing checks: the reference passes; each classic bug gets a specific message with numbers."""
 from __future__ import annotations
 
-import inspect
-import textwrap
-
 import pytest
 import torch
 
 from course_lib import checks
 from course_lib import decoding
 from course_lib.decoding import apply_repetition_penalty, apply_temperature, top_k_filter
+from tests.helpers import mutant
 
 
 def divide_by_zero(logits, temperature):
@@ -148,13 +146,7 @@ finished_rows_emit_eos = _greedy_variant(lambda eos: eos, False, True)
 
 def beam_variant(*replacements):
     """course_lib's beam_search with each (old, new) replacement of its source applied: a planted bug."""
-    source = textwrap.dedent(inspect.getsource(decoding.beam_search))
-    for old, new in replacements:
-        assert old in source, old
-        source = source.replace(old, new)
-    namespace = dict(vars(decoding))
-    exec(source, namespace)  # noqa: S102 - the course's own code, mutated
-    return namespace["beam_search"]
+    return mutant(decoding.beam_search, *replacements)
 
 
 beams_start_equal = beam_variant(("running_scores[:, 0] = 0.0", "running_scores[:, :] = 0.0"))

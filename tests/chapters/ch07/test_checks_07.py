@@ -1,13 +1,12 @@
 """Chapter 07's learner-facing checks: the reference passes; each classic bug gets a specific message."""
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
 from course_lib import checks
 from course_lib.speculative import speculative_accept, speculative_generate
+from tests.helpers import mutant
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # as in the notebooks
 
@@ -66,14 +65,7 @@ def counts_every_acceptance(p, q, draft_tokens, u):
 def planted(function, old: str, new: str, *more: str):
     """The course's function with one line of its source replaced (a planted bug), in its module's namespace;
     `more`: further (old, new) pairs of the same bug."""
-    source = inspect.getsource(function)
-    pairs = [(old, new), *zip(more[::2], more[1::2])]
-    for old, new in pairs:
-        assert old in source
-        source = source.replace(old, new)
-    namespace = dict(vars(inspect.getmodule(function)))
-    exec(source, namespace)  # noqa: S102 - the course's own code, one line changed
-    return namespace[function.__name__]
+    return mutant(function, (old, new), *zip(more[::2], more[1::2]))
 
 
 G = speculative_generate

@@ -1,8 +1,6 @@
 """Chapter 11's learner-facing checks: the reference and correct alternatives pass; each classic bug gets a specific message."""
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +8,7 @@ import torch.nn.functional as F
 from course_lib import checks, hf
 from course_lib.layers import swiglu
 from course_lib.positional import rope_to_half
+from tests.helpers import mutant
 
 
 def torch_rms_norm(x, weight, eps=1e-5):
@@ -149,13 +148,7 @@ def test_classic_bugs_get_specific_messages(check, buggy, message):
 
 def mutated(function, *replacements):
     """The course_lib.hf function with each (old, new) replacement applied to its source, defined in its module's namespace."""
-    source = inspect.getsource(function)
-    for old, new in replacements:
-        assert old in source, f"{old!r} is no longer in {function.__name__}"
-        source = source.replace(old, new)
-    namespace = dict(vars(hf))
-    exec(source, namespace)  # noqa: S102 - the course's own code, with one planted bug
-    return namespace[function.__name__]
+    return mutant(function, *replacements, namespace=vars(hf))
 
 
 TO, FROM = hf.llama_to_hf, hf.llama_from_hf

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
-import textwrap
 
 import pytest
 import torch
@@ -12,17 +10,13 @@ from torch import nn
 
 from course_lib import checks, heads
 from course_lib.heads import AttentionOnly
+from tests.helpers import mutant
 
 
 def variant(function, *replacements):
     """The reference `function` with each (old, new) replacement applied to its source."""
-    source = textwrap.dedent(inspect.getsource(function))
-    for old, new in replacements:
-        assert old in source, f"{old!r} not in {function.__name__}"
-        source = source.replace(old, new)
     namespace = {"torch": torch, "math": math, "nn": nn, "contextlib": contextlib, "AttentionOnly": AttentionOnly}
-    exec(source, namespace)  # noqa: S102 - the course's own code with one planted bug
-    return namespace[function.__name__]
+    return mutant(function, *replacements, namespace=namespace)
 
 
 def test_reference_implementations_pass_every_visible_check(capsys):

@@ -1,25 +1,19 @@
 """Chapter 14's learner-facing checks: the reference passes; each classic bug gets a specific message."""
 from __future__ import annotations
 
-import inspect
 import math
-import textwrap
 
 import pytest
 import torch
 
 from course_lib import checks, tiled
+from tests.helpers import mutant
 
 
 def variant(function, *replacements):
     """The reference `function` with each (old, new) replacement applied to its source."""
-    source = textwrap.dedent(inspect.getsource(function))
-    for old, new in replacements:
-        assert old in source, f"{old!r} not in {function.__name__}"
-        source = source.replace(old, new)
     namespace = {"torch": torch, "math": math}
-    exec(source, namespace)  # noqa: S102 - the course's own code with one planted bug
-    return namespace[function.__name__]
+    return mutant(function, *replacements, namespace=namespace)
 
 
 def test_reference_implementations_pass_every_visible_check(capsys):

@@ -2,23 +2,15 @@
 alternatives pass."""
 from __future__ import annotations
 
-import inspect
-import textwrap
-
 import pytest
 
 from course_lib import checks, tensor_parallel as tp
+from tests.helpers import mutant
 
 
 def variant(obj, *replacements):
     """The reference class or function `obj` of course_lib.tensor_parallel with each (old, new) replacement applied."""
-    source = textwrap.dedent(inspect.getsource(obj))
-    for old, new in replacements:
-        assert old in source, f"{old!r} not in {obj.__name__}"
-        source = source.replace(old, new)
-    namespace = dict(vars(tp))
-    exec(source, namespace)  # noqa: S102 - the course's own code with one planted bug
-    return namespace[obj.__name__]
+    return mutant(obj, *replacements)
 
 
 def test_reference_implementations_pass_every_visible_check(capsys):
