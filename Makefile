@@ -10,13 +10,12 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 setup: $(VENV)/.installed
 
-# --no-compile: pip would byte-compile every module of every dependency, some 16,000 files (about half a minute of
-# one core, measured), in a fresh clone's `make test` too; Python compiles the ones that are imported (the course and
-# its tests import some 4,600 of them) the first time they are, and keeps them.
+# Byte-compiled at install (pip's default, about half a minute of one core): the clean rooms and the hub import from a
+# read-only venv, where Python could not keep what it compiles, and would compile the same modules again in each.
 # Installed without their dependencies: xgrammar (chapter 15's comparison) declares triton, a GPU compiler it does not
 # import on CPU; what it does import is pinned in pyproject.toml (torch, transformers, numpy), comes with a pin (pydantic, with openai) or is here.
 NO_DEPS = xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
-PIP_INSTALL = $(BIN)/python -m pip install --quiet --no-compile --disable-pip-version-check
+PIP_INSTALL = $(BIN)/python -m pip install --quiet --disable-pip-version-check
 $(VENV)/.installed: pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -e .
