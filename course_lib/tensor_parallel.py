@@ -307,7 +307,7 @@ def shard_block(block: GPTBlock, rank: int, world_size: int, column_parallel_lin
     attn.c_attn column-parallel with chunks=3 (the q, k and v of heads rank * H/p .. (rank + 1) * H/p - 1),
     attn.c_proj row-parallel, attn.n_head = H / p; mlp.c_fc column-parallel, mlp.c_proj row-parallel; the
     LayerNorms copied whole. The block runs through ``gpt_block`` with an attention step (``cached_attention``
-    on the rank's heads), two all-reduces per forward; summed over the ranks its output is the full block's.
+    on the rank's heads), two all-reduces per forward, after which every rank's output is the full block's.
     ValueError unless world_size divides n_head. The block given is left as it was.
     """
     check_divides("n_head", block.attn.n_head, world_size)
