@@ -1,12 +1,15 @@
 """Chapter 15: the token index (Willard & Louf), the per-step mask, one request's constraint, decoding under it."""
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from ..gpt import extend, greedy_choice, sample_choice
-from .automaton import ByteDFA, regex_dfa
+from ..validation import is_count
+from .automaton import MAX_STATES, ByteDFA, regex_dfa
 
 
 def token_index(dfa: ByteDFA, token_bytes: list) -> list:
@@ -38,21 +41,102 @@ def constrained_mask(logits: torch.Tensor, allowed: dict, accepting: bool, eos_t
 @dataclass
 class TokenIndex:
     """A pattern compiled once for one vocabulary and shared by every request that uses it: the DFA, the token index
-    (built by ``token_index``, the course's or one given in its place) and the vocabulary's EOS id (None: a model
-    without one, whose constrained output ends when the state is accepting and allows no token)."""
+    (built by ``token_index``, the course's or one given in its place), the vocabulary's EOS id (None: a model
+    without one, whose constrained output ends when the state is accepting and allows no token) and its size (the
+    number of token ids: an engine checks it against its model's)."""
     dfa: ByteDFA
     next: list
     eos_token_id: int | None
+    vocab_size: int | None = None
 
     @classmethod
-    def build(cls, pattern: str, token_bytes: list, eos_token_id: int | None = None, *, token_index=token_index):
+    def build(cls, pattern: str, token_bytes: list, eos_token_id: int | None = None, *, token_index=token_index,
+              max_states: int = MAX_STATES):
+        """max_states: ``regex_dfa``'s bound on the pattern's automaton (ValueError beyond it)."""
         if eos_token_id is not None and not 0 <= eos_token_id < len(token_bytes):
             raise ValueError(f"eos_token_id must be in [0, {len(token_bytes) - 1}] or None, got {eos_token_id}")
         if eos_token_id is not None and token_bytes[eos_token_id]:
             token_bytes = list(token_bytes)
             token_bytes[eos_token_id] = b""  # EOS is never text
-        dfa = regex_dfa(pattern)
-        return cls(dfa, token_index(dfa, token_bytes), eos_token_id)
+        dfa = regex_dfa(pattern, max_states=max_states)
+        return cls(dfa, token_index(dfa, token_bytes), eos_token_id, len(token_bytes))
+
+    def completable(self) -> "TokenIndex":
+        """This index less the tokens that lead to a state from which no sequence of the vocabulary's tokens reaches
+        an accepting state (a live state of the byte DFA may need bytes no token spells: a character the vocabulary
+        lacks). ValueError when the start state is such a state: no string of the pattern can be written in this
+        vocabulary. What a server uses: a request's mask is then never empty before its output is complete."""
+        done = set(self.dfa.accepting)
+        into: list = [set() for _ in self.next]  # the reversed token transitions
+        for state, row in enumerate(self.next):
+            for end in row.values():
+                into[end].add(state)
+        todo = list(done)
+        while todo:
+            for state in into[todo.pop()] - done:
+                done.add(state)
+                todo.append(state)
+        if self.dfa.start not in done:
+            raise ValueError("no string of the pattern can be written with this vocabulary's tokens (it needs a "
+                             "character no token spells)")
+        rows = [{token: end for token, end in row.items() if end in done} for row in self.next]
+        return TokenIndex(self.dfa, rows, self.eos_token_id, self.vocab_size)
+
+
+def vocabulary_bytes(tokenizer) -> list:
+    """Each token id's bytes for a course tokenizer: a CharTokenizer's characters in UTF-8, a BPETokenizer's byte
+    strings (``token_bytes`` of ``TokenIndex.build``)."""
+    if hasattr(tokenizer, "chars"):
+        return [c.encode() for c in tokenizer.chars]
+    return [tokenizer.vocab[i] for i in range(tokenizer.vocab_size)]
+
+
+class IndexCache:
+    """Compiled patterns for one vocabulary, the most recently used `size` kept (a bounded LRU: a server meets the
+    same schema again and again, and must not hold every pattern it was ever sent). ``get(pattern)``: the
+    ``completable`` TokenIndex of the pattern, built on the first request (ValueError as ``TokenIndex.build`` and
+    ``completable`` raise it, with states beyond max_states); thread-safe (a server compiles on worker threads: a
+    thread that asks for a pattern another is building waits for that build, so each pattern is built once).
+
+    token_bytes: each token id's bytes, or a function that returns them, called on the first ``get`` (a server
+    reads its vocabulary only when a constrained request comes)."""
+
+    def __init__(self, token_bytes, eos_token_id: int | None = None, *, size: int = 64,
+                 max_states: int = MAX_STATES):
+        if not is_count(size) or size < 1:
+            raise ValueError(f"size must be an integer >= 1 (patterns kept), got {size!r}")
+        self.token_bytes = token_bytes if callable(token_bytes) else list(token_bytes)
+        self.eos_token_id, self.size, self.max_states = eos_token_id, size, max_states
+        self.entries: OrderedDict = OrderedDict()
+        self.builds = 0  # patterns compiled (a cache hit compiles nothing)
+        self.lock = threading.Lock()
+        self.building: dict = {}  # pattern -> an Event set when the thread building it is done
+
+    def get(self, pattern: str) -> TokenIndex:
+        while True:
+            with self.lock:
+                if callable(self.token_bytes):
+                    self.token_bytes = list(self.token_bytes())
+                if pattern in self.entries:
+                    self.entries.move_to_end(pattern)
+                    return self.entries[pattern]
+                building = self.building.get(pattern)
+                if building is None:
+                    self.building[pattern] = threading.Event()
+                    break
+            building.wait()  # another thread builds it: take its index (or, if it failed, try again)
+        try:
+            index = TokenIndex.build(pattern, self.token_bytes, self.eos_token_id,
+                                     max_states=self.max_states).completable()
+            with self.lock:
+                self.builds += 1
+                self.entries[pattern] = index
+                while len(self.entries) > self.size:
+                    self.entries.popitem(last=False)
+            return index
+        finally:
+            with self.lock:
+                self.building.pop(pattern).set()
 
 
 @dataclass
