@@ -193,3 +193,47 @@ def constrained_generate(model, idx: torch.Tensor, max_new_tokens: int, constrai
         return token
 
     return extend(idx, max_new_tokens, next_logits, choose, done=lambda tokens: constraint.finished)
+
+
+@torch.no_grad()
+def constrained_beam_search(model, idx: torch.Tensor, max_new_tokens: int, index: TokenIndex, num_beams: int, *,
+                            constrained_mask=constrained_mask) -> tuple:
+    """Beam search within the language (chapter 06's beams, each with its own ``Constraint``): one row idx (1, T) ->
+    (the best finished string's row (1, T + n), its log-probability under the model).
+
+    A beam's score is the model's own log-probability of its tokens (log-softmax of the unmasked logits): the search
+    looks for the string of the language the model finds most likely, not the masked sampler's. Each step every
+    running beam is extended by each token its mask (``constrained_mask``) allows, and the extensions are ranked by
+    score: one that ends the string (takes EOS; with no EOS id, allows nothing more) becomes a hypothesis if it ranks
+    among the first num_beams (Hugging Face's rule, as chapter 06), the num_beams best unfinished ones run on. It stops
+    when no running beam scores above the best hypothesis (a log-probability only falls as a string grows), or after
+    max_new_tokens. num_beams = 1 is greedy constrained decoding (with the EOS it takes at the end, where
+    ``constrained_generate`` stops before an EOS that is the only token left); beams enough for every prefix of a
+    finite language find its most likely string, EOS included. ValueError for num_beams < 1, or when no string finished within max_new_tokens."""
+    if not is_count(num_beams) or num_beams < 1:
+        raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
+    if idx.dim() != 2 or idx.shape[0] != 1:
+        raise ValueError(f"idx must have shape (1, T), got {tuple(idx.shape)}")
+    beams, best = [(0.0, idx[0].tolist(), Constraint(index))], None  # (score, tokens, constraint); (score, tokens)
+    for _ in range(max_new_tokens):
+        if not beams or best is not None and best[0] >= beams[0][0]:
+            break
+        logits = model(torch.tensor([tokens[-model.config.block_size:] for _, tokens, _ in beams]))[0][:, -1]
+        candidates = []
+        for (score, tokens, constraint), row in zip(beams, logits):
+            logp = torch.log_softmax(row.double(), -1)
+            allowed = torch.isfinite(constraint.mask(row, constrained_mask=constrained_mask)).nonzero()[:, 0]
+            candidates += [(score + logp[t].item(), tokens, constraint, t) for t in allowed.tolist()]
+        candidates.sort(key=lambda c: -c[0])
+        beams = []
+        for rank, (score, tokens, constraint, token) in enumerate(candidates):
+            after = Constraint(constraint.index, constraint.state)
+            after.advance(token)
+            if after.eos_taken if index.eos_token_id is not None else after.finished:
+                if rank < num_beams and (best is None or score > best[0]):
+                    best = (score, tokens + [token])
+            elif len(beams) < num_beams:
+                beams.append((score, tokens + [token], after))
+    if best is None:
+        raise ValueError(f"no string of the language finished within max_new_tokens = {max_new_tokens}")
+    return torch.tensor([best[1]]), best[0]
