@@ -58,9 +58,9 @@ class Result:
     """What happened to one request: its generated tokens, or the error that rejected or failed it; when, in steps and seconds.
 
     error is None exactly when the request finished: all max_new_tokens tokens (finish_reason "length"), or a
-    constrained request's language complete (finish_reason "stop", see ``Request.constraint``). Otherwise it names the request and
-    says why: rejected on arrival (no tokens) or failed in a step (the tokens generated before it failed; finish_step
-    None). See ``Engine.run``."""
+    constrained request's language complete (finish_reason "stop", see ``Request.constraint``). Otherwise it names
+    the request and says why: rejected on arrival (no tokens) or failed in a step (the tokens generated before it
+    failed; finish_step None). See ``Engine.run``."""
 
     name: str
     tokens: list = field(default_factory=list)
@@ -142,9 +142,9 @@ def validate(request: Request, context: int, num_blocks: int | None = None, bloc
     the model's context length `context`; its blocks within a pool of num_blocks blocks of block_size tokens (when
     given, with n sequences running at once: ``blocks_for``); n (an integer >= 1, <= max_num_seqs when given);
     logprobs (None or an integer in [0, vocab_size], or >= 0 without vocab_size); sampling (None or a dict of the
-    settings in ``SAMPLING``, each a finite number (or None where its default is), in the range its processor checks: ``decoding.check_settings``); constraint (None or a
-    ``structured.TokenIndex`` built for a vocabulary of vocab_size tokens, when given); seed (an integer that
-    ``torch.Generator.manual_seed`` takes). Everything a request carries is checked here, once, on arrival: the
+    settings in ``SAMPLING``, each a finite number (or None where its default is), in the range its processor checks: ``decoding.check_settings``);
+    constraint (None or a ``structured.TokenIndex`` built for a vocabulary of vocab_size tokens, when given); seed
+    (an integer that ``torch.Generator.manual_seed`` takes). Everything a request carries is checked here, once, on arrival: the
     engine's steps check nothing per token. See ``Engine.run``.
     """
     name, prompt = request.name, request.prompt
@@ -263,7 +263,8 @@ class Sequence:
 
     def fork(self) -> list:
         """The sequences of ``forks``, made now (the prompt computed): each shares every block (one more reference),
-        with its own Result, generator and constraint state; the last block, if partly filled, is copied by the first that writes it."""
+        with its own Result, generator and constraint state; the last block, if partly filled, is copied by the first
+        that writes it."""
         children = []
         for index, result in self.forks:
             child = Sequence(self.request, result, self.cache, index=index)

@@ -209,7 +209,8 @@ def constrained_beam_search(model, idx: torch.Tensor, max_new_tokens: int, index
     when no running beam scores above the best hypothesis (a log-probability only falls as a string grows), or after
     max_new_tokens. num_beams = 1 is greedy constrained decoding (with the EOS it takes at the end, where
     ``constrained_generate`` stops before an EOS that is the only token left); beams enough for every prefix of a
-    finite language find its most likely string, EOS included. ValueError for num_beams < 1, or when no string finished within max_new_tokens."""
+    finite language find its most likely string, EOS included. ValueError for num_beams < 1, or when no string
+    finished within max_new_tokens."""
     if not is_count(num_beams) or num_beams < 1:
         raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
     if idx.dim() != 2 or idx.shape[0] != 1:
