@@ -196,6 +196,30 @@ def test_index_cache_builds_once_per_pattern_and_keeps_the_most_recent():
     assert cache.builds == 4 and list(cache.entries) == ["c+", "b+"]
 
 
+def test_index_cache_builds_a_pattern_asked_by_two_threads_at_once_once(monkeypatch):
+    from course_lib.structured import index as index_module
+
+    build, started = TokenIndex.build, threading.Event()
+
+    def slow_build(*args, **kwargs):
+        started.set()
+        time.sleep(0.3)  # the second thread asks while this build runs
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(index_module.TokenIndex, "build", slow_build)
+    cache = IndexCache([b"a", b"b"])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(cache.get, "a+b")
+        started.wait(5)
+        second = pool.submit(cache.get, "a+b")
+        assert first.result() is second.result() and cache.builds == 1
+        bad = [pool.submit(cache.get, "a(") for _ in range(2)]  # a failed build: the waiter tries and fails too
+        for future in bad:
+            with pytest.raises(ValueError, match="missing \\)"):
+                future.result()
+    assert not cache.building and "a(" not in cache.entries
+
+
 def test_completable_drops_the_tokens_whose_state_no_token_can_finish():
     vocab = [b"a", b"b", b"c", b"e"]  # no d: "cde" cannot be spelled, "abe" can
     index = TokenIndex.build("(ab|cd)e", vocab)
