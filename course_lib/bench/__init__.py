@@ -27,7 +27,7 @@ from .serve import (SERVE_MODELS, SERVE_REQUESTS, SERVE_SYSTEMS, SERVE_TARGETS, 
                     format_serve, format_serve_load, format_serve_speed, format_serve_wall, poisson_arrivals,
                     serve_model, serve_ratios)
 from .serve_http import bench_serve_http, format_serve_http
-from .structured import bench_index, bench_step, format_structured
+from .structured import bench_engine, bench_index, bench_step, format_structured
 from .tensor_parallel import TP_WORLD_SIZES, bench_tensor_parallel, format_tensor_parallel
 from .timing import Runs, alternate, threads
 from .train import bench_train, format_train
@@ -35,7 +35,7 @@ from .train import bench_train, format_train
 __all__ = [
     "DECODE_SHAPES", "LLAMA_DECODE_SHAPES", "LLAMA_FOR_GPT_SHAPE", "READ_WIDTHS", "SERVE_MODELS", "SERVE_REQUESTS",
     "SERVE_SYSTEMS", "SERVE_TARGETS", "SWEEP_BUDGETS", "SWEEP_RATES", "TRANSFORMERS_VERSION", "UNCACHED_TOKENS",
-    "WALL_RATES", "WALL_SYSTEMS", "Runs", "alternate", "bench_decode", "bench_index", "bench_step", "format_structured", "bench_llama_decode", "bench_serve",
+    "WALL_RATES", "WALL_SYSTEMS", "Runs", "alternate", "bench_decode", "bench_engine", "bench_index", "bench_step", "format_structured", "bench_llama_decode", "bench_serve",
     "bench_serve_http", "bench_serve_load", "bench_serve_speed", "bench_serve_wall", "bench_train", "format_decode",
     "format_kernels", "format_llama_decode", "format_serve", "format_serve_http", "format_serve_load",
     "format_serve_speed", "format_serve_wall", "format_train", "greedy_uncached", "hf_generate", "hf_replay",
@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="train: a training step of our GPT vs Hugging Face's GPT-2; decode: greedy decoding speed, "
                              "cached and uncached, vs Hugging Face's generate; serve: many requests at once, our continuous "
                              "batching with a paged cache vs our static batching and Hugging Face's continuous batching; "
-                             "structured: chapter 15's token index and per-step mask vs xgrammar and outlines-core")
+                             "structured: chapter 15's token index and per-step mask vs xgrammar and outlines-core, and the engine "
+                             "with constrained requests mixed in vs all free")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed repeats; the median is reported (default: "
                              + ", ".join(f"{n} for {what}" for what, n in REPEATS.items()) + ")")
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                              + ", ".join(f"{m} {n}" for m, n in SERVE_REQUESTS.items()) + ")")
     parser.add_argument("--quick", action="store_true",
                         help=f"decode: {QUICK_TOKENS} new tokens ({QUICK_UNCACHED_TOKENS} uncached), 1 run, no warm-up; "
-                             f"structured: bpe-gpt's vocabulary only, 1 run; "
+                             f"structured: bpe-gpt's vocabulary only, 1 run, 4 requests in the engine; "
                              f"serve: {QUICK_REQUESTS} requests, 1 run, no warm-up, the engine's speed ratios timed for "
                              f"{QUICK_RATIO_SECONDS:g} s each (a smoke run)")
     parser.add_argument("--family", choices=["all", "gpt", "llama"], default="all",
@@ -171,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = bench_index(vocab_sizes=(512,)) if args.quick else bench_index()
         step = bench_step(repeats=args.repeats or (1 if args.quick else REPEATS["structured"]), warmup=0 if args.quick else 2,
                           threads=args.threads or THREADS["structured"])
-        print(format_structured(rows, step))
+        engine = bench_engine(requests=4 if args.quick else 8, constrained=2 if args.quick else 4,
+                              max_new_tokens=16 if args.quick else 48, repeats=args.repeats or (1 if args.quick else 5),
+                              warmup=0 if args.quick else 1, threads=args.threads or THREADS["structured"],
+                              seconds=0.0 if args.quick else 3.0)
+        print(format_structured(rows, step, engine))
         return 0
     args.threads = args.threads or THREADS[args.what]
     if args.what == "decode":

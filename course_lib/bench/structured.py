@@ -5,9 +5,9 @@ the sizes go from 512 to several thousand) and each pattern, the DFA's states, t
 (state, token) pairs) and the seconds to build it, ours (``structured.TokenIndex.build``) against xgrammar's
 ``compile_regex`` and outlines-core's ``Index``. Then one decoding step's constraint work on ``bpe-gpt``'s vocabulary:
 ours (mask 512 logits from the index, advance the state) against xgrammar's (``fill_next_token_bitmask``, apply the
-bitmask, ``accept_token``), over the same token sequence, timed alternately (``timing.alternate``). A benchmark, not a
-test: it prints, it asserts nothing. (Tokens per second of the engine with constrained requests mixed in waits for the
-engine to hold a constraint per request.)
+bitmask, ``accept_token``), over the same token sequence, timed alternately (``timing.alternate``). Last, chapter 12's
+engine on ``bpe-gpt``: tokens per second of a batch where some requests are constrained, against the same batch all
+free, in alternating rounds (``bench_engine``). A benchmark, not a test: it prints, it asserts nothing.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import torch
 
 from ..bpe import BPETokenizer
 from ..data import default_corpus
-from ..structured import Constraint, TokenIndex
+from ..serving import Engine, Request
+from ..structured import Constraint, IndexCache, TokenIndex, vocabulary_bytes
 from ..structured.libraries import Libraries
 from . import timing
 
@@ -98,7 +99,43 @@ def bench_step(pattern: str = PATTERNS["record"], text: str = STEP_TEXT, repeats
             "per_token_s": {name: run.median / len(ids) for name, run in runs.items()}}
 
 
-def format_structured(index_rows: list, step: dict) -> str:
+#: The engine table's constraint: JSON records, one per line, without end (a constrained request then runs to its
+#: max_new_tokens as a free one does: both batches generate the same number of tokens in the same steps)
+RECORDS = "(" + PATTERNS["record"] + r"\n)+"
+
+
+def bench_engine(requests: int = 8, constrained: int = 4, max_new_tokens: int = 48, repeats: int = 5,
+                 warmup: int = 1, threads: int = 1, seconds: float = 3.0) -> dict:
+    """Chapter 12's engine on bpe-gpt, greedy, `requests` requests arriving at once (prompts of the course's corpus),
+    served twice per round in alternation: with the first `constrained` of them constrained to RECORDS (compiled
+    once, before timing: ``structured.IndexCache``), and all free. Every request generates max_new_tokens tokens in
+    both (RECORDS never completes), so the ratio of tokens per second is what the constraint's per-step work
+    (mask, argmax of the masked row, advance) costs the batch. At least `repeats` rounds, more until they have
+    taken `seconds` (a round is a fraction of a second: a few rounds' ratio would be noise)."""
+    from ..assets import load, tokenizer as asset_tokenizer
+
+    model, tokenizer = load("bpe-gpt"), asset_tokenizer("bpe-gpt")
+    index = IndexCache(vocabulary_bytes(tokenizer)).get(RECORDS)
+    text = default_corpus()
+    prompts = [tokenizer.encode(text[1000 * i:1000 * i + 60])[:16] for i in range(requests)]
+    free = [Request(f"r{i}", prompt, max_new_tokens) for i, prompt in enumerate(prompts)]
+    mixed = [Request(r.name, r.prompt, max_new_tokens, constraint=index if i < constrained else None)
+             for i, r in enumerate(free)]
+    engine = Engine(model, num_blocks=requests * (max_new_tokens + 16) // 8 + requests, block_size=8, token_budget=256)
+
+    def run(batch):
+        results, _ = engine.run(batch)
+        return sum(len(r.tokens) for r in results.values())
+
+    with timing.threads(threads):
+        runs = timing.alternate({"mixed": lambda: run(mixed), "free": lambda: run(free)}, repeats, warmup,
+                                seconds=seconds)
+    return {"requests": requests, "constrained": constrained, "threads": threads, "rounds": len(runs["free"].seconds),
+            "tokens": {name: r.results[0] for name, r in runs.items()},
+            "tokens_per_s": {name: r.results[0] / r.median for name, r in runs.items()}}
+
+
+def format_structured(index_rows: list, step: dict, engine: dict | None = None) -> str:
     """The lines `course bench structured` prints."""
     lines = ["token index: build once per (vocabulary, pattern); seconds of one build each",
              f"{'vocab':>6} {'pattern':8} {'states':>6} {'entries':>8} {'ours':>9} {'xgrammar':>9} {'outlines':>9}"]
@@ -111,4 +148,13 @@ def format_structured(index_rows: list, step: dict) -> str:
                   f"JSON record, {step['states']} DFA states, {step['threads']} thread(s), median per token:",
               f"  ours (index lookup, masked_fill): {per['ours'] * 1e6:8.1f} us",
               f"  xgrammar (bitmask, apply, accept): {per['xgrammar'] * 1e6:8.1f} us"]
+    if engine is not None:
+        rate, tokens = engine["tokens_per_s"], engine["tokens"]
+        lines += ["", f"the engine on bpe-gpt, {engine['requests']} greedy requests at once, {engine['threads']} "
+                      f"thread(s), {engine['rounds']} alternating rounds, median:",
+                  f"  mixed / free: {rate['mixed'] / rate['free']:.3f}"]
+        n, c = engine["requests"], engine["constrained"]
+        labels = {"mixed": f"{c} constrained to JSON records + {n - c} free:", "free": f"all {n} free:"}
+        width = max(map(len, labels.values()))
+        lines[-1:-1] = [f"  {labels[k]:{width}} {rate[k]:8.1f} tokens/s ({tokens[k]} tokens)" for k in labels]
     return "\n".join(lines)

@@ -18,7 +18,7 @@ from .block_pool import PagedKVCache, allocate_slots, cache_full_blocks, used_sl
 from .metrics import StepLog
 from .model_runner import paged_attention, paged_forward, slot_mapping
 from .request import Request, Result, Sequence, pending_requests, sample_names, validate
-from .sampler import argmaxes, choose_token, choose_with_logprobs
+from .sampler import argmaxes, choose_token, choose_with_logprobs, constrain
 from .scheduler import schedule_step
 
 
@@ -82,9 +82,10 @@ class Engine:
 
         Offline serving of a trace: a fresh ``reset``, then each request arrives (``add_request``'s way) at its
         arrival step, and ``step`` runs until every request has left. A Result whose ``error`` is None holds all
-        max_new_tokens tokens; otherwise ``error`` (the request's name first) says why, and the others are served as
-        if it had not come: rejected on arrival by ``validate`` (no tokens, no blocks), or failed in a step (its chunk
-        of the pass or its sampling raised: "request NAME: failed at step S: the exception"; the tokens generated
+        max_new_tokens tokens (a constrained request: fewer when its language is complete, ``Request.constraint``);
+        otherwise ``error`` (the request's name first) says why, and the others are served as if it had not come:
+        rejected on arrival by ``validate`` (no tokens, no blocks), or failed in a step (its chunk of the pass or its
+        sampling raised: "request NAME: failed at step S: the exception"; the tokens generated
         before are kept, finish_step stays None, its blocks go back). When a step's batched pass raises, each chunk
         runs again alone and only those that raise alone fail. RuntimeError only for the engine's own faults (see
         ``step``)."""
@@ -230,14 +231,18 @@ class Engine:
             for seq in (seq, *self._fork(seq, running)) if seq.forks else (seq,):  # n > 1: its prompt is computed
                 request, result = seq.request, seq.result
                 try:
+                    row, top = (logits[i], greedy[i]) if seq.constraint is None else \
+                        constrain(logits[i], seq.constraint)
                     if request.logprobs is None:
-                        token = choose_token(logits[i], greedy[i], seq.tokens, seq.prompt_len, request.sampling,
+                        token = choose_token(row, top, seq.tokens, seq.prompt_len, request.sampling,
                                              seq.generator, self.processors)
                     else:
-                        token, logprobs = choose_with_logprobs(logits[i], greedy[i], seq.tokens, seq.prompt_len,
+                        token, logprobs = choose_with_logprobs(row, top, seq.tokens, seq.prompt_len,
                                                                request.sampling, seq.generator, self.processors,
                                                                request.logprobs)
                         result.logprobs.append(logprobs)
+                    if seq.constraint is not None:
+                        seq.constraint.advance(token)  # ValueError for a token its mask forbade: it fails alone
                 except Exception as error:  # noqa: BLE001 - this request's sampling: it fails alone
                     output.finished += self._fail(cache, seq, running, step, error)
                     continue
@@ -247,8 +252,9 @@ class Engine:
                 output.tokens[seq.name] = token
                 if result.first_token_step is None:
                     result.first_token_step = step
-                if len(result.tokens) == request.max_new_tokens:
-                    result.finish_step = step
+                complete = seq.constraint is not None and seq.constraint.finished  # its language allows no more
+                if complete or len(result.tokens) == request.max_new_tokens:
+                    result.finish_step, result.finish_reason = step, "stop" if complete else "length"
                     cache.release_all(seq.blocks)
                     seq.blocks = []
                     running.remove(seq)

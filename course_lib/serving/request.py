@@ -12,6 +12,7 @@ from typing import Mapping
 import torch
 
 from ..decoding import check_settings, process_logits
+from ..structured import Constraint, TokenIndex
 from ..validation import is_count
 from .block_pool import PagedKVCache
 
@@ -25,7 +26,13 @@ class Request:
     ``dict(temperature=0.8, top_k=20)``; ``SAMPLING`` lists them and their ranges), drawn with a
     ``torch.Generator`` seeded with ``seed`` (other versions of the processor functions go to ``Engine.run``, by the
     plug-in rule). ``validate`` checks every field on arrival.
-    The request always generates max_new_tokens tokens (no end-of-sequence token here).
+    The request generates max_new_tokens tokens (no end-of-sequence token here), unless it is constrained.
+
+    constraint: None, or a ``structured.TokenIndex`` (a regex, or a JSON schema as ``structured.schema_regex`` writes
+    it, compiled for the model's vocabulary; one index is shared by every request with that pattern): each of its
+    sequences holds its own automaton state (``Sequence.constraint``; with n > 1 each choice its own), its tokens
+    are those the language allows (``sampler.constrain``, before the processors), its EOS only in accepting states,
+    and it finishes early when the language is complete: EOS taken, or an accepting state that allows no token.
 
     n: how many sequences to generate from the prompt (parallel sampling, OpenAI's ``n``): the prompt is prefilled
     once and its blocks shared. Sequence i is named ``sample_names(request)[i]`` (the request's name for i = 0, then
@@ -43,15 +50,17 @@ class Request:
     seed: int = 0
     n: int = 1
     logprobs: int | None = None
+    constraint: TokenIndex | None = None
 
 
 @dataclass
 class Result:
     """What happened to one request: its generated tokens, or the error that rejected or failed it; when, in steps and seconds.
 
-    error is None exactly when the request finished (all max_new_tokens tokens). Otherwise it names the request and
-    says why: rejected on arrival (no tokens) or failed in a step (the tokens generated before it failed; finish_step
-    None). See ``Engine.run``."""
+    error is None exactly when the request finished: all max_new_tokens tokens (finish_reason "length"), or a
+    constrained request's language complete (finish_reason "stop", see ``Request.constraint``). Otherwise it names
+    the request and says why: rejected on arrival (no tokens) or failed in a step (the tokens generated before it
+    failed; finish_step None). See ``Engine.run``."""
 
     name: str
     tokens: list = field(default_factory=list)
@@ -66,6 +75,7 @@ class Result:
     # (its tokens then, those of them found in the prefix cache)
     logprobs: list = field(default_factory=list)  # a request with logprobs = k: per token, (its log-probability,
     # [(token, log-probability)] of the k most likely, most likely first); see sampler.token_logprobs
+    finish_reason: str | None = None  # a finished request's: "length" or "stop" (its constraint's language complete)
 
     @property
     def ttft(self) -> float:
@@ -132,8 +142,9 @@ def validate(request: Request, context: int, num_blocks: int | None = None, bloc
     the model's context length `context`; its blocks within a pool of num_blocks blocks of block_size tokens (when
     given, with n sequences running at once: ``blocks_for``); n (an integer >= 1, <= max_num_seqs when given);
     logprobs (None or an integer in [0, vocab_size], or >= 0 without vocab_size); sampling (None or a dict of the
-    settings in ``SAMPLING``, each a finite number (or None where its default is), in the range its processor checks: ``decoding.check_settings``); seed (an integer that
-    ``torch.Generator.manual_seed`` takes). Everything a request carries is checked here, once, on arrival: the
+    settings in ``SAMPLING``, each a finite number (or None where its default is), in the range its processor checks: ``decoding.check_settings``);
+    constraint (None or a ``structured.TokenIndex`` built for a vocabulary of vocab_size tokens, when given); seed
+    (an integer that ``torch.Generator.manual_seed`` takes). Everything a request carries is checked here, once, on arrival: the
     engine's steps check nothing per token. See ``Engine.run``.
     """
     name, prompt = request.name, request.prompt
@@ -182,6 +193,12 @@ def validate(request: Request, context: int, num_blocks: int | None = None, bloc
                 check_settings(vocab_size or 1, **{key: value})
             except ValueError as error:
                 raise ValueError(f"request {name}: sampling {key}: {error}") from None
+    if request.constraint is not None and (not isinstance(request.constraint, TokenIndex) or (
+            vocab_size is not None and request.constraint.vocab_size != vocab_size)):
+        found = request.constraint.vocab_size if isinstance(request.constraint, TokenIndex) else \
+            type(request.constraint).__name__
+        raise ValueError(f"request {name}: constraint must be None or a structured.TokenIndex built for the model's "
+                         f"vocabulary of {vocab_size} tokens, got {found}")
     if not is_count(request.seed) or not SEED_RANGE[0] <= request.seed < SEED_RANGE[1]:
         raise ValueError(f"request {name}: seed must be an integer in [-2**63, 2**64), got {request.seed!r}")
 
@@ -242,14 +259,18 @@ class Sequence:
         self.generator = torch.Generator().manual_seed(sample_seed(request.seed, index))
         self.forks = list(forks)  # (index, Result) of the sequences still to fork from this one's prompt
         self.shared_tail = False  # a forked sequence: its last block may be shared (copied before it is written)
+        self.constraint = None if request.constraint is None else Constraint(request.constraint)  # its own state
 
     def fork(self) -> list:
         """The sequences of ``forks``, made now (the prompt computed): each shares every block (one more reference),
-        with its own Result and generator; the last block, if partly filled, is copied by the first that writes it."""
+        with its own Result, generator and constraint state; the last block, if partly filled, is copied by the first
+        that writes it."""
         children = []
         for index, result in self.forks:
             child = Sequence(self.request, result, self.cache, index=index)
             child.tokens, child.n_cached, child.blocks = list(self.tokens), self.n_cached, list(self.blocks)
+            if self.constraint is not None:  # its own automaton state, from this one's (never shared)
+                child.constraint = Constraint(self.constraint.index, self.constraint.state)
             for block in self.blocks:
                 self.cache.share(block)
             child.shared_tail = True

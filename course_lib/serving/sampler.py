@@ -17,6 +17,21 @@ GREEDY_BELOW = 1e-5
 PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")  # the processors a greedy request keeps
 
 
+def constrain(logits: torch.Tensor, constraint) -> tuple:
+    """(masked logits (V,), their argmax): one constrained sequence's row of logits (V,) masked by its
+    ``structured.Constraint`` (its state's allowed tokens kept, EOS only in an accepting state, -inf elsewhere), and
+    the greedy token of the masked row, for ``choose_token``.
+
+    Where: on the model's logits, BEFORE chapter 06's processors (penalties, temperature, top-k, top-p, min-p) and the
+    choice, as vLLM does (its model runner applies the grammar's bitmask to the logits, ``apply_grammar_bitmask``,
+    then hands them to its sampler): a -inf stays -inf through every processor, so the processors act among the
+    allowed tokens only (top-p's nucleus is taken from the allowed tokens' renormalised probabilities), and the
+    log-probabilities reported (``token_logprobs``) give every forbidden token -inf. Only a constrained sequence
+    calls this: a free one's row is never copied or masked."""
+    masked = constraint.mask(logits)
+    return masked, int(greedy_choice(masked[None])[0, 0])
+
+
 def choose_token(logits: torch.Tensor, greedy: int, tokens: list, prompt_len: int, sampling: dict | None, generator,
                  processors: dict | None = None) -> int:
     """The next token from one row of logits (V,): `greedy` (the row's argmax, ``argmaxes``) when sampling is None;

@@ -20,8 +20,10 @@ One request's constraint is its own small object (``Constraint``: the shared ``T
 state), so that an engine can hold one automaton state per request and share one index between requests.
 """
 from .automaton import ByteDFA, regex_dfa, utf8_ranges
-from .index import Constraint, TokenIndex, constrained_generate, constrained_mask, token_index
+from .index import (Constraint, IndexCache, TokenIndex, constrained_beam_search, constrained_generate, constrained_mask,
+                    token_index, vocabulary_bytes)
 from .schema import JSON_INTEGER, JSON_STRING_CHAR, schema_regex
 
-__all__ = ["ByteDFA", "regex_dfa", "utf8_ranges", "Constraint", "TokenIndex", "constrained_generate",
-           "constrained_mask", "token_index", "JSON_INTEGER", "JSON_STRING_CHAR", "schema_regex"]
+__all__ = ["ByteDFA", "regex_dfa", "utf8_ranges", "Constraint", "IndexCache", "TokenIndex", "constrained_beam_search",
+           "constrained_generate",
+           "constrained_mask", "token_index", "vocabulary_bytes", "JSON_INTEGER", "JSON_STRING_CHAR", "schema_regex"]

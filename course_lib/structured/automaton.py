@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..validation import is_count
+
 MAX_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)
 DIGIT = ((0x30, 0x39),)
@@ -229,13 +231,14 @@ class _Parser:
 
 
 class _NFA:
-    def __init__(self):
+    def __init__(self, max_states: int = MAX_STATES):
         self.edges: list = []  # state -> [(lo, hi, target)]
         self.eps: list = []    # state -> [target]
+        self.max_states = max_states
 
     def new(self) -> int:
-        if len(self.edges) == MAX_STATES:
-            raise ValueError(f"it needs more than {MAX_STATES} NFA states (bounds multiply: (a{{100}}){{100}} "
+        if len(self.edges) == self.max_states:
+            raise ValueError(f"it needs more than {self.max_states} NFA states (bounds multiply: (a{{100}}){{100}} "
                              f"is 10,000 copies of a)")
         self.edges.append([])
         self.eps.append([])
@@ -316,14 +319,17 @@ class ByteDFA:
         return end is not None and end in self.accepting
 
 
-def regex_dfa(pattern: str) -> ByteDFA:
+def regex_dfa(pattern: str, *, max_states: int = MAX_STATES) -> ByteDFA:
     """The live byte DFA of `pattern` (the subset in the module docstring): a string's UTF-8 bytes walk it to an
     accepting state exactly when the pattern fully matches the string. ValueError naming the position otherwise;
-    a pattern whose language is empty is a ValueError too."""
+    a pattern whose language is empty is a ValueError too, and so is one that needs more than max_states NFA or DFA
+    states (a server sets a smaller bound: its token index costs states x vocabulary walks)."""
     if not isinstance(pattern, str):
         raise ValueError(f"pattern must be a str, got {type(pattern).__name__}")
+    if not is_count(max_states) or max_states < 1:
+        raise ValueError(f"max_states must be an integer >= 1, got {max_states!r}")
     tree = _Parser(pattern).parse()
-    nfa = _NFA()
+    nfa = _NFA(max_states)
     nfa_start = nfa.new()
     try:
         nfa_end = nfa.build(tree, nfa_start)
@@ -341,8 +347,8 @@ def regex_dfa(pattern: str) -> ByteDFA:
         for byte, ts in targets.items():
             subset = nfa.closure(ts)
             if subset not in ids:
-                if len(subsets) == MAX_STATES:
-                    raise ValueError(f"pattern {pattern!r}: its DFA has more than {MAX_STATES} states (the subset "
+                if len(subsets) == max_states:
+                    raise ValueError(f"pattern {pattern!r}: its DFA has more than {max_states} states (the subset "
                                      f"construction can grow exponentially, as for (a|b)*a(a|b){{20}})")
                 ids[subset] = len(subsets)
                 subsets.append(subset)

@@ -1,12 +1,15 @@
 """Chapter 15: the token index (Willard & Louf), the per-step mask, one request's constraint, decoding under it."""
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from ..gpt import extend, greedy_choice, sample_choice
-from .automaton import ByteDFA, regex_dfa
+from ..validation import is_count
+from .automaton import MAX_STATES, ByteDFA, regex_dfa
 
 
 def token_index(dfa: ByteDFA, token_bytes: list) -> list:
@@ -38,21 +41,102 @@ def constrained_mask(logits: torch.Tensor, allowed: dict, accepting: bool, eos_t
 @dataclass
 class TokenIndex:
     """A pattern compiled once for one vocabulary and shared by every request that uses it: the DFA, the token index
-    (built by ``token_index``, the course's or one given in its place) and the vocabulary's EOS id (None: a model
-    without one, whose constrained output ends when the state is accepting and allows no token)."""
+    (built by ``token_index``, the course's or one given in its place), the vocabulary's EOS id (None: a model
+    without one, whose constrained output ends when the state is accepting and allows no token) and its size (the
+    number of token ids: an engine checks it against its model's)."""
     dfa: ByteDFA
     next: list
     eos_token_id: int | None
+    vocab_size: int | None = None
 
     @classmethod
-    def build(cls, pattern: str, token_bytes: list, eos_token_id: int | None = None, *, token_index=token_index):
+    def build(cls, pattern: str, token_bytes: list, eos_token_id: int | None = None, *, token_index=token_index,
+              max_states: int = MAX_STATES):
+        """max_states: ``regex_dfa``'s bound on the pattern's automaton (ValueError beyond it)."""
         if eos_token_id is not None and not 0 <= eos_token_id < len(token_bytes):
             raise ValueError(f"eos_token_id must be in [0, {len(token_bytes) - 1}] or None, got {eos_token_id}")
         if eos_token_id is not None and token_bytes[eos_token_id]:
             token_bytes = list(token_bytes)
             token_bytes[eos_token_id] = b""  # EOS is never text
-        dfa = regex_dfa(pattern)
-        return cls(dfa, token_index(dfa, token_bytes), eos_token_id)
+        dfa = regex_dfa(pattern, max_states=max_states)
+        return cls(dfa, token_index(dfa, token_bytes), eos_token_id, len(token_bytes))
+
+    def completable(self) -> "TokenIndex":
+        """This index less the tokens that lead to a state from which no sequence of the vocabulary's tokens reaches
+        an accepting state (a live state of the byte DFA may need bytes no token spells: a character the vocabulary
+        lacks). ValueError when the start state is such a state: no string of the pattern can be written in this
+        vocabulary. What a server uses: a request's mask is then never empty before its output is complete."""
+        done = set(self.dfa.accepting)
+        into: list = [set() for _ in self.next]  # the reversed token transitions
+        for state, row in enumerate(self.next):
+            for end in row.values():
+                into[end].add(state)
+        todo = list(done)
+        while todo:
+            for state in into[todo.pop()] - done:
+                done.add(state)
+                todo.append(state)
+        if self.dfa.start not in done:
+            raise ValueError("no string of the pattern can be written with this vocabulary's tokens (it needs a "
+                             "character no token spells)")
+        rows = [{token: end for token, end in row.items() if end in done} for row in self.next]
+        return TokenIndex(self.dfa, rows, self.eos_token_id, self.vocab_size)
+
+
+def vocabulary_bytes(tokenizer) -> list:
+    """Each token id's bytes for a course tokenizer: a CharTokenizer's characters in UTF-8, a BPETokenizer's byte
+    strings (``token_bytes`` of ``TokenIndex.build``)."""
+    if hasattr(tokenizer, "chars"):
+        return [c.encode() for c in tokenizer.chars]
+    return [tokenizer.vocab[i] for i in range(tokenizer.vocab_size)]
+
+
+class IndexCache:
+    """Compiled patterns for one vocabulary, the most recently used `size` kept (a bounded LRU: a server meets the
+    same schema again and again, and must not hold every pattern it was ever sent). ``get(pattern)``: the
+    ``completable`` TokenIndex of the pattern, built on the first request (ValueError as ``TokenIndex.build`` and
+    ``completable`` raise it, with states beyond max_states); thread-safe (a server compiles on worker threads: a
+    thread that asks for a pattern another is building waits for that build, so each pattern is built once).
+
+    token_bytes: each token id's bytes, or a function that returns them, called on the first ``get`` (a server
+    reads its vocabulary only when a constrained request comes)."""
+
+    def __init__(self, token_bytes, eos_token_id: int | None = None, *, size: int = 64,
+                 max_states: int = MAX_STATES):
+        if not is_count(size) or size < 1:
+            raise ValueError(f"size must be an integer >= 1 (patterns kept), got {size!r}")
+        self.token_bytes = token_bytes if callable(token_bytes) else list(token_bytes)
+        self.eos_token_id, self.size, self.max_states = eos_token_id, size, max_states
+        self.entries: OrderedDict = OrderedDict()
+        self.builds = 0  # patterns compiled (a cache hit compiles nothing)
+        self.lock = threading.Lock()
+        self.building: dict = {}  # pattern -> an Event set when the thread building it is done
+
+    def get(self, pattern: str) -> TokenIndex:
+        while True:
+            with self.lock:
+                if callable(self.token_bytes):
+                    self.token_bytes = list(self.token_bytes())
+                if pattern in self.entries:
+                    self.entries.move_to_end(pattern)
+                    return self.entries[pattern]
+                building = self.building.get(pattern)
+                if building is None:
+                    self.building[pattern] = threading.Event()
+                    break
+            building.wait()  # another thread builds it: take its index (or, if it failed, try again)
+        try:
+            index = TokenIndex.build(pattern, self.token_bytes, self.eos_token_id,
+                                     max_states=self.max_states).completable()
+            with self.lock:
+                self.builds += 1
+                self.entries[pattern] = index
+                while len(self.entries) > self.size:
+                    self.entries.popitem(last=False)
+            return index
+        finally:
+            with self.lock:
+                self.building.pop(pattern).set()
 
 
 @dataclass
@@ -109,3 +193,48 @@ def constrained_generate(model, idx: torch.Tensor, max_new_tokens: int, constrai
         return token
 
     return extend(idx, max_new_tokens, next_logits, choose, done=lambda tokens: constraint.finished)
+
+
+@torch.no_grad()
+def constrained_beam_search(model, idx: torch.Tensor, max_new_tokens: int, index: TokenIndex, num_beams: int, *,
+                            constrained_mask=constrained_mask) -> tuple:
+    """Beam search within the language (chapter 06's beams, each with its own ``Constraint``): one row idx (1, T) ->
+    (the best finished string's row (1, T + n), its log-probability under the model).
+
+    A beam's score is the model's own log-probability of its tokens (log-softmax of the unmasked logits): the search
+    looks for the string of the language the model finds most likely, not the masked sampler's. Each step every
+    running beam is extended by each token its mask (``constrained_mask``) allows, and the extensions are ranked by
+    score: one that ends the string (takes EOS; with no EOS id, allows nothing more) becomes a hypothesis if it ranks
+    among the first num_beams (Hugging Face's rule, as chapter 06), the num_beams best unfinished ones run on. It stops
+    when no running beam scores above the best hypothesis (a log-probability only falls as a string grows), or after
+    max_new_tokens. num_beams = 1 is greedy constrained decoding (with the EOS it takes at the end, where
+    ``constrained_generate`` stops before an EOS that is the only token left); beams enough for every prefix of a
+    finite language find its most likely string, EOS included. ValueError for num_beams < 1, or when no string
+    finished within max_new_tokens."""
+    if not is_count(num_beams) or num_beams < 1:
+        raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
+    if idx.dim() != 2 or idx.shape[0] != 1:
+        raise ValueError(f"idx must have shape (1, T), got {tuple(idx.shape)}")
+    beams, best = [(0.0, idx[0].tolist(), Constraint(index))], None  # (score, tokens, constraint); (score, tokens)
+    for _ in range(max_new_tokens):
+        if not beams or best is not None and best[0] >= beams[0][0]:
+            break
+        logits = model(torch.tensor([tokens[-model.config.block_size:] for _, tokens, _ in beams]))[0][:, -1]
+        candidates = []
+        for (score, tokens, constraint), row in zip(beams, logits):
+            logp = torch.log_softmax(row.double(), -1)
+            allowed = torch.isfinite(constraint.mask(row, constrained_mask=constrained_mask)).nonzero()[:, 0]
+            candidates += [(score + logp[t].item(), tokens, constraint, t) for t in allowed.tolist()]
+        candidates.sort(key=lambda c: -c[0])
+        beams = []
+        for rank, (score, tokens, constraint, token) in enumerate(candidates):
+            after = Constraint(constraint.index, constraint.state)
+            after.advance(token)
+            if after.eos_taken if index.eos_token_id is not None else after.finished:
+                if rank < num_beams and (best is None or score > best[0]):
+                    best = (score, tokens + [token])
+            elif len(beams) < num_beams:
+                beams.append((score, tokens + [token], after))
+    if best is None:
+        raise ValueError(f"no string of the language finished within max_new_tokens = {max_new_tokens}")
+    return torch.tensor([best[1]]), best[0]

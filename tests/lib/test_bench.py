@@ -339,6 +339,17 @@ def test_bench_structured_counts_the_index_entries_the_ground_truth_allows_and_p
     assert main(["structured", "--quick"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n   300 ") == len(PATTERNS) and "ours (index lookup" in out and "xgrammar (bitmask" in out
+    assert "2 constrained to JSON records + 2 free:" in out and "all 4 free:" in out and "mixed / free: " in out
+
+
+def test_bench_structured_engine_row_serves_every_token_constrained_and_free():
+    """The engine row: both batches generate every request's max_new_tokens (RECORDS never completes, and no
+    constrained request fails), timed over at least the rounds asked."""
+    from course_lib.bench.structured import bench_engine
+
+    row = bench_engine(requests=3, constrained=2, max_new_tokens=6, repeats=2, warmup=0, seconds=0.0)
+    assert row["tokens"] == {"mixed": 18, "free": 18} and row["rounds"] == 2
+    assert all(rate > 0 for rate in row["tokens_per_s"].values())
 
 
 def test_bench_tensor_parallel_tiny_run_has_every_row_and_one_process_s_tokens(capsys):

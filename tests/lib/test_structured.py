@@ -500,3 +500,72 @@ def test_each_planted_stop_cut_fails_the_check_where_it_should(planted, fails):
         except AssertionError:
             failed.add(k)
     assert failed == fails
+
+
+# ---------------------------------------------------------------------------------------------------- beam search
+# within the grammar, against brute force: every string of a finite language, its probability under the model (then
+# EOS) computed by one full forward pass per prefix
+
+
+def tiny_model(seed: int, vocab_size: int = 4):
+    from course_lib.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape) * 0.5)  # distributions far from uniform
+    return model
+
+
+@torch.no_grad()
+def language_logprobs(model, start: torch.Tensor, index: TokenIndex) -> dict:
+    """{tokens of each string of the (finite) language, EOS last: the model's log-probability of them}."""
+    out = {}
+
+    def walk(seq, state, logp):
+        probs = torch.log_softmax(model(torch.cat([start, torch.tensor([seq], dtype=torch.long)], 1))[0][0, -1]
+                                  .double(), -1)
+        if state in index.dfa.accepting:
+            out[tuple(seq) + (index.eos_token_id,)] = logp + probs[index.eos_token_id].item()
+        for token, after in index.next[state].items():
+            walk(seq + [token], after, logp + probs[token].item())
+
+    walk([], 0, 0.0)
+    return out
+
+
+LETTERS = [b"a", b"b", b"c", b""]  # EOS last
+
+
+@pytest.mark.parametrize("seed", [22, 1, 2, 3])
+@pytest.mark.parametrize("pattern", [r"ab{0,2}|c(a|b)", r"(a|bc)(a|b)?c?", r"c{1,3}|ba"])
+def test_beam_search_within_the_grammar_is_greedy_with_one_beam_and_the_best_string_with_enough(seed, pattern):
+    from course_lib.structured import constrained_beam_search, constrained_generate
+
+    model, start = tiny_model(seed), torch.tensor([[2, 0, 1]])
+    index = TokenIndex.build(pattern, LETTERS, 3)
+    truth = language_logprobs(model, start, index)
+    greedy = constrained_generate(model, start, 6, Constraint(index), greedy=True)[0, 3:].tolist()
+    one, score = constrained_beam_search(model, start, 6, index, 1)
+    assert one[0, 3:].tolist() == (greedy if greedy[-1:] == [3] else greedy + [3])  # the EOS greedy stops before
+    assert score == pytest.approx(truth[tuple(one[0, 3:].tolist())], abs=1e-5)  # batched beams, rows alone: float32
+    out, score = constrained_beam_search(model, start, 6, index, len(truth))  # every prefix fits
+    best = max(truth, key=truth.get)
+    assert tuple(out[0, 3:].tolist()) == best and score == pytest.approx(truth[best], abs=1e-5)
+
+
+def test_beam_search_finds_the_best_string_greedy_misses_only_with_enough_beams():
+    """Chapter 15's case (seed 22): greedy takes "ca", 720 times less likely than "a"; two beams keep "c" and "a"
+    but "a" then EOS ranks third among their extensions (Hugging Face's rule drops it); three find it."""
+    from course_lib.structured import constrained_beam_search
+
+    model, start = tiny_model(22), torch.tensor([[2, 0, 1]])
+    index = TokenIndex.build(r"ab{0,2}|c(a|b)", LETTERS, 3)
+    truth = language_logprobs(model, start, index)
+    found = [tuple(constrained_beam_search(model, start, 5, index, k)[0][0, 3:].tolist()) for k in (1, 2, 3)]
+    assert found == [(2, 0, 3), (2, 1, 3), (0, 3)] and max(truth, key=truth.get) == (0, 3)
+    with pytest.raises(ValueError, match="num_beams must be an integer >= 1"):
+        constrained_beam_search(model, start, 5, index, 0)
+    with pytest.raises(ValueError, match="no string of the language finished within max_new_tokens = 1"):
+        constrained_beam_search(model, start, 1, TokenIndex.build("abc", LETTERS, 3), 2)
