@@ -209,6 +209,11 @@ def check_shard_block(shard_block) -> None:
             if getattr(shard.attn, "n_head", None) != H // p:
                 fail(f"{where}: attn.n_head is {getattr(shard.attn, 'n_head', None)}, expected H / world_size = {H // p}: "
                      "a rank runs its own heads only (of the same head size C / H as the full block)")
+            kept, rows = getattr(getattr(shard.attn, "c_attn", None), "weight", None), 3 * C // p
+            if isinstance(kept, torch.Tensor) and torch.equal(kept.detach(), block.attn.c_attn.weight.detach()[rank * rows:(rank + 1) * rows]):
+                fail(f"{where}: attn.c_attn keeps rows {rank * rows} to {(rank + 1) * rows - 1} of the full c_attn, one "
+                     f"contiguous slice of the fused q, k and v outputs: those are not the q, k and v of the same heads. "
+                     f"Split it with chunks=3")
             numel = sum(t.numel() for t in shard.parameters())
             if numel != (whole - replicated) // p + replicated:
                 fail(f"{where} holds {numel} parameter elements, expected {(whole - replicated) // p + replicated}: "

@@ -59,7 +59,7 @@ CPL_ROWS = "rows = torch.cat([torch.arange(c * block + rank * part, c * block + 
     (checks.check_shard_block, variant(tp.shard_block, ("attn.n_head = block.attn.n_head // world_size", "attn.n_head = block.attn.n_head")),
      "attn.n_head is 4, expected H / world_size = 2"),
     (checks.check_shard_block, variant(tp.shard_block, ("block.attn.c_attn, rank, world_size, chunks=3", "block.attn.c_attn, rank, world_size")),
-     "Is c_attn split with chunks=3"),
+     "keeps rows 0 to 47 of the full c_attn, one contiguous slice of the fused q, k and v outputs"),
     (checks.check_shard_block, variant(tp.shard_block, ("    mlp.c_proj = row_parallel_linear(block.mlp.c_proj, rank, world_size)\n", "")),
      "Are all four linear layers"),
     (checks.check_shard_cache, variant(tp.shard_cache, ("config.n_head // world_size,", "config.n_head,")), "it is not split"),
