@@ -224,7 +224,14 @@ def check_constrained_mask(constrained_mask) -> None:
             fail(f"{name} must return a tensor of shape {tuple(logits.shape)}, got "
                  + (f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__))
         keep = set(row) | ({eos} if accepting and eos is not None else set())
+        if eos is None and accepting and len(keep) < 12 and torch.equal(out, logits):
+            fail(f"{name}: every token kept its logit; with eos_token_id None no token is EOS, and a tensor indexed "
+                 f"with None is all of it (keep[None] = True keeps every token): allow EOS only when eos_token_id "
+                 f"is not None")
         for t in range(12):
+            if t == eos and t in keep and t not in row and out[t] != logits[t]:
+                fail(f"{name}: EOS (token {t}) must keep its logit {logits[t]:.4f} in an accepting state, got "
+                     f"{out[t]:.4f}: the text so far is a whole string of the language, so the model may stop here")
             if t in keep and out[t] != logits[t]:
                 fail(f"{name}: token {t} is allowed and must keep its logit {logits[t]:.4f}, got {out[t]:.4f} "
                      f"(the mask only removes tokens; the softmax renormalises)")

@@ -45,7 +45,11 @@ def _launch(job, world_size: int, what: str, *args):
         if error.error_type == "NotImplementedError":
             raise NotWrittenYet(f"{what} is not written yet: its code still raises NotImplementedError (on rank "
                                 f"{error.rank}). Write it and run its cell.") from None
-        fail(f"{what} failed on rank {error.rank} of {world_size}: {str(error).splitlines()[0]}")
+        first = str(error).splitlines()[0]
+        if "NoneType" in first:
+            first += (" (torch.distributed's collectives work in place and return None: call dist.all_reduce(y), "
+                      "then use y)")
+        fail(f"{what} failed on rank {error.rank} of {world_size}: {first}")
 
 
 def _unchanged(linear: nn.Linear, before: dict, what: str):
@@ -148,9 +152,16 @@ def check_row_parallel_linear(RowParallelLinear) -> None:
                  "torch.distributed.all_reduce sums them over the ranks (in place)")
         if calls > 1:
             fail(f"rank {rank} made {calls} all-reduces in one forward: one is enough (the partial products, summed)")
-        if torch.allclose(y, expected + (p - 1) * full.bias.detach(), rtol=1e-5, atol=1e-5):
+        bias = full.bias.detach()
+        if torch.allclose(y, expected + (p - 1) * bias, rtol=1e-5, atol=1e-5):
             fail(f"rank {rank}'s output is the full layer's plus {p - 1} more bias: the bias was added on every rank "
                  "before the all-reduce, which then summed it p times. Add it once, after the all-reduce")
+        if torch.allclose(y, expected + p * bias, rtol=1e-5, atol=1e-5):
+            fail(f"rank {rank}'s output is the full layer's plus {p} more bias: the bias was added on every rank "
+                 "before the all-reduce (which summed it p times) and once more after it. Compute the partial "
+                 "product without the bias; add the bias once, after the all-reduce")
+        if torch.allclose(y, expected - bias, rtol=1e-5, atol=1e-5):
+            fail(f"rank {rank}'s output is the full layer's without its bias: add the bias once, after the all-reduce")
         assert_close(y, expected, f"rank {rank}'s output (the full layer's, on every rank)")
     _unchanged(full, before, "RowParallelLinear")
     passed("RowParallelLinear")
@@ -198,6 +209,11 @@ def check_shard_block(shard_block) -> None:
             if getattr(shard.attn, "n_head", None) != H // p:
                 fail(f"{where}: attn.n_head is {getattr(shard.attn, 'n_head', None)}, expected H / world_size = {H // p}: "
                      "a rank runs its own heads only (of the same head size C / H as the full block)")
+            kept, rows = getattr(getattr(shard.attn, "c_attn", None), "weight", None), 3 * C // p
+            if isinstance(kept, torch.Tensor) and torch.equal(kept.detach(), block.attn.c_attn.weight.detach()[rank * rows:(rank + 1) * rows]):
+                fail(f"{where}: attn.c_attn keeps rows {rank * rows} to {(rank + 1) * rows - 1} of the full c_attn, one "
+                     f"contiguous slice of the fused q, k and v outputs: those are not the q, k and v of the same heads. "
+                     f"Split it with chunks=3")
             numel = sum(t.numel() for t in shard.parameters())
             if numel != (whole - replicated) // p + replicated:
                 fail(f"{where} holds {numel} parameter elements, expected {(whole - replicated) // p + replicated}: "
@@ -237,7 +253,12 @@ def check_shard_cache(shard_cache) -> None:
                              f"shard_cache(config, world_size={p}, batch_size=2, max_len=16)", errors=(RuntimeError, TypeError))
         if not isinstance(cache, StaticKVCache):
             fail(f"shard_cache returned a {type(cache).__name__}, expected a StaticKVCache (chapter 05's)")
-        if cache.storage.numel() == full.storage.numel():
+        storage = cache.storage
+        if storage.dim() == 6 and storage.shape[3] == config.n_head // p and storage.shape[5] != config.n_embd // config.n_head:
+            fail(f"with world_size={p} the cache holds {storage.shape[3]} heads of size {storage.shape[5]}: a head keeps "
+                 f"its size C / H = {config.n_embd // config.n_head} on every rank (only the heads are split), so each "
+                 f"rank's cache is 1 / world_size of one process's")
+        if storage.numel() == full.storage.numel():
             fail(f"with world_size={p} the cache holds as many elements as one process's ({full.storage.numel()}): it "
                  f"is not split. A rank computes the keys and values of its own {config.n_head // p} heads only; cache "
                  "those, in 1 / world_size of the memory")

@@ -45,7 +45,9 @@ TI, CM = reference.token_index, reference.constrained_mask
     (checks.check_constrained_mask, variant(CM, ("if accepting and eos_token_id is not None:", "if eos_token_id is not None:")),
      "EOS is allowed in a state that is not accepting"),
     (checks.check_constrained_mask, variant(CM, ("if accepting and eos_token_id is not None:", "if False:")),
-     "token 11 is not allowed and must get -inf|token 11 is allowed and must keep"),
+     r"EOS \(token 11\) must keep its logit .* in an accepting state"),
+    (checks.check_constrained_mask, variant(CM, ("if accepting and eos_token_id is not None:", "if accepting:")),
+     r"with eos_token_id None no token is EOS, and a tensor indexed with None is all of it"),
     (checks.check_constrained_mask, variant(CM, (RETURN, "return logits.masked_fill(~keep, -1e9)")), "not -inf"),
     (checks.check_constrained_mask, variant(CM, (RETURN, 'return logits.masked_fill_(~keep, float("-inf"))')),
      "changed the logits it was given"),
@@ -64,7 +66,7 @@ TI, CM = reference.token_index, reference.constrained_mask
     (checks.check_constrained_mask, variant(CM, ("keep[list(allowed)] = True", "keep[torch.tensor(list(allowed))] = True")),
      "an empty row: the state allows no token"),
 ], ids=["first byte", "not advanced", "characters", "empty token", "rows missing", "wrong landing", "missing byte", "EOS always",
-        "EOS never", "-1e9", "in place", "renormalised", "rows as sets", "keyed by bytes", "allowed written",
+        "EOS never", "EOS id None used as an index", "-1e9", "in place", "renormalised", "rows as sets", "keyed by bytes", "allowed written",
         "mask kept between calls", "empty row"])
 def test_each_classic_bug_gets_its_message(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message):

@@ -41,6 +41,12 @@ CPL_ROWS = "rows = torch.cat([torch.arange(c * block + rank * part, c * block + 
      variant(tp.RowParallelLinear, (RPL_FORWARD, "y = F.linear(x, self.weight, self.bias)"),
              ("return y if self.bias is None else y + self.bias", "return y")),
      "the bias was added on every rank before the all-reduce"),
+    (checks.check_row_parallel_linear, variant(tp.RowParallelLinear, (RPL_FORWARD, "y = F.linear(x, self.weight, self.bias)")),
+     "summed it p times. and once more after it"),
+    (checks.check_row_parallel_linear, variant(tp.RowParallelLinear, ("return y if self.bias is None else y + self.bias", "return y")),
+     "the full layer's without its bias"),
+    (checks.check_row_parallel_linear, variant(tp.RowParallelLinear, (RPL_REDUCE, "y = dist.all_reduce(y)")),
+     "collectives work in place and return None"),
     (checks.check_row_parallel_linear, variant(tp.RowParallelLinear, (RPL_REDUCE, "pass")), "made no all-reduce"),
     (checks.check_row_parallel_linear, variant(tp.RowParallelLinear, (RPL_REDUCE, RPL_REDUCE + "\n        dist.all_reduce(y)")),
      "2 all-reduces in one forward"),
@@ -53,16 +59,19 @@ CPL_ROWS = "rows = torch.cat([torch.arange(c * block + rank * part, c * block + 
     (checks.check_shard_block, variant(tp.shard_block, ("attn.n_head = block.attn.n_head // world_size", "attn.n_head = block.attn.n_head")),
      "attn.n_head is 4, expected H / world_size = 2"),
     (checks.check_shard_block, variant(tp.shard_block, ("block.attn.c_attn, rank, world_size, chunks=3", "block.attn.c_attn, rank, world_size")),
-     "Is c_attn split with chunks=3"),
+     "keeps rows 0 to 47 of the full c_attn, one contiguous slice of the fused q, k and v outputs"),
     (checks.check_shard_block, variant(tp.shard_block, ("    mlp.c_proj = row_parallel_linear(block.mlp.c_proj, rank, world_size)\n", "")),
      "Are all four linear layers"),
     (checks.check_shard_cache, variant(tp.shard_cache, ("config.n_head // world_size,", "config.n_head,")), "it is not split"),
+    (checks.check_shard_cache, variant(tp.shard_cache, ("config.n_embd // config.n_head,", "config.n_embd // (config.n_head // world_size),")),
+     "a head keeps its size C / H = 8 on every rank"),
     (checks.check_shard_cache, variant(tp.shard_cache, ('    check_divides("n_head", config.n_head, world_size)\n', "")),
      "did not raise ValueError"),
 ], ids=["column: all-reduce in forward", "column: [q|k|v] cut as one block", "column: no ValueError",
-        "row: bias before the all-reduce", "row: no all-reduce", "row: two all-reduces", "row: weight rows kept",
+        "row: bias before the all-reduce", "row: bias before and after the all-reduce", "row: no bias",
+        "row: all-reduce's None used", "row: no all-reduce", "row: two all-reduces", "row: weight rows kept",
         "block: heads split unevenly", "block: n_head not divided", "block: c_attn without chunks",
-        "block: MLP's c_proj whole", "cache: not split", "cache: no ValueError"])
+        "block: MLP's c_proj whole", "cache: not split", "cache: head size grown", "cache: no ValueError"])
 def test_each_classic_bug_gets_its_message(check, buggy, message):
     with pytest.raises(checks.CheckFailed, match=message.replace("[", r"\[").replace("(", r"\(")):
         check(buggy)
