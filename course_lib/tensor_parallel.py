@@ -105,6 +105,18 @@ def _worker(fn, rank, world_size, store_path, timeout, threads, args, results):
         results.put((rank, "error", (failed_at or time.monotonic(), traceback.format_exc(), type(error).__name__)))
 
 
+def first_failure_error(failed: dict, world_size: int) -> RankError:
+    """The RankError of the rank that failed first (a collective the others were in then failed because of it).
+    failed: rank -> (when it failed, on ``time.monotonic``'s clock; its traceback or what happened; the exception's
+    type name or None), as the ranks report it (``_worker``)."""
+    rank = min(failed, key=lambda r: failed[r][0])
+    _, text, error_type = failed[rank]
+    others = sorted(set(failed) - {rank})
+    then = f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)" if others else ""
+    return RankError(rank, f"rank {rank} of {world_size} failed{then}: {text.strip().splitlines()[-1]}\n\n{text}",
+                     error_type)
+
+
 def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, threads: int = 1) -> list:
     """Run fn(rank, world_size, *args) on world_size forked processes joined in a gloo process group on the loopback
     interface (they meet through a file in a temporary folder, removed afterwards).
@@ -155,13 +167,8 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, thr
             else:
                 first_failure = first_failure if failed else time.monotonic()
                 failed[rank] = payload
-        if failed:  # the rank that failed first: a collective the others were in then failed because of it
-            rank = min(failed, key=lambda r: failed[r][0])
-            _, text, error_type = failed[rank]
-            others = sorted(set(failed) - {rank})
-            then = f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)" if others else ""
-            raise RankError(rank, f"rank {rank} of {world_size} failed{then}: {text.strip().splitlines()[-1]}\n\n{text}",
-                            error_type)
+        if failed:
+            raise first_failure_error(failed, world_size)
         return [done[rank] for rank in range(world_size)]
     finally:
         for process in processes:
