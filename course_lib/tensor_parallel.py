@@ -19,6 +19,10 @@ The split (what vLLM runs as ``tensor_parallel_size``):
   which runs unchanged on a rank's heads. Embeddings, the final LayerNorm and the LM head are replicated (Megatron
   also splits the vocabulary: not done here).
 
+The contrast, pipeline parallelism: ``pipeline_stage`` keeps L/p whole layers per rank, the activations sent from
+one stage to the next, no all-reduce; ``pp_generate`` decodes on it (for one sequence the stages take turns).
+The engine on p processes (chapter 12's ``Engine(..., tensor_parallel_size=p)``) is ``serving.executor``.
+
 Why the processes are forked. The learner's classes live in a Jupyter kernel's ``__main__``: with the ``spawn`` start
 method a child process imports the function it runs by name, and a function or class defined in a notebook has no
 module to be imported from, so it cannot reach the child. ``fork`` copies the whole kernel, the learner's classes
@@ -105,6 +109,18 @@ def _worker(fn, rank, world_size, store_path, timeout, threads, args, results):
         results.put((rank, "error", (failed_at or time.monotonic(), traceback.format_exc(), type(error).__name__)))
 
 
+def first_failure_error(failed: dict, world_size: int) -> RankError:
+    """The RankError of the rank that failed first (a collective the others were in then failed because of it).
+    failed: rank -> (when it failed, on ``time.monotonic``'s clock; its traceback or what happened; the exception's
+    type name or None), as the ranks report it (``_worker``)."""
+    rank = min(failed, key=lambda r: failed[r][0])
+    _, text, error_type = failed[rank]
+    others = sorted(set(failed) - {rank})
+    then = f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)" if others else ""
+    return RankError(rank, f"rank {rank} of {world_size} failed{then}: {text.strip().splitlines()[-1]}\n\n{text}",
+                     error_type)
+
+
 def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, threads: int = 1) -> list:
     """Run fn(rank, world_size, *args) on world_size forked processes joined in a gloo process group on the loopback
     interface (they meet through a file in a temporary folder, removed afterwards).
@@ -155,13 +171,8 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, thr
             else:
                 first_failure = first_failure if failed else time.monotonic()
                 failed[rank] = payload
-        if failed:  # the rank that failed first: a collective the others were in then failed because of it
-            rank = min(failed, key=lambda r: failed[r][0])
-            _, text, error_type = failed[rank]
-            others = sorted(set(failed) - {rank})
-            then = f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)" if others else ""
-            raise RankError(rank, f"rank {rank} of {world_size} failed{then}: {text.strip().splitlines()[-1]}\n\n{text}",
-                            error_type)
+        if failed:
+            raise first_failure_error(failed, world_size)
         return [done[rank] for rank in range(world_size)]
     finally:
         for process in processes:
@@ -354,6 +365,86 @@ def tp_generate(model: GPT, idx, max_new_tokens: int, rank: int, world_size: int
     cache = shard_cache(model.config, world_size, B, T + max_new_tokens)
     return extend(idx, max_new_tokens, lambda tokens, new: cached_forward(shard, new, cache)[:, -1], greedy_choice)
 
+
+
+# ---------------------------------------------------------------------------------------------------- the contrast
+
+class _ReceiveActivations(nn.Module):
+    """A pipeline stage's embedding: the activations (B, T, width) that stage `source` sends, received for tokens
+    idx (B, T) (their values unused: the stage before embedded them)."""
+
+    def __init__(self, source: int, width: int, dtype):
+        super().__init__()
+        self.source, self.width, self.dtype = source, width, dtype
+
+    def forward(self, idx):
+        x = torch.empty(*idx.shape, self.width, dtype=self.dtype)
+        dist.recv(x, self.source)
+        return x
+
+
+class _SendActivations(nn.Module):
+    """A pipeline stage's head: its last block's output x (B, T, C) sent to stage `destination`, and returned."""
+
+    def __init__(self, destination: int):
+        super().__init__()
+        self.destination = destination
+
+    def forward(self, x):
+        dist.send(x.contiguous(), self.destination)
+        return x
+
+
+class _NoPositions(nn.Module):
+    """A later pipeline stage's position embedding: the positions were added by the first stage."""
+
+    def forward(self, positions):
+        return 0.0
+
+
+def pipeline_stage(model: GPT, rank: int, world_size: int) -> GPT:
+    """Stage `rank` of a GPT split into world_size pipeline stages (GPipe's, Megatron-LM's pipeline parallelism): a
+    new model in eval mode holding blocks rank * L/p .. (rank + 1) * L/p - 1 only, run by ``cached_forward`` like a
+    GPT. The first stage embeds the tokens; a later one receives the activations of the stage before in place of its
+    embeddings (``dist.recv``); a stage before the last sends its blocks' output to the next (``dist.send``) in place
+    of the final LayerNorm and the LM head, which only the last stage applies. One send per stage boundary per forward
+    pass, no all-reduce; `model` is left as it was. ValueError unless world_size divides n_layer."""
+    check_divides("n_layer", model.config.n_layer, world_size)
+    check_rank(rank, world_size)
+    blocks, per = model.transformer.h, model.config.n_layer // world_size
+    model.transformer.h = nn.ModuleList()  # only this stage's blocks are copied
+    try:
+        stage = copy.deepcopy(model)
+    finally:
+        model.transformer.h = blocks
+    stage.transformer.h = nn.ModuleList([copy.deepcopy(block) for block in blocks[rank * per:(rank + 1) * per]])
+    if rank > 0:
+        stage.transformer.wte = _ReceiveActivations(rank - 1, model.config.n_embd, model.transformer.wte.weight.dtype)
+        stage.transformer.wpe = _NoPositions()
+    if rank < world_size - 1:
+        stage.transformer.ln_f, stage.lm_head = nn.Identity(), _SendActivations(rank + 1)
+    return stage.eval()
+
+
+@torch.inference_mode()
+def pp_generate(model: GPT, idx, max_new_tokens: int, rank: int, world_size: int):
+    """Greedy decoding of a GPT split into world_size pipeline stages (``pipeline_stage``), on rank `rank`; call it on
+    every rank: idx (B, T) int64 -> (B, T + max_new_tokens), the same on every rank, ``kv_cache.generate_cached``'s
+    tokens (each stage runs its blocks as one process runs them). Each rank caches the keys and values of its own
+    layers; the last stage chooses each token and broadcasts it to the others, the first stage's next input."""
+    B, T = idx.shape
+    stage, last = pipeline_stage(model, rank, world_size), world_size - 1
+    c = model.config
+    cache = StaticKVCache(len(stage.transformer.h), B, c.n_head, c.n_embd // c.n_head, T + max_new_tokens,
+                          dtype=model.transformer.wte.weight.dtype)
+
+    def next_token(tokens, new):
+        out = cached_forward(stage, new, cache)[:, -1]  # the last stage: logits (B, V); the others: what they sent
+        token = greedy_choice(out) if rank == last else torch.empty(B, 1, dtype=torch.int64)
+        dist.broadcast(token, src=last)
+        return token
+
+    return extend(idx, max_new_tokens, next_token, lambda token: token)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,6 +34,7 @@ The modules, along the seams of vLLM (v1) and nano-vllm:
 ``model_runner`` ``slot_mapping``, ``paged_attention`` (exercises), the pass's layout, ``paged_forward``
 ``sampler``      the next token: the argmax, or chapter 06's processors and a draw; its log-probabilities
 ``engine``       ``Engine`` (``run`` offline; ``add_request``, ``step``, ``abort`` online), ``StepOutput``
+``executor``     chapter 16: the model sharded across worker processes (``Engine(..., tensor_parallel_size=p)``)
 ``static``       ``static_batching``, the baseline
 ``metrics``      ``StepLog`` (what a run did, step by step), ``serving_stats``, ``quantile``
 ``workloads``    ``make_trace`` (a seeded request trace), ``load_sweep`` (systems over traces)

@@ -13,8 +13,10 @@ import torch
 from .. import kernels
 from ..decoding import (apply_frequency_presence_penalty, apply_repetition_penalty, apply_temperature, min_p_filter,
                         top_k_filter, top_p_filter)
+from ..tensor_parallel import RankError
 from ..validation import check_positive, is_count
 from .block_pool import PagedKVCache, allocate_slots, cache_full_blocks, used_slots
+from .executor import TensorParallelExecutor
 from .metrics import StepLog
 from .model_runner import paged_attention, paged_forward, slot_mapping
 from .request import Request, Result, Sequence, pending_requests, sample_names, validate
@@ -37,12 +39,14 @@ class Engine:
 
     num_blocks: blocks in the pool; block_size: token slots per block; token_budget: most tokens computed per step,
     prompt chunks and decodes together (each >= 1); max_num_seqs (vLLM's name): most sequences running at once
-    (>= 1), None for no cap; a request with n > 1 counts as n from its admission. State: ``results``, ``waiting``,
-    ``running``, ``cache``, ``log``, ``clock`` (next step).
+    (>= 1), None for no cap; a request with n > 1 counts as n from its admission; tensor_parallel_size (vLLM's
+    name): the model sharded across that many worker processes (chapter 16's ``executor``), 1 (the default) for this
+    process alone; with more, ``close()`` (or ``with Engine(...) as engine:``) stops them. State: ``results``,
+    ``waiting``, ``running``, ``cache``, ``log``, ``clock`` (next step).
     """
 
     def __init__(self, model, num_blocks: int, block_size: int = 8, token_budget: int = 64, *,
-                 share_prefixes: bool = True, max_num_seqs: int | None = None):
+                 share_prefixes: bool = True, max_num_seqs: int | None = None, tensor_parallel_size: int = 1):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("token_budget", token_budget)):
             check_positive(name, value)
         if max_num_seqs is not None and (not is_count(max_num_seqs) or max_num_seqs < 1):
@@ -51,7 +55,21 @@ class Engine:
         self.model = model.eval()
         self.num_blocks, self.block_size, self.token_budget = num_blocks, block_size, token_budget
         self.share_prefixes, self.max_num_seqs = share_prefixes, max_num_seqs
+        check_positive("tensor_parallel_size", tensor_parallel_size)
+        self.executor = None if tensor_parallel_size == 1 else TensorParallelExecutor(
+            self.model, tensor_parallel_size, num_blocks, block_size)
         self.reset()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for tensor_parallel_size = 1)."""
+        if self.executor is not None:
+            self.executor.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
 
     def reset(self, *, schedule_step=schedule_step, paged_attention=paged_attention, slot_mapping=slot_mapping,
               apply_repetition_penalty=apply_repetition_penalty,
@@ -66,7 +84,8 @@ class Engine:
                                apply_frequency_presence_penalty=apply_frequency_presence_penalty,
                                apply_temperature=apply_temperature, top_k_filter=top_k_filter,
                                top_p_filter=top_p_filter, min_p_filter=min_p_filter)  # process_logits's keywords
-        self.cache = PagedKVCache.for_model(self.model, self.num_blocks, self.block_size)
+        self.cache = (PagedKVCache.for_model(self.model, self.num_blocks, self.block_size) if self.executor is None
+                      else self.executor.block_pool())
         self.results: dict = {}  # name -> Result: every request added since the reset
         self.waiting: list = []  # arrived, not running (new or preempted), first come first
         self.running: list = []  # admitted, oldest admission first
@@ -211,8 +230,10 @@ class Engine:
         failed = {}  # index in scheduled -> the exception its chunk raised alone
         if chunks:
             try:
-                logits = paged_forward(self.model, cache, chunks, paged_attention=paged_attention,
-                                       slot_mapping=slot_mapping)
+                forward = paged_forward if self.executor is None else self.executor.forward  # the same contract
+                logits = forward(self.model, cache, chunks, paged_attention=paged_attention, slot_mapping=slot_mapping)
+            except RankError:
+                raise  # a worker of the tensor-parallel model failed (the workers are stopped): no request's fault
             except Exception as error:  # noqa: BLE001 - whose error is it? each chunk again, alone
                 logits, failed = self._forward_alone(cache, chunks, error, step, paged_attention, slot_mapping)
             with kernels.threads(1):  # a small operation: on the caller's threads it would wait for each (see ONE_THREAD_WORK)
@@ -285,8 +306,9 @@ class Engine:
         rows, failed = [], {}
         for i, chunk in enumerate(chunks):
             try:
-                rows.append(paged_forward(self.model, cache, [chunk], paged_attention=paged_attention,
-                                          slot_mapping=slot_mapping)[0])
+                forward = paged_forward if self.executor is None else self.executor.forward
+                rows.append(forward(self.model, cache, [chunk], paged_attention=paged_attention,
+                                    slot_mapping=slot_mapping)[0])
             except Exception as alone:  # noqa: BLE001 - this chunk's own error
                 failed[i] = alone
                 rows.append(torch.zeros(self.model.config.vocab_size))  # never read: its request fails

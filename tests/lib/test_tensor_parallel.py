@@ -311,6 +311,38 @@ def test_ring_all_reduce_sums_and_sends_2_p_minus_1_over_p(p, n):
         assert sum(sent for _, sent in results) == 2 * (p - 1) * n
 
 
+# ---------------------------------------------------------------- pipeline parallelism, the contrast
+
+def pipelined_run(rank, world_size, model, idx, new_tokens):
+    with tp.count_all_reduces() as count:
+        tokens = tp.pp_generate(model, idx, new_tokens, rank, world_size)
+    stage = tp.pipeline_stage(model, rank, world_size)
+    return tokens, count.calls, len(stage.transformer.h), tp_numel(stage.transformer.h)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_pipelined_char_gpt_decodes_the_tokens_of_one_process_with_no_all_reduce(char_gpt, p):
+    """The stages' layers are run as one process runs them: the tokens are generate_cached's (two rows of a batch);
+    each stage holds L/p whole blocks (1/p of the block parameters); the stages only send and broadcast."""
+    idx = torch.tensor([[5, 6, 7, 8, 9, 10], [40, 41, 42, 43, 44, 45]])
+    expected = generate_cached(char_gpt, idx, 14)
+    runs = tp.launch(pipelined_run, p, char_gpt, idx, 14)
+    L = char_gpt.config.n_layer
+    for tokens, calls, layers, numel in runs:
+        assert torch.equal(tokens, expected)
+        assert calls == 0
+        assert layers == L // p and numel * p == tp_numel(char_gpt.transformer.h)
+    no_processes_left()
+
+
+def test_pipeline_stages_must_split_the_layers_evenly(char_gpt):
+    with pytest.raises(ValueError, match=r"n_layer \(4\) must be divisible by world_size \(3\)"):
+        tp.pipeline_stage(char_gpt, 0, 3)
+    with pytest.raises(ValueError, match="rank"):
+        tp.pipeline_stage(char_gpt, 2, 2)
+    assert len(char_gpt.transformer.h) == 4  # left as it was
+
+
 def test_torchrun_across_two_nodes_on_loopback_decodes_as_one_process(char_gpt, tmp_path):
     """Section 5's command: two torchrun "nodes" (node ranks 0 and 1, one process each) meet at a rendezvous address on
     127.0.0.1 and decode char-gpt tensor-parallel; rank 0's tokens are one process's."""
