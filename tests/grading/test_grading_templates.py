@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +53,17 @@ def test_a_changed_course_setting_gets_a_new_template(tmp_path, monkeypatch, bui
     monkeypatch.setattr(course, "CODE_STUB", "# YOUR CODE HERE\nraise NotImplementedError('write it')")
     books.prepare_template(root, tmp_path / "run2", "00-orientation")
     assert built == ["00-orientation", "00-orientation"], "a template built under the old code stub was reused"
+
+
+def test_a_template_gradebook_is_at_the_schema_revision_nbgrader_itself_reports(tmp_path, monkeypatch, built):
+    """The revision is read in-process (books._alembic_head); nbgrader's own way asks the ``alembic`` command."""
+    import sqlite3
+    import sys
+
+    import nbgrader.api
+
+    template = books.prepare_template(tmp_path / "course", tmp_path / "run1", "00-orientation")
+    with sqlite3.connect(template / "gradebook.db") as db:
+        (recorded,), = db.execute("SELECT version_num FROM alembic_version").fetchall()
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # its `alembic`
+    assert recorded == nbgrader.api.get_alembic_version()

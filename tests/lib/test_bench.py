@@ -77,9 +77,16 @@ def test_bench_llama_decode_quick_on_the_tiny_shape_returns_sane_rows_and_the_sa
     assert "vs HF" in format_llama_decode(result) and "ours (generate_llama)" in format_llama_decode(result)
 
 
-def test_bench_grade_prints_every_row(capsys):
-    """`course bench grade` on one chapter, one learner, at --jobs 1 and 2 (a smoke run: it times, it asserts nothing)."""
+def test_bench_grade_prints_every_row(capsys, monkeypatch):
+    """`course bench grade` on one chapter, one learner, at --jobs 1 and 2 (a smoke run: it times, it asserts nothing).
+    One learner's one chapter at --jobs 1 is one grading run, timed once for its three rows; --jobs 2 is the other."""
+    from course_lib.grading import bench
+
+    runs = []
+    grade_students = bench.grade_students
+    monkeypatch.setattr(bench, "grade_students", lambda *args, **kwargs: runs.append(args) or grade_students(*args, **kwargs))
     assert main(["grade", "--students", "1", "--jobs", "1", "2", "--chapter", "01"]) == 0  # as typed: 01
+    assert runs == [(["learner000"], 1), (["learner000"], 2)]
     out = capsys.readouterr().out
     for row in ("nbgrader templates", "01-attention", "chapters at once", "--jobs 1:", "--jobs 2:", "peak memory",
                 "a class of 200"):
