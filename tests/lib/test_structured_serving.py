@@ -220,6 +220,29 @@ def test_index_cache_builds_a_pattern_asked_by_two_threads_at_once_once(monkeypa
     assert not cache.building and "a(" not in cache.entries
 
 
+def test_an_index_past_max_walks_is_refused_before_it_is_built_and_the_cache_is_bounded_in_entries(monkeypatch):
+    """A pattern of 19,000 states over bpe-gpt's 512 tokens built an index of 6.5 million entries (900 MB, 12 s), and
+    the LRU kept 64 of them: TokenIndex.build refuses states x tokens past max_walks before any walk, and IndexCache
+    drops the least recently used indexes while their entries together pass max_entries (the newest kept)."""
+    from course_lib.structured import index as index_module
+
+    vocab = [b"a", b"b", b"c", b"ab"]
+    walked = []
+    monkeypatch.setattr(index_module, "token_index", lambda dfa, tokens: walked.append(1) or [{} for _ in tokens])
+    with pytest.raises(ValueError, match="101 DFA states x 4 tokens = 404 walks, more than 400"):
+        TokenIndex.build("a{100}", vocab, max_walks=400)
+    assert not walked
+    monkeypatch.undo()
+    assert TokenIndex.build("a{99}", vocab, max_walks=400).dfa.num_states == 100  # 400 walks: allowed
+    cache = IndexCache(vocab, max_entries=12)
+    sizes = {pattern: sum(map(len, cache.get(pattern).next)) for pattern in ("[ab]{3}", "c{4}", "[abc]{2}")}
+    assert sizes == {"[ab]{3}": 8, "c{4}": 4, "[abc]{2}": 7}  # 3 + 3 + 2 entries (ab fits twice); 4 x 1; 4 + 3
+    assert list(cache.entries) == ["c{4}", "[abc]{2}"]  # 8 + 4 + 6 > 12: the oldest went
+    cache.get("c{4}")
+    cache.get("[ab]{30}")  # alone over the bound: kept (the newest), every other dropped
+    assert list(cache.entries) == ["[ab]{30}"] and cache.builds == 4
+
+
 def test_completable_drops_the_tokens_whose_state_no_token_can_finish():
     vocab = [b"a", b"b", b"c", b"e"]  # no d: "cde" cannot be spelled, "abe" can
     index = TokenIndex.build("(ab|cd)e", vocab)
@@ -381,3 +404,45 @@ def test_constraints_are_compiled_off_the_event_loop(client, server, monkeypatch
     monkeypatch.setattr(cache, "get", recording_get)
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"guided_regex": "[0-9]{4}"})
     assert threads and "uvicorn" not in threads, threads  # uvicorn's thread runs the event loop
+
+
+def test_a_free_request_never_waits_for_constraints_being_compiled_and_too_many_waiting_are_a_429(server, monkeypatch):
+    """Requests are parsed on the event loop's default executor (min(32, CPUs + 4) threads); constraints compiled
+    there too let as many slow compiles (a?{1400}a{1400} took 20 s) stall every request, a free one included. Each
+    compile now goes to the server's one compiling thread, MAX_COMPILES_WAITING at most waiting for it: the others
+    are refused at once (429 naming the field), and a free request is answered while the compiles hang."""
+    import os
+
+    import httpx
+
+    from course_lib import server as server_module
+
+    cache, release, get = server.app.state.constraints, threading.Event(), server.app.state.constraints.get
+
+    def hanging_get(pattern):
+        if pattern.startswith("q"):
+            release.wait(60)
+        return get(pattern)
+
+    monkeypatch.setattr(cache, "get", hanging_get)
+    many = min(32, (os.cpu_count() or 1) + 4) + 2  # more than the default executor's threads
+    url = server.url + "/completions"
+
+    def post(body, timeout=90):
+        return httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2, **body}, timeout=timeout)
+
+    with concurrent.futures.ThreadPoolExecutor(many) as pool:
+        hanging = [pool.submit(post, {"guided_regex": f"q{i}[a-z]"}) for i in range(many)]
+        try:
+            time.sleep(1.0)  # they have arrived
+            start = time.monotonic()
+            free = post({"temperature": 0}, timeout=20)
+            assert free.status_code == 200 and time.monotonic() - start < 20
+            assert not any(f.done() and f.result().status_code != 429 for f in hanging), "a hanging compile ended"
+        finally:
+            release.set()
+        answers = [f.result() for f in hanging]
+    refused = [a for a in answers if a.status_code == 429]
+    assert len(refused) == many - (server_module.MAX_COMPILES_WAITING + 1), [a.status_code for a in answers]
+    assert all(a.json()["error"]["param"] == "guided_regex" for a in refused)
+    assert all(a.status_code == 200 for a in answers if a.status_code != 429)
