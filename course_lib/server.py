@@ -39,7 +39,7 @@ the field, "code"}}`` and touches no other request (so do an unknown path, 404, 
   compiled before, never waits for it; when MAX_COMPILES_WAITING wait already, a 429 naming the field) and kept in
   an LRU bounded in patterns and in token entries (``structured.IndexCache``); a bad schema or regex, one over
   ``MAX_CONSTRAINT_STATES`` automaton states (or too much work to build them) or ``MAX_INDEX_WALKS`` states x
-  tokens, or one no string of the vocabulary can spell is a 400 naming the field (``constraint_pattern``,
+  tokens or ``MAX_PATTERN_CHARS`` characters, or one no string of the vocabulary can spell is a 400 naming the field (``constraint_pattern``,
   ``compile_constraint``). Each choice then holds its own automaton state in the engine
   (``serving.Request.constraint``), and ends with finish_reason "stop" when its language allows nothing more.
 
@@ -89,6 +89,7 @@ MAX_INDEX_WALKS = 2_000_000  # and one whose token index needs more DFA states x
 # entry of over a hundred bytes: about a second and 300 MB at most, for 3,900 states of bpe-gpt's 512 tokens)
 INDEX_CACHE_SIZE = 64  # compiled patterns kept (least recently used dropped first) ...
 INDEX_CACHE_ENTRIES = 4_000_000  # ... and at most this many token entries together (the newest always kept)
+MAX_PATTERN_CHARS = 100_000  # a longer regex (sent, or a schema's) is refused before it is parsed
 MAX_COMPILES_WAITING = 4  # constraints waiting for the one compiling thread: one more is a 429 (retry later)
 MAX_BODY_BYTES = 2 ** 20  # a larger body is refused (413) without being read to its end
 BODY_SECONDS = 30.0  # a body must arrive within this many seconds of its request's headers (else 408)
@@ -306,6 +307,8 @@ def constraint_pattern(body: dict, constrains: bool) -> tuple | None:
         if isinstance(value, str):  # vLLM takes a schema as a JSON string too
             try:
                 value = json.loads(value)
+            except RecursionError:
+                raise BadRequest(f"{field} is not valid JSON: nested too deeply", field) from None
             except ValueError as error:
                 raise BadRequest(f"{field} is not valid JSON: {error}", field) from None
         try:
@@ -316,6 +319,8 @@ def constraint_pattern(body: dict, constrains: bool) -> tuple | None:
         pattern = value
     else:
         raise BadRequest(f"{field} must be a string (a regular expression), got {_kind(value)}", field)
+    if len(pattern) > MAX_PATTERN_CHARS:  # refused before it is parsed (a 1 MB literal took seconds to)
+        raise BadRequest(f"{field}: its regex is {len(pattern)} characters long, more than {MAX_PATTERN_CHARS}", field)
     return field, pattern
 
 

@@ -347,6 +347,10 @@ BAD = [  # (extra_body, the param the 400 names, a word of its message)
     ({"response_format": {"type": "json_object"}}, "response_format", "nests without bound"),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
     ({"guided_regex": "a", "guided_json": SCHEMA}, "guided_json", "at most one"),
+    ({"guided_json": '{"type":"array","items":' * 5000 + "{}" + "}" * 5000}, "guided_json",
+     "nested too deeply"),  # a 500 (RecursionError) before
+    ({"structured_outputs": {"regex": "a" * 200_000}}, "structured_outputs.regex",
+     "more than 100000"),  # parsed for seconds, then an answer as long as the pattern
 ]
 
 
@@ -383,6 +387,7 @@ def test_a_bad_constraint_is_a_400_naming_its_field_and_another_stream_goes_on(c
             error = caught.value.body
             assert caught.value.status_code == 400 and error["param"] == param, (extra_body, error)
             assert error["type"] == "invalid_request_error" and word in error["message"], error
+            assert len(error["message"]) < 1000, "a long pattern comes back whole in the message"
         assert not done.is_set(), "the stream ended before the bad requests were sent: slow the engine more"
     finally:
         thread.join(60)
