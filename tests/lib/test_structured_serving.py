@@ -164,6 +164,46 @@ def test_the_batch_check_fails_on_a_planted_bug(model, tokenizer, indexes, monke
         check_batch(model, tokenizer, indexes)
 
 
+def mask_after_the_processors(monkeypatch) -> None:
+    """Plant the mask after chapter 06's processors (top-k / top-p chosen among every token, then the forbidden
+    ones removed), where vLLM and sampler.constrain put it before them."""
+    from course_lib.serving import sampler
+
+    held = {}
+
+    def unmasked(logits, constraint):
+        held["constraint"] = constraint
+        return logits, sampler.constrain(logits, constraint)[1]
+
+    def choose(row, top, tokens, prompt_len, sampling, generator, processors=None):
+        if sampling is None:
+            return top
+        scores, drawn = sampler.scores_drawn_from(row, tokens, prompt_len, sampling, processors)
+        return sampler._pick(held["constraint"].mask(scores[0])[None], drawn, generator)
+
+    monkeypatch.setattr(engine_module, "constrain", unmasked)
+    monkeypatch.setattr(engine_module, "choose_token", choose)
+
+
+@pytest.mark.parametrize("planted", [False, True])
+@pytest.mark.parametrize("sampling", [{"temperature": 0.7, "top_k": 1}, {"temperature": 1.3, "top_p": 1e-6},
+                                      {"temperature": 1.0, "min_p": 1.0}])
+def test_a_filter_that_keeps_only_the_most_likely_allowed_token_is_greedy_constrained_decoding(
+        model, tokenizer, indexes, monkeypatch, sampling, planted):
+    """The mask comes before the processors: top-k 1, a tiny top-p and min-p 1 then keep the most likely ALLOWED
+    token, so a sampled constrained request is greedy constrained decoding (constrained_generate, the oracle). The
+    batch check compares such requests with the engine alone, which a mask moved after the processors changes
+    alike (temperature and the penalties commute with the mask, the filters do not): planted, this test fails."""
+    if planted:
+        mask_after_the_processors(monkeypatch)
+    prompt = tokenizer.encode(PROMPT)
+    want = constrained_alone(model, prompt, 20, indexes["code"], None, 0)
+    results, _ = Engine(model, num_blocks=32).run([Request("x", prompt, 20, sampling=sampling, seed=5,
+                                                           constraint=indexes["code"])])
+    same = results["x"].error is None and results["x"].tokens == want
+    assert same != planted, (results["x"].error, tokenizer.decode(results["x"].tokens), tokenizer.decode(want))
+
+
 def test_a_free_request_never_touches_the_constraint_path(model, tokenizer, monkeypatch):
     def refuse(*args):
         raise AssertionError("constrain called for a free request")
