@@ -387,6 +387,8 @@ BAD = [  # (extra_body, the param the 400 names, a word of its message)
     ({"response_format": {"type": "json_object"}}, "response_format", "nests without bound"),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
     ({"guided_regex": "a", "guided_json": SCHEMA}, "guided_json", "at most one"),
+    ({"guided_regex": "(?:)"}, "guided_regex", "only string is the empty string"),
+    ({"guided_regex": "(?:)"}, "guided_regex", "only string is the empty string"),  # again: found compiled
     ({"guided_json": '{"type":"array","items":' * 5000 + "{}" + "}" * 5000}, "guided_json",
      "nested too deeply"),  # a 500 (RecursionError) before
     ({"structured_outputs": {"regex": "a" * 200_000}}, "structured_outputs.regex",
