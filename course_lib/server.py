@@ -35,10 +35,13 @@ the field, "code"}}`` and touches no other request (so do an unknown path, 404, 
   nested JSON has no regular language), ``structured_outputs`` (vLLM's current name: ``{"regex": ...}`` or
   ``{"json": schema}``), ``guided_regex`` / ``guided_json`` (vLLM's names before v0.12). The official client sends
   them in ``extra_body``. A schema becomes a regex (``structured.schema_regex``), the regex a token index of the
-  model's vocabulary, compiled on a worker thread and kept in a bounded LRU (``structured.IndexCache``); a bad
-  schema or regex, one over ``MAX_CONSTRAINT_STATES`` automaton states, or one no string of the vocabulary can
-  spell is a 400 naming the field (``parse_constraint``). Each choice then holds its own automaton state in the
-  engine (``serving.Request.constraint``), and ends with finish_reason "stop" when its language allows nothing more.
+  model's vocabulary, compiled on the server's one compiling thread (a request without a constraint, or with one
+  compiled before, never waits for it; when MAX_COMPILES_WAITING wait already, a 429 naming the field) and kept in
+  an LRU bounded in patterns and in token entries (``structured.IndexCache``); a bad schema or regex, one over
+  ``MAX_CONSTRAINT_STATES`` automaton states (or too much work to build them) or ``MAX_INDEX_WALKS`` states x
+  tokens or ``MAX_PATTERN_CHARS`` characters, or one no string of the vocabulary can spell is a 400 naming the field (``constraint_pattern``,
+  ``compile_constraint``). Each choice then holds its own automaton state in the engine
+  (``serving.Request.constraint``), and ends with finish_reason "stop" when its language allows nothing more.
 
 No client's request holds the event loop: the prompt is tokenized on a worker thread, after a string too long for
 the context in any tokenization is refused; the stop check is linear in the text, whatever the stop strings' length.
@@ -57,6 +60,7 @@ from the streamed tokens, as vLLM's benchmarks/benchmark_serving.py does (``cour
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -80,9 +84,13 @@ FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "presence_pen
           "stop", "stream", "stream_options", "n", "logprobs", "user", "response_format", "structured_outputs",
           "guided_regex", "guided_json")
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_regex", "guided_json")  # at most one per request
-MAX_CONSTRAINT_STATES = 20_000  # a pattern whose automaton needs more NFA or DFA states is refused (400): its token
-# index costs states x vocabulary walks (6,000 states over bpe-gpt's 512 tokens: about a second, on a worker thread)
-INDEX_CACHE_SIZE = 64  # compiled patterns kept (least recently used dropped first)
+MAX_CONSTRAINT_STATES = 20_000  # a pattern whose automaton needs more NFA or DFA states is refused (400)
+MAX_INDEX_WALKS = 2_000_000  # and one whose token index needs more DFA states x tokens (each a walk, and maybe an
+# entry of over a hundred bytes: about a second and 300 MB at most, for 3,900 states of bpe-gpt's 512 tokens)
+INDEX_CACHE_SIZE = 64  # compiled patterns kept (least recently used dropped first) ...
+INDEX_CACHE_ENTRIES = 4_000_000  # ... and at most this many token entries together (the newest always kept)
+MAX_PATTERN_CHARS = 100_000  # a longer regex (sent, or a schema's) is refused before it is parsed
+MAX_COMPILES_WAITING = 4  # constraints waiting for the one compiling thread: one more is a 429 (retry later)
 MAX_BODY_BYTES = 2 ** 20  # a larger body is refused (413) without being read to its end
 BODY_SECONDS = 30.0  # a body must arrive within this many seconds of its request's headers (else 408)
 LOG_STEPS = 1024  # a running server keeps the step log of its last this many steps
@@ -106,11 +114,12 @@ class Completion:
     stop: list
     stream: bool
     include_usage: bool
+    pending: tuple | None = None  # (field, pattern): a constraint checked but left to compile (compile=False)
 
 
 def parse_completion(body, *, name: str, model_name: str, tokenizer, context: int, vocab_size: int, num_blocks: int,
                      block_size: int, token_bytes: int, max_num_seqs: int | None = None,
-                     constraints: IndexCache | None = None) -> Completion:
+                     constraints: IndexCache | None = None, compile: bool = True) -> Completion:
     """Check an OpenAI completions body (a dict parsed from JSON); raise BadRequest naming the first bad field.
 
     name: the engine's name for the request; model_name: the served model; context: the model's context length;
@@ -119,7 +128,8 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
     refused before it is tokenized (it holds at least len(prompt) / token_bytes tokens); max_num_seqs: the engine's
     (n is at most it); constraints: the compiled patterns of the model's vocabulary (``structured.IndexCache``; None:
     a constraint field is a 400), where a request's constraint is compiled (or found) here, so on the caller's
-    thread. A field sent as null takes its default."""
+    thread; compile=False: checked but not compiled, the Completion's ``pending`` (field, pattern) for
+    ``compile_constraint``, and its request's constraint None until then. A field sent as null takes its default."""
     if not isinstance(body, dict):
         raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}", None)
     for key in body:
@@ -215,15 +225,35 @@ def parse_completion(body, *, name: str, model_name: str, tokenizer, context: in
     if temperature == 0:
         changed.pop("top_p", None)
     sampling = {"temperature": temperature, **changed} if temperature > 0 or changed else None  # None: greedy
-    constraint = parse_constraint(body, constraints)
+    pending = constraint_pattern(body, constraints is not None)
+    constraint = compile_constraint(*pending, constraints) if pending and compile else None
     request = Request(name, list(ids), max_tokens, sampling=sampling, seed=seed, n=n, logprobs=logprobs,
                       constraint=constraint)
-    return Completion(request, stop, bool(stream), bool(options and options.get("include_usage")))
+    return Completion(request, stop, bool(stream), bool(options and options.get("include_usage")),
+                      None if compile else pending)
 
 
-def parse_constraint(body: dict, constraints: IndexCache | None) -> TokenIndex | None:
-    """The request's constraint compiled (``constraints.get``), or None; BadRequest naming the field (dotted into the
-    field's object) for a bad one. The fields, at most one of them:
+def compile_constraint(field: str, pattern: str, constraints: IndexCache) -> TokenIndex:
+    """The pattern's token index (``constraints.get``: compiled, or found); BadRequest naming the field for a bad
+    one (``constraint_pattern`` says which)."""
+    try:
+        index = constraints.get(pattern)
+    except (ValueError, RecursionError) as error:
+        raise BadRequest(f"{field}: {error}", field) from None
+    return nonempty_constraint(field, index)
+
+
+def nonempty_constraint(field: str, index: TokenIndex) -> TokenIndex:
+    """The index, unless its language holds only the empty string (BadRequest naming the field)."""
+    if Constraint(index).finished:
+        raise BadRequest(f"{field}: its only string is the empty string: there is nothing to generate", field)
+    return index
+
+
+def constraint_pattern(body: dict, constrains: bool) -> tuple | None:
+    """The request's constraint as (its field, the regex to compile), or None; BadRequest naming the field (dotted
+    into the field's object) for a bad one, or for any when the server does not constrain (constrains False).
+    The fields, at most one of them:
 
     * ``response_format`` (OpenAI's): ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``
       (``description`` and ``strict`` accepted; the schema within ``structured.schema_regex``'s subset), or
@@ -271,12 +301,14 @@ def parse_constraint(body: dict, constraints: IndexCache | None) -> TokenIndex |
         field, kind = f"structured_outputs.{key}", "schema" if key == "json" else "regex"
     else:
         kind = "schema" if field == "guided_json" else "regex"
-    if constraints is None:
+    if not constrains:
         raise BadRequest(f"{field}: this server constrains no request", field)
     if kind == "schema":
         if isinstance(value, str):  # vLLM takes a schema as a JSON string too
             try:
                 value = json.loads(value)
+            except RecursionError:
+                raise BadRequest(f"{field} is not valid JSON: nested too deeply", field) from None
             except ValueError as error:
                 raise BadRequest(f"{field} is not valid JSON: {error}", field) from None
         try:
@@ -287,13 +319,9 @@ def parse_constraint(body: dict, constraints: IndexCache | None) -> TokenIndex |
         pattern = value
     else:
         raise BadRequest(f"{field} must be a string (a regular expression), got {_kind(value)}", field)
-    try:
-        index = constraints.get(pattern)
-    except (ValueError, RecursionError) as error:
-        raise BadRequest(f"{field}: {error}", field) from None
-    if Constraint(index).finished:
-        raise BadRequest(f"{field}: its only string is the empty string: there is nothing to generate", field)
-    return index
+    if len(pattern) > MAX_PATTERN_CHARS:  # refused before it is parsed (a 1 MB literal took seconds to)
+        raise BadRequest(f"{field}: its regex is {len(pattern)} characters long, more than {MAX_PATTERN_CHARS}", field)
+    return field, pattern
 
 
 def _only(value: dict, keys: set, field: str) -> None:
@@ -576,16 +604,37 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
     counter = iter(range(1, 2 ** 62))
     token_bytes = longest_token(tokenizer, vocab_size)
     constraints = IndexCache(functools.partial(vocabulary_bytes, tokenizer), size=INDEX_CACHE_SIZE,
-                             max_states=MAX_CONSTRAINT_STATES)
+                             max_states=MAX_CONSTRAINT_STATES, max_walks=MAX_INDEX_WALKS,
+                             max_entries=INDEX_CACHE_ENTRIES)
+    compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="constraint-compiler")
+    compiling = [0]  # constraints given to the compiler and not back yet (the event loop's thread alone counts)
 
     @asynccontextmanager
     async def lifespan(app):
         engine_loop.start()
         yield
+        compiler.shutdown(wait=False, cancel_futures=True)
         await asyncio.get_running_loop().run_in_executor(None, engine_loop.close)  # drained already: connections closed
 
     def error_response(error: BadRequest) -> JSONResponse:
         return JSONResponse(_error_body(str(error), error.param, code=error.code), status_code=error.status)
+
+    async def compiled(field: str, pattern: str) -> TokenIndex:
+        """The pattern's index: found at once, or compiled on the one compiling thread (not the executor the
+        requests are parsed on: a request without a constraint never waits for a compile); BadRequest (429) when
+        MAX_COMPILES_WAITING constraints wait for it already."""
+        index = constraints.cached(pattern)
+        if index is not None:
+            return nonempty_constraint(field, index)
+        if compiling[0] > MAX_COMPILES_WAITING:
+            raise BadRequest(f"{field}: {compiling[0]} constraints are being compiled; retry later", field, 429,
+                             "rate_limit_exceeded")
+        compiling[0] += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(compiler, compile_constraint, field, pattern,
+                                                                    constraints)
+        finally:
+            compiling[0] -= 1
 
     async def completions(http: HTTPRequest):
         loop = asyncio.get_running_loop()
@@ -597,7 +646,9 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
             completion = await loop.run_in_executor(None, functools.partial(
                 parse_completion, body, name=cid, model_name=model_name, tokenizer=tokenizer, context=context,
                 vocab_size=vocab_size, num_blocks=num_blocks, block_size=block_size, token_bytes=token_bytes,
-                max_num_seqs=max_num_seqs, constraints=constraints))
+                max_num_seqs=max_num_seqs, constraints=constraints, compile=False))
+            if completion.pending is not None:
+                completion.request.constraint = await compiled(*completion.pending)
         except BadRequest as error:
             return error_response(error)
         events = asyncio.Queue()

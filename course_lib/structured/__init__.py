@@ -14,7 +14,8 @@ character), ``.`` (any character but newline), classes ``[...]`` and ``[^...]`` 
 ``(...)`` and ``(?:...)``, alternation ``|``, quantifiers ``? * + {m} {m,} {m,n}`` (a lazy ``?`` after one is accepted:
 it does not change the language), ``^`` at the very start and ``$`` at the very end. Anything else is a ValueError
 naming the pattern and the position, as is a second quantifier (Python reads ``a*+`` as possessive), a bound over
-10,000, groups nested deeper than 100, or a pattern that needs more than 100,000 NFA or DFA states.
+10,000, groups nested deeper than 100, or a pattern that needs more than 100,000 NFA or DFA states (or
+more than 256 steps of the subset construction per state of that bound: ``regex_dfa``).
 
 One request's constraint is its own small object (``Constraint``: the shared ``TokenIndex`` and this request's DFA
 state), so that an engine can hold one automaton state per request and share one index between requests.

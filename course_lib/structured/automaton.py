@@ -19,6 +19,7 @@ ESCAPED = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
 MAX_REPEAT = 10_000     # the largest m or n of a bound {m,n}
 MAX_DEPTH = 100         # the deepest nesting of groups
 MAX_STATES = 100_000    # the most NFA states, and the most DFA states, a pattern may need
+WORK_PER_STATE = 256    # the subset construction's steps allowed per state of max_states (see regex_dfa)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -79,6 +80,13 @@ def utf8_ranges(lo: int, hi: int) -> list:
     return out
 
 
+def shown(pattern: str, width: int = 200) -> str:
+    """The pattern as an error message shows it: its repr, cut in the middle beyond `width` characters (a server's
+    answer to a 1 MB pattern must not be 1 MB)."""
+    text = repr(pattern)
+    return text if len(text) <= width else f"{text[:width // 2]}...{text[-width // 2:]} ({len(pattern)} characters)"
+
+
 # ----------------------------------------------------------------------------------------------------
 # the parser: pattern -> syntax tree ("set", ranges) | ("cat", [...]) | ("alt", [...]) | ("rep", node, m, n or None)
 
@@ -88,7 +96,7 @@ class _Parser:
         self.p, self.i, self.depth = pattern, 0, 0
 
     def fail(self, what: str):
-        raise ValueError(f"pattern {self.p!r}: {what} at position {self.i} (see course_lib.structured for the subset)")
+        raise ValueError(f"pattern {shown(self.p)}: {what} at position {self.i} (see course_lib.structured for the subset)")
 
     def peek(self):
         return self.p[self.i] if self.i < len(self.p) else None
@@ -323,7 +331,10 @@ def regex_dfa(pattern: str, *, max_states: int = MAX_STATES) -> ByteDFA:
     """The live byte DFA of `pattern` (the subset in the module docstring): a string's UTF-8 bytes walk it to an
     accepting state exactly when the pattern fully matches the string. ValueError naming the position otherwise;
     a pattern whose language is empty is a ValueError too, and so is one that needs more than max_states NFA or DFA
-    states (a server sets a smaller bound: its token index costs states x vocabulary walks)."""
+    states, or more than WORK_PER_STATE x max_states steps of the subset construction (a step: one byte of an NFA
+    edge of a DFA state's subset, or one NFA state of a closure; few DFA states of many NFA states each cost time
+    and memory quadratic in the pattern). A server sets a smaller bound: its token index costs states x vocabulary
+    walks."""
     if not isinstance(pattern, str):
         raise ValueError(f"pattern must be a str, got {type(pattern).__name__}")
     if not is_count(max_states) or max_states < 1:
@@ -334,21 +345,28 @@ def regex_dfa(pattern: str, *, max_states: int = MAX_STATES) -> ByteDFA:
     try:
         nfa_end = nfa.build(tree, nfa_start)
     except ValueError as error:
-        raise ValueError(f"pattern {pattern!r}: {error}") from None
+        raise ValueError(f"pattern {shown(pattern)}: {error}") from None
     first = nfa.closure([nfa_start])
     ids, subsets, moves = {first: 0}, [first], []
+    work, budget = 0, WORK_PER_STATE * max_states  # few states can still hold many NFA states each: a?{k}a{k}
     while len(moves) < len(subsets):
         targets: dict = {}
         for s in subsets[len(moves)]:
             for lo, hi, t in nfa.edges[s]:
+                work += hi - lo + 1
                 for byte in range(lo, hi + 1):
                     targets.setdefault(byte, set()).add(t)
         move = {}
         for byte, ts in targets.items():
             subset = nfa.closure(ts)
+            work += len(subset)
+            if work > budget:
+                raise ValueError(f"pattern {shown(pattern)}: its subset construction takes more than {budget} steps "
+                                 f"({WORK_PER_STATE} per state of max_states = {max_states}: its DFA states each hold "
+                                 f"many NFA states, as for a?{{1000}}a{{1000}})")
             if subset not in ids:
                 if len(subsets) == max_states:
-                    raise ValueError(f"pattern {pattern!r}: its DFA has more than {max_states} states (the subset "
+                    raise ValueError(f"pattern {shown(pattern)}: its DFA has more than {max_states} states (the subset "
                                      f"construction can grow exponentially, as for (a|b)*a(a|b){{20}})")
                 ids[subset] = len(subsets)
                 subsets.append(subset)
@@ -365,7 +383,7 @@ def regex_dfa(pattern: str, *, max_states: int = MAX_STATES) -> ByteDFA:
             live.add(i)
             todo.append(i)
     if 0 not in live:
-        raise ValueError(f"pattern {pattern!r} matches no string")
+        raise ValueError(f"pattern {shown(pattern)} matches no string")
     order = sorted(live)  # 0 stays the start
     renumber = {old: new for new, old in enumerate(order)}
     transitions = tuple({b: renumber[t] for b, t in sorted(moves[old].items()) if t in live} for old in order)

@@ -51,14 +51,19 @@ class TokenIndex:
 
     @classmethod
     def build(cls, pattern: str, token_bytes: list, eos_token_id: int | None = None, *, token_index=token_index,
-              max_states: int = MAX_STATES):
-        """max_states: ``regex_dfa``'s bound on the pattern's automaton (ValueError beyond it)."""
+              max_states: int = MAX_STATES, max_walks: int | None = None):
+        """max_states: ``regex_dfa``'s bound on the pattern's automaton (ValueError beyond it); max_walks: None, or
+        the most DFA states x tokens the index may cost (it walks each token from each state, and may hold an entry
+        for each: ValueError beyond it, before any walk)."""
         if eos_token_id is not None and not 0 <= eos_token_id < len(token_bytes):
             raise ValueError(f"eos_token_id must be in [0, {len(token_bytes) - 1}] or None, got {eos_token_id}")
         if eos_token_id is not None and token_bytes[eos_token_id]:
             token_bytes = list(token_bytes)
             token_bytes[eos_token_id] = b""  # EOS is never text
         dfa = regex_dfa(pattern, max_states=max_states)
+        if max_walks is not None and dfa.num_states * len(token_bytes) > max_walks:
+            raise ValueError(f"its token index needs {dfa.num_states} DFA states x {len(token_bytes)} tokens = "
+                             f"{dfa.num_states * len(token_bytes)} walks, more than {max_walks}")
         return cls(dfa, token_index(dfa, token_bytes), eos_token_id, len(token_bytes))
 
     def completable(self) -> "TokenIndex":
@@ -95,22 +100,37 @@ class IndexCache:
     """Compiled patterns for one vocabulary, the most recently used `size` kept (a bounded LRU: a server meets the
     same schema again and again, and must not hold every pattern it was ever sent). ``get(pattern)``: the
     ``completable`` TokenIndex of the pattern, built on the first request (ValueError as ``TokenIndex.build`` and
-    ``completable`` raise it, with states beyond max_states); thread-safe (a server compiles on worker threads: a
+    ``completable`` raise it, with states beyond max_states or walks beyond max_walks); thread-safe (a server compiles on worker threads: a
     thread that asks for a pattern another is building waits for that build, so each pattern is built once).
 
     token_bytes: each token id's bytes, or a function that returns them, called on the first ``get`` (a server
-    reads its vocabulary only when a constrained request comes)."""
+    reads its vocabulary only when a constrained request comes). max_entries: None, or the most token entries (the
+    rows' sizes summed) the kept indexes may hold together: the least recently used go first, down to the newest
+    (an index of a long pattern over a large vocabulary holds millions, each over a hundred bytes)."""
 
     def __init__(self, token_bytes, eos_token_id: int | None = None, *, size: int = 64,
-                 max_states: int = MAX_STATES):
+                 max_states: int = MAX_STATES, max_walks: int | None = None, max_entries: int | None = None):
         if not is_count(size) or size < 1:
             raise ValueError(f"size must be an integer >= 1 (patterns kept), got {size!r}")
+        if max_entries is not None and (not is_count(max_entries) or max_entries < 1):
+            raise ValueError(f"max_entries must be None or an integer >= 1, got {max_entries!r}")
         self.token_bytes = token_bytes if callable(token_bytes) else list(token_bytes)
         self.eos_token_id, self.size, self.max_states = eos_token_id, size, max_states
+        self.max_walks, self.max_entries = max_walks, max_entries
         self.entries: OrderedDict = OrderedDict()
+        self.sizes: dict = {}  # pattern -> its index's token entries
         self.builds = 0  # patterns compiled (a cache hit compiles nothing)
         self.lock = threading.Lock()
         self.building: dict = {}  # pattern -> an Event set when the thread building it is done
+
+    def cached(self, pattern: str) -> TokenIndex | None:
+        """The pattern's index if it is kept (it becomes the most recently used), else None: never builds, never
+        waits for a build (an event loop may call it)."""
+        with self.lock:
+            if pattern in self.entries:
+                self.entries.move_to_end(pattern)
+                return self.entries[pattern]
+        return None
 
     def get(self, pattern: str) -> TokenIndex:
         while True:
@@ -126,13 +146,14 @@ class IndexCache:
                     break
             building.wait()  # another thread builds it: take its index (or, if it failed, try again)
         try:
-            index = TokenIndex.build(pattern, self.token_bytes, self.eos_token_id,
-                                     max_states=self.max_states).completable()
+            index = TokenIndex.build(pattern, self.token_bytes, self.eos_token_id, max_states=self.max_states,
+                                     max_walks=self.max_walks).completable()
             with self.lock:
                 self.builds += 1
-                self.entries[pattern] = index
-                while len(self.entries) > self.size:
-                    self.entries.popitem(last=False)
+                self.entries[pattern], self.sizes[pattern] = index, sum(map(len, index.next))
+                while len(self.entries) > self.size or len(self.entries) > 1 and self.max_entries is not None \
+                        and sum(self.sizes.values()) > self.max_entries:
+                    self.sizes.pop(self.entries.popitem(last=False)[0])
             return index
         finally:
             with self.lock:

@@ -8,6 +8,7 @@ JSON_STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:[0-9a-cA-Ce-fE-F][0-
 # one character of a JSON string: a character JSON need not escape, or an escape; \u escapes of surrogates (a pair
 # decodes to one character) are left out so that a length bound counts exactly the characters the validator counts
 JSON_INTEGER = r"-?(?:0|[1-9][0-9]*)"
+MAX_REGEX_CHARS = 1_000_000  # a longer regex is refused: an array writes its item's regex twice, so nesting doubles it
 
 
 #: The keywords each type may carry (besides ANNOTATIONS); any other keyword is a ValueError: a constraint the regex
@@ -33,7 +34,23 @@ def schema_regex(schema: dict) -> str:
     not generated), integers, strings (minLength / maxLength, counted in characters as the validator counts them),
     enums, arrays (items, minItems / maxItems), booleans and null. Every string of the language is valid JSON and
     valid for the schema. A recursive schema ($ref) has no regular language: ValueError, as for any keyword outside
-    this subset (minimum, pattern, format, ...), naming it."""
+    this subset (minimum, pattern, format, ...), naming it, and for a regex over MAX_REGEX_CHARS characters (arrays
+    nested 40 deep would write one of 2**40)."""
+    return _checked(_regex(schema))
+
+
+def _checked(regex: str) -> str:
+    _bound(len(regex))
+    return regex
+
+
+def _bound(length: int) -> None:
+    if length > MAX_REGEX_CHARS:
+        raise ValueError(f"schema: its regex is over {MAX_REGEX_CHARS} characters (an array writes its item's regex "
+                         f"twice: nested arrays double it)")
+
+
+def _regex(schema: dict) -> str:
     if not isinstance(schema, dict):
         raise ValueError(f"schema must be a dict, got {type(schema).__name__}")
     if "$ref" in schema:
@@ -61,7 +78,11 @@ def schema_regex(schema: dict) -> str:
         missing = set(required) - set(props)
         if missing:
             raise ValueError(f"schema: required property {sorted(missing)[0]!r} is not in properties")
-        parts = [re.escape(json.dumps(name, ensure_ascii=False)) + ":" + schema_regex(sub) for name, sub in props.items()]
+        parts, total = [], 0
+        for name, sub in props.items():
+            parts.append(re.escape(json.dumps(name, ensure_ascii=False)) + ":" + _regex(sub))
+            total += len(parts[-1]) + 1
+            _bound(total)
         return r"\{" + ",".join(parts) + r"\}"
     if kind == "integer":
         return JSON_INTEGER
@@ -72,9 +93,9 @@ def schema_regex(schema: dict) -> str:
         return "(?:true|false)"
     if kind == "null":
         return "null"
-    item = schema_regex(schema.get("items", {}))
+    item = _regex(schema.get("items", {}))
     lo, hi = _bounds(schema, "minItems", "maxItems")
     if hi == 0:
         return r"\[\]"
     body = item + "(?:," + item + "){%d,%s}" % (max(lo - 1, 0), "" if hi is None else hi - 1)
-    return r"\[" + (body if lo > 0 else "(?:" + body + ")?") + r"\]"
+    return _checked(r"\[" + (body if lo > 0 else "(?:" + body + ")?") + r"\]")

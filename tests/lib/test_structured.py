@@ -245,6 +245,26 @@ def test_a_pattern_too_large_or_repeated_twice_is_a_value_error_not_a_hang(patte
         regex_dfa(pattern)
 
 
+def test_few_dfa_states_of_many_nfa_states_each_are_refused_by_their_work_not_built_for_minutes():
+    """a?{k}a{k} has 2k+1 DFA states, each a subset of up to k NFA states: its subset construction does about k**2
+    steps (k = 5,000, within every state bound, took a minute and gigabytes); past WORK_PER_STATE x max_states it
+    is a ValueError, and a pattern of the same states with small subsets still builds."""
+    k = 500
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="pattern .*subset construction takes more than 512000 steps"):
+        regex_dfa("a?" * k + "a" * k, max_states=2000)  # 1,001 DFA states: the state bound alone lets it through
+    assert time.perf_counter() - start < 30
+    assert regex_dfa("a" * 1500, max_states=2000).num_states == 1501
+
+
+def test_an_error_shows_a_long_pattern_cut_in_the_middle():
+    """A server answers a bad pattern with this message: a 1 MB pattern must not come back whole."""
+    pattern = "a" * 100_000 + "("
+    with pytest.raises(ValueError, match="missing \\)") as caught:
+        regex_dfa(pattern)
+    assert len(str(caught.value)) < 500 and "(100001 characters)" in str(caught.value)
+
+
 def test_a_long_literal_pattern_builds_in_linear_time():
     """Liveness is found backwards from the accepting states in one pass (a pass per state hung on long literals)."""
     start = time.perf_counter()
@@ -422,6 +442,27 @@ def test_a_valid_compact_instance_is_in_the_schema_regex(k, instance):
 def test_a_schema_outside_the_subset_is_a_value_error_saying_why(schema, what):
     with pytest.raises(ValueError, match=what):
         schema_regex(schema)
+
+
+def test_nested_arrays_whose_regex_doubles_per_level_are_refused_not_built():
+    """An array writes its item's regex twice (item, then (,item){m,n}): arrays nested d deep write one of about
+    2**d copies (40 deep took every gigabyte of the machine). Past MAX_REGEX_CHARS it is a ValueError, found as the
+    regex grows; 5 deep is fine, and so is an object of many properties under the bound."""
+    def nested(depth):
+        schema = {"type": "integer"}
+        for _ in range(depth):
+            schema = {"type": "array", "items": schema, "maxItems": 1}
+        return schema
+
+    assert regex.fullmatch(schema_regex(nested(5)), "[[[[[7]]]]]")
+    for depth in (18, 40, 400):
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match="over 1000000 characters"):
+            schema_regex(nested(depth))
+        assert time.perf_counter() - start < 5
+    wide = {"type": "object", "properties": {f"p{i}": nested(10) for i in range(200)}}  # 200 parts, each ~40 KB
+    with pytest.raises(ValueError, match="over 1000000 characters"):
+        schema_regex(wide)
 
 
 # decoding under a constraint

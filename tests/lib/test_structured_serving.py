@@ -164,6 +164,46 @@ def test_the_batch_check_fails_on_a_planted_bug(model, tokenizer, indexes, monke
         check_batch(model, tokenizer, indexes)
 
 
+def mask_after_the_processors(monkeypatch) -> None:
+    """Plant the mask after chapter 06's processors (top-k / top-p chosen among every token, then the forbidden
+    ones removed), where vLLM and sampler.constrain put it before them."""
+    from course_lib.serving import sampler
+
+    held = {}
+
+    def unmasked(logits, constraint):
+        held["constraint"] = constraint
+        return logits, sampler.constrain(logits, constraint)[1]
+
+    def choose(row, top, tokens, prompt_len, sampling, generator, processors=None):
+        if sampling is None:
+            return top
+        scores, drawn = sampler.scores_drawn_from(row, tokens, prompt_len, sampling, processors)
+        return sampler._pick(held["constraint"].mask(scores[0])[None], drawn, generator)
+
+    monkeypatch.setattr(engine_module, "constrain", unmasked)
+    monkeypatch.setattr(engine_module, "choose_token", choose)
+
+
+@pytest.mark.parametrize("planted", [False, True])
+@pytest.mark.parametrize("sampling", [{"temperature": 0.7, "top_k": 1}, {"temperature": 1.3, "top_p": 1e-6},
+                                      {"temperature": 1.0, "min_p": 1.0}])
+def test_a_filter_that_keeps_only_the_most_likely_allowed_token_is_greedy_constrained_decoding(
+        model, tokenizer, indexes, monkeypatch, sampling, planted):
+    """The mask comes before the processors: top-k 1, a tiny top-p and min-p 1 then keep the most likely ALLOWED
+    token, so a sampled constrained request is greedy constrained decoding (constrained_generate, the oracle). The
+    batch check compares such requests with the engine alone, which a mask moved after the processors changes
+    alike (temperature and the penalties commute with the mask, the filters do not): planted, this test fails."""
+    if planted:
+        mask_after_the_processors(monkeypatch)
+    prompt = tokenizer.encode(PROMPT)
+    want = constrained_alone(model, prompt, 20, indexes["code"], None, 0)
+    results, _ = Engine(model, num_blocks=32).run([Request("x", prompt, 20, sampling=sampling, seed=5,
+                                                           constraint=indexes["code"])])
+    same = results["x"].error is None and results["x"].tokens == want
+    assert same != planted, (results["x"].error, tokenizer.decode(results["x"].tokens), tokenizer.decode(want))
+
+
 def test_a_free_request_never_touches_the_constraint_path(model, tokenizer, monkeypatch):
     def refuse(*args):
         raise AssertionError("constrain called for a free request")
@@ -218,6 +258,29 @@ def test_index_cache_builds_a_pattern_asked_by_two_threads_at_once_once(monkeypa
             with pytest.raises(ValueError, match="missing \\)"):
                 future.result()
     assert not cache.building and "a(" not in cache.entries
+
+
+def test_an_index_past_max_walks_is_refused_before_it_is_built_and_the_cache_is_bounded_in_entries(monkeypatch):
+    """A pattern of 19,000 states over bpe-gpt's 512 tokens built an index of 6.5 million entries (900 MB, 12 s), and
+    the LRU kept 64 of them: TokenIndex.build refuses states x tokens past max_walks before any walk, and IndexCache
+    drops the least recently used indexes while their entries together pass max_entries (the newest kept)."""
+    from course_lib.structured import index as index_module
+
+    vocab = [b"a", b"b", b"c", b"ab"]
+    walked = []
+    monkeypatch.setattr(index_module, "token_index", lambda dfa, tokens: walked.append(1) or [{} for _ in tokens])
+    with pytest.raises(ValueError, match="101 DFA states x 4 tokens = 404 walks, more than 400"):
+        TokenIndex.build("a{100}", vocab, max_walks=400)
+    assert not walked
+    monkeypatch.undo()
+    assert TokenIndex.build("a{99}", vocab, max_walks=400).dfa.num_states == 100  # 400 walks: allowed
+    cache = IndexCache(vocab, max_entries=12)
+    sizes = {pattern: sum(map(len, cache.get(pattern).next)) for pattern in ("[ab]{3}", "c{4}", "[abc]{2}")}
+    assert sizes == {"[ab]{3}": 8, "c{4}": 4, "[abc]{2}": 7}  # 3 + 3 + 2 entries (ab fits twice); 4 x 1; 4 + 3
+    assert list(cache.entries) == ["c{4}", "[abc]{2}"]  # 8 + 4 + 6 > 12: the oldest went
+    cache.get("c{4}")
+    cache.get("[ab]{30}")  # alone over the bound: kept (the newest), every other dropped
+    assert list(cache.entries) == ["[ab]{30}"] and cache.builds == 4
 
 
 def test_completable_drops_the_tokens_whose_state_no_token_can_finish():
@@ -324,6 +387,12 @@ BAD = [  # (extra_body, the param the 400 names, a word of its message)
     ({"response_format": {"type": "json_object"}}, "response_format", "nests without bound"),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
     ({"guided_regex": "a", "guided_json": SCHEMA}, "guided_json", "at most one"),
+    ({"guided_regex": "(?:)"}, "guided_regex", "only string is the empty string"),
+    ({"guided_regex": "(?:)"}, "guided_regex", "only string is the empty string"),  # again: found compiled
+    ({"guided_json": '{"type":"array","items":' * 5000 + "{}" + "}" * 5000}, "guided_json",
+     "nested too deeply"),  # a 500 (RecursionError) before
+    ({"structured_outputs": {"regex": "a" * 200_000}}, "structured_outputs.regex",
+     "more than 100000"),  # parsed for seconds, then an answer as long as the pattern
 ]
 
 
@@ -360,6 +429,7 @@ def test_a_bad_constraint_is_a_400_naming_its_field_and_another_stream_goes_on(c
             error = caught.value.body
             assert caught.value.status_code == 400 and error["param"] == param, (extra_body, error)
             assert error["type"] == "invalid_request_error" and word in error["message"], error
+            assert len(error["message"]) < 1000, "a long pattern comes back whole in the message"
         assert not done.is_set(), "the stream ended before the bad requests were sent: slow the engine more"
     finally:
         thread.join(60)
@@ -381,3 +451,45 @@ def test_constraints_are_compiled_off_the_event_loop(client, server, monkeypatch
     monkeypatch.setattr(cache, "get", recording_get)
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"guided_regex": "[0-9]{4}"})
     assert threads and "uvicorn" not in threads, threads  # uvicorn's thread runs the event loop
+
+
+def test_a_free_request_never_waits_for_constraints_being_compiled_and_too_many_waiting_are_a_429(server, monkeypatch):
+    """Requests are parsed on the event loop's default executor (min(32, CPUs + 4) threads); constraints compiled
+    there too let as many slow compiles (a?{1400}a{1400} took 20 s) stall every request, a free one included. Each
+    compile now goes to the server's one compiling thread, MAX_COMPILES_WAITING at most waiting for it: the others
+    are refused at once (429 naming the field), and a free request is answered while the compiles hang."""
+    import os
+
+    import httpx
+
+    from course_lib import server as server_module
+
+    cache, release, get = server.app.state.constraints, threading.Event(), server.app.state.constraints.get
+
+    def hanging_get(pattern):
+        if pattern.startswith("q"):
+            release.wait(60)
+        return get(pattern)
+
+    monkeypatch.setattr(cache, "get", hanging_get)
+    many = min(32, (os.cpu_count() or 1) + 4) + 2  # more than the default executor's threads
+    url = server.url + "/completions"
+
+    def post(body, timeout=90):
+        return httpx.post(url, json={"prompt": PROMPT, "max_tokens": 2, **body}, timeout=timeout)
+
+    with concurrent.futures.ThreadPoolExecutor(many) as pool:
+        hanging = [pool.submit(post, {"guided_regex": f"q{i}[a-z]"}) for i in range(many)]
+        try:
+            time.sleep(1.0)  # they have arrived
+            start = time.monotonic()
+            free = post({"temperature": 0}, timeout=20)
+            assert free.status_code == 200 and time.monotonic() - start < 20
+            assert not any(f.done() and f.result().status_code != 429 for f in hanging), "a hanging compile ended"
+        finally:
+            release.set()
+        answers = [f.result() for f in hanging]
+    refused = [a for a in answers if a.status_code == 429]
+    assert len(refused) == many - (server_module.MAX_COMPILES_WAITING + 1), [a.status_code for a in answers]
+    assert all(a.json()["error"]["param"] == "guided_regex" for a in refused)
+    assert all(a.status_code == 200 for a in answers if a.status_code != 429)
