@@ -34,6 +34,11 @@ from .model_runner import paged_forward
 STOP_S = 5.0
 
 
+class ExecutorError(RuntimeError):
+    """The step cannot run on the workers, through no request's fault: they are stopped, or the step's functions
+    cannot reach them."""
+
+
 class BlockBookkeeping(PagedKVCache):
     """The caller's side of a pool whose keys and values live on the ranks: the blocks' free list, reference counts
     and prefix cache, no keys or values (storage (L, 2, N, S, 0, Dh)). ``block_bytes`` is a block of the whole
@@ -127,7 +132,8 @@ class TensorParallelExecutor:
     (``tensor_parallel.TIMEOUT_S`` by default), as does each collective among them; a worker that fails raises
     ``tensor_parallel.RankError`` naming the rank that failed first, after which every worker is stopped and the
     executor is closed. ``close()`` stops them (also at garbage collection and at exit; an interrupt while waiting
-    closes it too). ValueError unless world_size (an integer >= 1) divides n_head, or for timeout <= 0.
+    closes it too); ``forward`` on stopped workers, or with functions that cannot be pickled, raises ``ExecutorError``.
+    ValueError unless world_size (an integer >= 1) divides n_head, or for timeout <= 0.
     """
 
     def __init__(self, model, world_size: int, num_blocks: int, block_size: int, *, timeout: float | None = None,
@@ -172,12 +178,19 @@ class TensorParallelExecutor:
         """``paged_forward(model, cache, chunks, ...)`` on the workers: logits (len(chunks), V). `model` is the one
         sharded at the start (the workers hold its shards); the copies `cache` recorded are made first."""
         if self.closed:
-            raise RuntimeError("the tensor-parallel workers are stopped (closed, or a rank failed): make a new Engine")
-        message = pickle.dumps((cache.copies, chunks, paged_attention, slot_mapping))
+            raise ExecutorError("the tensor-parallel workers are stopped (closed, or a rank failed): make a new Engine")
+        try:
+            message = pickle.dumps((cache.copies, chunks, paged_attention, slot_mapping))
+        except (pickle.PicklingError, AttributeError, TypeError) as error:
+            raise ExecutorError(f"paged_attention and slot_mapping must be functions a module defines to reach the "
+                                f"workers (pickled by name; not a lambda or a nested function): {error}") from error
         cache.copies = []
         try:
             for connection in self.connections:
-                connection.send_bytes(message)
+                try:
+                    connection.send_bytes(message)
+                except OSError:
+                    break  # that worker is gone: the wait below names it (its process has ended)
             return self._wait("step", [0])[0]
         except BaseException:  # a rank failed, or the caller was interrupted: the group is in an unknown state
             for process in self.processes:

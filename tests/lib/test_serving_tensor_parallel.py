@@ -194,3 +194,37 @@ def test_the_default_runs_in_this_process(small):
     engine = Engine(small, num_blocks=8, block_size=4)
     assert engine.executor is None and multiprocessing.active_children() == []
     assert math.prod(engine.cache.storage.shape) > 0  # the keys and values are here
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_killed_between_runs_is_named_not_blamed_on_the_requests(small, rank):
+    """SIGKILL (the kernel's out-of-memory killer, say) while the engine waits between runs: the next step's message
+    cannot reach that worker. A RankError naming it, not every request failed by a broken pipe."""
+    trace = make_trace(3, 2, context=48, vocab=list(range(61)), prompt_range=(1, 10), output_median=5)
+    with Engine(small, num_blocks=40, block_size=4, token_budget=8, tensor_parallel_size=2) as engine:
+        engine.run(trace)
+        victim = engine.executor.processes[rank]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=10)
+        with pytest.raises(tp.RankError, match=rf"rank {rank} of 2 died \(exit code -9\)") as info:
+            engine.run(trace)
+    assert info.value.rank == rank
+    no_processes_left()
+
+
+def test_an_engine_whose_workers_are_stopped_says_so_rather_than_failing_every_request(small):
+    trace = make_trace(3, 2, context=48, vocab=list(range(61)), prompt_range=(1, 10), output_median=5)
+    engine = Engine(small, num_blocks=40, block_size=4, token_budget=8, tensor_parallel_size=2)
+    engine.close()
+    with pytest.raises(executor.ExecutorError, match="workers are stopped .* make a new Engine"):
+        engine.run(trace)
+    no_processes_left()
+
+
+def test_functions_that_cannot_reach_the_workers_are_named_not_blamed_on_the_requests(small):
+    trace = make_trace(3, 2, context=48, vocab=list(range(61)), prompt_range=(1, 10), output_median=5)
+    from course_lib.serving.model_runner import paged_attention
+    with Engine(small, num_blocks=40, block_size=4, token_budget=8, tensor_parallel_size=2) as engine:
+        with pytest.raises(executor.ExecutorError, match="paged_attention and slot_mapping .* reach the workers"):
+            engine.run(trace, paged_attention=lambda *args, **kwargs: paged_attention(*args, **kwargs))
+    no_processes_left()
