@@ -14,6 +14,7 @@ import math
 import multiprocessing
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -227,4 +228,26 @@ def test_functions_that_cannot_reach_the_workers_are_named_not_blamed_on_the_req
     with Engine(small, num_blocks=40, block_size=4, token_budget=8, tensor_parallel_size=2) as engine:
         with pytest.raises(executor.ExecutorError, match="paged_attention and slot_mapping .* reach the workers"):
             engine.run(trace, paged_attention=lambda *args, **kwargs: paged_attention(*args, **kwargs))
+    no_processes_left()
+
+
+def attention_of_the_fork(*args, **kwargs):
+    """A step function the workers know by name: defined before they were forked."""
+    from course_lib.serving.model_runner import paged_attention
+    return paged_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name,says", [("attention_of_the_fork", "redefined after the Engine started its workers"),
+                                       ("attention_defined_later", "defined after the Engine started its workers")])
+def test_a_step_function_the_workers_hold_no_current_copy_of_is_an_error_not_a_stale_run(small, monkeypatch, name,
+                                                                                        says):
+    """The workers get the step's functions by name (pickle), as their module held them when the Engine forked them:
+    a learner who fixes a function and re-runs the engine cell must get an error, never the old definition's run."""
+    trace = make_trace(3, 2, context=48, vocab=list(range(61)), prompt_range=(1, 10), output_median=5)
+    with Engine(small, num_blocks=40, block_size=4, token_budget=8, tensor_parallel_size=2) as engine:
+        namespace = {"__name__": __name__}
+        exec(f"def {name}(*args, **kwargs):\n    raise ValueError('the definition made after the fork')", namespace)
+        monkeypatch.setattr(sys.modules[__name__], name, namespace[name], raising=False)
+        with pytest.raises(tp.RankError, match=says):
+            engine.run(trace, paged_attention=namespace[name])
     no_processes_left()
