@@ -251,3 +251,23 @@ def test_a_step_function_the_workers_hold_no_current_copy_of_is_an_error_not_a_s
         with pytest.raises(tp.RankError, match=says):
             engine.run(trace, paged_attention=namespace[name])
     no_processes_left()
+
+
+def test_logprobs_on_two_processes_are_those_of_the_request_alone_within_float32_rounding(char_gpt):
+    """The sampler stays in the caller and reads rank 0's logits: the same tokens, the same top-k alternatives, their
+    log-probabilities within float32 rounding (the row-parallel sums add in another order)."""
+    requests = mixed_trace()
+    for i, r in enumerate(requests):
+        r.logprobs = (0, 2, 5)[i % 3]
+    with Engine(char_gpt, num_blocks=32, block_size=4, token_budget=8, tensor_parallel_size=2) as engine:
+        results, _ = engine.run(requests)
+    for r in requests:
+        oracle, _ = Engine(char_gpt, num_blocks=64, block_size=4, token_budget=16).run([r])
+        for name, want in oracle.items():
+            got = results[name]
+            assert got.tokens == want.tokens and len(got.logprobs) == len(want.logprobs) == r.max_new_tokens, name
+            for (lp, top), (want_lp, want_top) in zip(got.logprobs, want.logprobs):
+                assert [t for t, _ in top] == [t for t, _ in want_top], name
+                assert len(want_top) == r.logprobs
+                assert lp == pytest.approx(want_lp, abs=1e-4)
+                assert [v for _, v in top] == pytest.approx([v for _, v in want_top], abs=1e-4)
