@@ -128,7 +128,8 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, thr
     Returns [what rank 0 returned, ..., what rank world_size - 1 returned] (each pickled on its way back). Every
     collective waits at most `timeout` seconds for the other ranks, and the whole group may run `timeout` seconds.
     A rank that raises, crashes or runs out of time ends the group: the other ranks are stopped and ``RankError``
-    names the first rank that failed (with its traceback), never a hang. Every process is gone when this returns.
+    names the first rank that failed (with its traceback), never a hang; a rank interrupted (KeyboardInterrupt: the
+    learner stopped the run) raises KeyboardInterrupt here. Every process is gone when this returns.
     world_size >= 1, timeout > 0, threads >= 1 (each rank's torch threads), else ValueError naming it.
     """
     check_positive("world_size", world_size)
@@ -172,6 +173,8 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = TIMEOUT_S, thr
                 first_failure = first_failure if failed else time.monotonic()
                 failed[rank] = payload
         if failed:
+            if any(error_type == "KeyboardInterrupt" for *_, error_type in failed.values()):
+                raise KeyboardInterrupt  # the learner stopped the run (Jupyter's interrupt reaches the ranks too)
             raise first_failure_error(failed, world_size)
         return [done[rank] for rank in range(world_size)]
     finally:

@@ -16,7 +16,7 @@ from ..decoding import (apply_frequency_presence_penalty, apply_repetition_penal
 from ..tensor_parallel import RankError
 from ..validation import check_positive, is_count
 from .block_pool import PagedKVCache, allocate_slots, cache_full_blocks, used_slots
-from .executor import TensorParallelExecutor
+from .executor import ExecutorError, TensorParallelExecutor
 from .metrics import StepLog
 from .model_runner import paged_attention, paged_forward, slot_mapping
 from .request import Request, Result, Sequence, pending_requests, sample_names, validate
@@ -232,8 +232,8 @@ class Engine:
             try:
                 forward = paged_forward if self.executor is None else self.executor.forward  # the same contract
                 logits = forward(self.model, cache, chunks, paged_attention=paged_attention, slot_mapping=slot_mapping)
-            except RankError:
-                raise  # a worker of the tensor-parallel model failed (the workers are stopped): no request's fault
+            except (RankError, ExecutorError):
+                raise  # a worker of the tensor-parallel model failed, or they are stopped: no request's fault
             except Exception as error:  # noqa: BLE001 - whose error is it? each chunk again, alone
                 logits, failed = self._forward_alone(cache, chunks, error, step, paged_attention, slot_mapping)
             with kernels.threads(1):  # a small operation: on the caller's threads it would wait for each (see ONE_THREAD_WORK)

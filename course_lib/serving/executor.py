@@ -16,6 +16,7 @@ inside gloo's all-reduce, where only gloo's own timeout could get it out, and wo
 """
 from __future__ import annotations
 
+import marshal
 import multiprocessing
 import os
 import pickle
@@ -32,6 +33,11 @@ from .model_runner import paged_forward
 
 #: Seconds a stopped worker gets to leave by itself before it is terminated.
 STOP_S = 5.0
+
+
+class ExecutorError(RuntimeError):
+    """The step cannot run on the workers, through no request's fault: they are stopped, or the step's functions
+    cannot reach them."""
 
 
 class BlockBookkeeping(PagedKVCache):
@@ -66,6 +72,26 @@ class _Channel:
         self.connection.send_bytes(pickle.dumps(message))
 
 
+def _codes(functions) -> list:
+    """Each function's compiled code as bytes (None for a callable without its own, a ``partial``): what tells a
+    worker's copy of a function from the caller's current definition of the same name."""
+    return [marshal.dumps(f.__code__) if hasattr(f, "__code__") else None for f in functions]
+
+
+def _step_functions(message: bytes) -> tuple:
+    """A step's message unpickled: (copies, chunks, paged_attention, slot_mapping). ValueError if its functions are
+    not the ones this worker holds under their names (defined or redefined after the fork)."""
+    try:
+        copies, chunks, functions, codes = pickle.loads(message)
+    except AttributeError as error:  # pickle finds a function by its module and name: there was none at the fork
+        raise ValueError(f"a step function was defined after the Engine started its workers, which hold the "
+                         f"definitions of that moment: make a new Engine ({error})") from None
+    if _codes(functions) != codes:
+        raise ValueError("paged_attention or slot_mapping was redefined after the Engine started its workers, which "
+                         "hold the definitions of that moment: make a new Engine")
+    return copies, chunks, *functions
+
+
 def _serve(rank: int, world_size: int, model, num_blocks: int, block_size: int, pipes: list) -> None:
     """A worker: rank `rank`'s shard of `model` and its heads' pool; then, for each step the caller sends
     (copies, chunks, paged_attention, slot_mapping), the copies made and ``paged_forward`` run, rank 0 replying
@@ -88,7 +114,7 @@ def _serve(rank: int, world_size: int, model, num_blocks: int, block_size: int, 
             return  # the caller is gone
         if not message:
             return  # close
-        copies, chunks, paged_attention, slot_mapping = pickle.loads(message)
+        copies, chunks, paged_attention, slot_mapping = _step_functions(message)
         for source, fresh in copies:
             pool.storage[:, :, fresh] = pool.storage[:, :, source]
         logits = paged_forward(shard, pool, chunks, paged_attention=paged_attention, slot_mapping=slot_mapping)
@@ -127,7 +153,8 @@ class TensorParallelExecutor:
     (``tensor_parallel.TIMEOUT_S`` by default), as does each collective among them; a worker that fails raises
     ``tensor_parallel.RankError`` naming the rank that failed first, after which every worker is stopped and the
     executor is closed. ``close()`` stops them (also at garbage collection and at exit; an interrupt while waiting
-    closes it too). ValueError unless world_size (an integer >= 1) divides n_head, or for timeout <= 0.
+    closes it too); ``forward`` on stopped workers, or with functions that cannot be pickled, raises ``ExecutorError``.
+    ValueError unless world_size (an integer >= 1) divides n_head, or for timeout <= 0.
     """
 
     def __init__(self, model, world_size: int, num_blocks: int, block_size: int, *, timeout: float | None = None,
@@ -170,14 +197,24 @@ class TensorParallelExecutor:
 
     def forward(self, model, cache: BlockBookkeeping, chunks: list, *, paged_attention, slot_mapping):
         """``paged_forward(model, cache, chunks, ...)`` on the workers: logits (len(chunks), V). `model` is the one
-        sharded at the start (the workers hold its shards); the copies `cache` recorded are made first."""
+        sharded at the start (the workers hold its shards); the copies `cache` recorded are made first.
+        paged_attention and slot_mapping reach the workers by name, as they were when the workers were forked: a
+        function defined or redefined since fails the step (RankError) rather than run its old definition."""
         if self.closed:
-            raise RuntimeError("the tensor-parallel workers are stopped (closed, or a rank failed): make a new Engine")
-        message = pickle.dumps((cache.copies, chunks, paged_attention, slot_mapping))
+            raise ExecutorError("the tensor-parallel workers are stopped (closed, or a rank failed): make a new Engine")
+        try:
+            functions = (paged_attention, slot_mapping)
+            message = pickle.dumps((cache.copies, chunks, functions, _codes(functions)))
+        except (pickle.PicklingError, AttributeError, TypeError) as error:
+            raise ExecutorError(f"paged_attention and slot_mapping must be functions a module defines to reach the "
+                                f"workers (pickled by name; not a lambda or a nested function): {error}") from error
         cache.copies = []
         try:
             for connection in self.connections:
-                connection.send_bytes(message)
+                try:
+                    connection.send_bytes(message)
+                except OSError:
+                    break  # that worker is gone: the wait below names it (its process has ended)
             return self._wait("step", [0])[0]
         except BaseException:  # a rank failed, or the caller was interrupted: the group is in an unknown state
             for process in self.processes:

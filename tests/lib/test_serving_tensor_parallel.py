@@ -14,6 +14,7 @@ import math
 import multiprocessing
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -194,3 +195,79 @@ def test_the_default_runs_in_this_process(small):
     engine = Engine(small, num_blocks=8, block_size=4)
     assert engine.executor is None and multiprocessing.active_children() == []
     assert math.prod(engine.cache.storage.shape) > 0  # the keys and values are here
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_killed_between_runs_is_named_not_blamed_on_the_requests(small, rank):
+    """SIGKILL (the kernel's out-of-memory killer, say) while the engine waits between runs: the next step's message
+    cannot reach that worker. A RankError naming it, not every request failed by a broken pipe."""
+    trace = make_trace(3, 2, context=48, vocab=list(range(61)), prompt_range=(1, 10), output_median=5)
+    with Engine(small, num_blocks=40, block_size=4, token_budget=8, tensor_parallel_size=2) as engine:
+        engine.run(trace)
+        victim = engine.executor.processes[rank]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=10)
+        with pytest.raises(tp.RankError, match=rf"rank {rank} of 2 died \(exit code -9\)") as info:
+            engine.run(trace)
+    assert info.value.rank == rank
+    no_processes_left()
+
+
+def test_an_engine_whose_workers_are_stopped_says_so_rather_than_failing_every_request(small):
+    trace = make_trace(3, 2, context=48, vocab=list(range(61)), prompt_range=(1, 10), output_median=5)
+    engine = Engine(small, num_blocks=40, block_size=4, token_budget=8, tensor_parallel_size=2)
+    engine.close()
+    with pytest.raises(executor.ExecutorError, match="workers are stopped .* make a new Engine"):
+        engine.run(trace)
+    no_processes_left()
+
+
+def test_functions_that_cannot_reach_the_workers_are_named_not_blamed_on_the_requests(small):
+    trace = make_trace(3, 2, context=48, vocab=list(range(61)), prompt_range=(1, 10), output_median=5)
+    from course_lib.serving.model_runner import paged_attention
+    with Engine(small, num_blocks=40, block_size=4, token_budget=8, tensor_parallel_size=2) as engine:
+        with pytest.raises(executor.ExecutorError, match="paged_attention and slot_mapping .* reach the workers"):
+            engine.run(trace, paged_attention=lambda *args, **kwargs: paged_attention(*args, **kwargs))
+    no_processes_left()
+
+
+def attention_of_the_fork(*args, **kwargs):
+    """A step function the workers know by name: defined before they were forked."""
+    from course_lib.serving.model_runner import paged_attention
+    return paged_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name,says", [("attention_of_the_fork", "redefined after the Engine started its workers"),
+                                       ("attention_defined_later", "defined after the Engine started its workers")])
+def test_a_step_function_the_workers_hold_no_current_copy_of_is_an_error_not_a_stale_run(small, monkeypatch, name,
+                                                                                        says):
+    """The workers get the step's functions by name (pickle), as their module held them when the Engine forked them:
+    a learner who fixes a function and re-runs the engine cell must get an error, never the old definition's run."""
+    trace = make_trace(3, 2, context=48, vocab=list(range(61)), prompt_range=(1, 10), output_median=5)
+    with Engine(small, num_blocks=40, block_size=4, token_budget=8, tensor_parallel_size=2) as engine:
+        namespace = {"__name__": __name__}
+        exec(f"def {name}(*args, **kwargs):\n    raise ValueError('the definition made after the fork')", namespace)
+        monkeypatch.setattr(sys.modules[__name__], name, namespace[name], raising=False)
+        with pytest.raises(tp.RankError, match=says):
+            engine.run(trace, paged_attention=namespace[name])
+    no_processes_left()
+
+
+def test_logprobs_on_two_processes_are_those_of_the_request_alone_within_float32_rounding(char_gpt):
+    """The sampler stays in the caller and reads rank 0's logits: the same tokens, the same top-k alternatives, their
+    log-probabilities within float32 rounding (the row-parallel sums add in another order)."""
+    requests = mixed_trace()
+    for i, r in enumerate(requests):
+        r.logprobs = (0, 2, 5)[i % 3]
+    with Engine(char_gpt, num_blocks=32, block_size=4, token_budget=8, tensor_parallel_size=2) as engine:
+        results, _ = engine.run(requests)
+    for r in requests:
+        oracle, _ = Engine(char_gpt, num_blocks=64, block_size=4, token_budget=16).run([r])
+        for name, want in oracle.items():
+            got = results[name]
+            assert got.tokens == want.tokens and len(got.logprobs) == len(want.logprobs) == r.max_new_tokens, name
+            for (lp, top), (want_lp, want_top) in zip(got.logprobs, want.logprobs):
+                assert [t for t, _ in top] == [t for t, _ in want_top], name
+                assert len(want_top) == r.logprobs
+                assert lp == pytest.approx(want_lp, abs=1e-4)
+                assert [v for _, v in top] == pytest.approx([v for _, v in want_top], abs=1e-4)

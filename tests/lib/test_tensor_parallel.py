@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 
 import pytest
@@ -86,6 +87,31 @@ def test_a_crashed_rank_is_named():
         tp.launch(dies_on_rank_0, 2, timeout=30)
     assert info.value.rank == 0
     no_processes_left()
+
+
+def interrupted_on_rank_1(rank, world_size):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGINT)  # the learner's stop, as Jupyter's interrupt reaches a kernel's children
+        time.sleep(5)
+    x = torch.ones(3)
+    dist.all_reduce(x)
+    return x
+
+
+def test_a_rank_interrupted_is_the_learner_stopping_the_run_not_a_rank_error():
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        tp.launch(interrupted_on_rank_1, 2, timeout=30)
+    assert time.monotonic() - start < 10
+    no_processes_left()
+    assert [x.tolist() for x in tp.launch(collectively_ones, 2)] == \
+        [[2.0, 2.0]] * 2  # the next group starts as usual
+
+
+def collectively_ones(rank, world_size):
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    return x
 
 
 def hangs_on_rank_1(rank, world_size):

@@ -120,3 +120,18 @@ def test_the_reference_passes_every_test(exercise):
 @pytest.mark.parametrize("exercise,bug,solution,must_fail", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
 def test_each_bug_fails_exactly_the_tests_that_target_it(exercise, bug, solution, must_fail):
     assert failing_tests(exercise, solution) == must_fail
+
+
+@pytest.mark.parametrize("cell,bug,says", [
+    (f"{SB}-char_gpt", mutate(SB, ("attn.n_head = block.attn.n_head // world_size", "attn.n_head = block.attn.n_head")),
+     "rank 0 of 2: attn.n_head is 4, expected n_head / world_size = 2"),
+    (f"{CPL}-shapes", mutate(CPL, (CPL_FORWARD, "y = F.linear(x, self.weight, self.bias)\n        dist.all_reduce(y)\n"
+                                                "        return y")),
+     "the column-parallel forward pass called torch.distributed (an all-reduce?)"),
+])
+def test_the_hidden_tests_name_the_mistake_in_a_line(cell, bug, says):
+    """A failed hidden test says what is wrong in one line (browser walk): never a rank's traceback, nor torch's bare
+    "Default process group has not been initialized"."""
+    message = HARNESS.failure_message(cell, bug)
+    assert says in message
+    assert "Traceback" not in message and len(message.splitlines()) == 1
