@@ -107,7 +107,8 @@ class Engine:
         sampling raised: "request NAME: failed at step S: the exception"; the tokens generated
         before are kept, finish_step stays None, its blocks go back). When a step's batched pass raises, each chunk
         runs again alone and only those that raise alone fail. RuntimeError only for the engine's own faults (see
-        ``step``)."""
+        ``step``); with tensor_parallel_size > 1, a worker's failure ends the run (RankError naming the rank, the
+        workers stopped): no request is to blame for it."""
         results, pending = pending_requests(requests, self.num_blocks)
         self.reset(**functions)
         self.results = results
