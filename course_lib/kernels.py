@@ -71,6 +71,7 @@ class Choice(NamedTuple):
 
 
 _chosen: dict[Choice, str] = {}  # -> kernel name
+_chosen_among: dict[tuple, str] = {}  # ``choose_faster``'s: (*key, threads) -> name
 
 
 def _forced() -> str:
@@ -161,6 +162,36 @@ def chosen_kernels() -> dict[Choice, str]:
 def forget_choices() -> None:
     """Measure again from the next call (after the machine's load or thread count changed, say)."""
     _chosen.clear()
+    _chosen_among.clear()
+
+
+def choose_faster(key: tuple, runs: dict[str, Callable[[], object]], forced: str = "auto") -> str:
+    """The name of the fastest of `runs` ({name: a call of one kernel on one product}), measured the first time
+    `key` (what the product is: its shapes, format, ...) is met at this thread count, and kept for the process.
+
+    ``measure``'s way for the other kernel choices (int4's: PyTorch's int4 kernel or a dequantize-and-multiply):
+    ROUNDS rounds in which the runs take turns, each timed for about BUDGET_S, the best round of each kept.
+    forced: "auto" measures; a name of `runs` is returned unmeasured (ValueError for any other)."""
+    if forced != "auto":
+        if forced not in runs:
+            raise ValueError(f"forced must be 'auto' or one of {sorted(runs)}, got {forced!r}")
+        return forced
+    full_key = (*key, torch.get_num_threads())
+    if full_key not in _chosen_among:
+        with torch.no_grad():
+            probe = {name: _seconds(run) for name, run in runs.items()}  # warm-up and probe: one call each
+            calls = {name: max(1, min(1000, int(BUDGET_S / max(seconds, 1e-7)))) for name, seconds in probe.items()}
+            times = {name: math.inf for name in runs}
+            for _ in range(ROUNDS):
+                for name, run in runs.items():
+                    times[name] = min(times[name], _seconds(run, calls[name]))
+        _chosen_among[full_key] = min(times, key=times.get)
+    return _chosen_among[full_key]
+
+
+def chosen_among() -> dict[tuple, str]:
+    """What ``choose_faster`` chose so far: {(*key, threads): name}."""
+    return dict(_chosen_among)
 
 
 class FastLinear(nn.Linear):

@@ -224,3 +224,27 @@ def test_products_oneDNN_cannot_take_run_f_linear_unmeasured(monkeypatch, case):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast"):
         assert choose(weight, bias, x) == "F.linear"
     assert kernels.chosen_kernels() == {}
+
+
+def test_choose_faster_keeps_the_fastest_per_key_and_thread_count_and_can_be_forced(monkeypatch):
+    calls = {"slow": 0, "fast": 0}
+
+    def run(name, seconds):
+        def call():
+            calls[name] += 1
+            clock[0] += seconds
+        return call
+
+    clock = [0.0]
+    monkeypatch.setattr(kernels.time, "perf_counter", lambda: clock[0])
+    runs = {"slow": run("slow", 2e-3), "fast": run("fast", 1e-3)}
+    assert kernels.choose_faster(("int4", 8, 32, 32), runs) == "fast"
+    measured = dict(calls)
+    assert measured["slow"] >= 1 + kernels.ROUNDS and measured["fast"] >= 1 + kernels.ROUNDS
+    assert kernels.choose_faster(("int4", 8, 32, 32), runs) == "fast" and calls == measured  # kept: not measured again
+    assert kernels.chosen_among() == {("int4", 8, 32, 32, torch.get_num_threads()): "fast"}
+    assert kernels.choose_faster(("int4", 8, 32, 32), runs, forced="slow") == "slow"
+    with pytest.raises(ValueError, match=r"forced must be 'auto' or one of \['fast', 'slow'\], got 'other'"):
+        kernels.choose_faster(("int4", 8, 32, 32), runs, forced="other")
+    kernels.forget_choices()
+    assert kernels.chosen_among() == {}
