@@ -225,6 +225,44 @@ def use_fastest_kernels(model: nn.Module, rows=(1,)) -> nn.Module:
     return model
 
 
+#: The two products a bfloat16 nn.Linear can run; ``use_fastest_bf16_kernels`` measures which is faster here.
+BF16_KERNELS = ("F.linear", "oneDNN packed")
+BF16_PACKED_AVAILABLE = ONEDNN_AVAILABLE and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(nn.Module):
+    """A bfloat16 nn.Linear for inference through oneDNN's inner product on its weight reordered once into oneDNN's
+    blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the way ``torch.compile`` packs CPU weights):
+    x (..., in) -> (..., out), F.linear's product within bfloat16 rounding, no gradient. The reordered weight is the
+    buffer ``packed`` (the same bytes as the weight, in another order), the bias ``bias``."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x):
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def use_fastest_bf16_kernels(model: nn.Module) -> nn.Module:
+    """Make every bfloat16 nn.Linear of `model` a ``PackedLinear``, in place, where ``choose_faster`` measured it
+    faster than F.linear on a one-row product of its shape (a decode step's) at this thread count; returns the
+    model. ``COURSE_BF16_KERNEL`` ("auto", or one of BF16_KERNELS) forces the choice. For inference only."""
+    forced = os.environ.get("COURSE_BF16_KERNEL", "auto")
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is not nn.Linear or child.weight.dtype != torch.bfloat16 or not BF16_PACKED_AVAILABLE:
+                continue
+            packed, x = PackedLinear(child), torch.zeros(1, child.in_features, dtype=torch.bfloat16)
+            runs = {BF16_KERNELS[0]: lambda child=child: child(x), BF16_KERNELS[1]: lambda packed=packed: packed(x)}
+            key = ("bfloat16", child.out_features, child.in_features, child.bias is not None)
+            if choose_faster(key, runs, forced) == BF16_KERNELS[1]:
+                setattr(module, name, packed)
+    return model
+
+
 # ----------------------------------------------------------------------------------------------------
 # threads
 

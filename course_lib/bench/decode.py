@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ..gpt import GPT, GPTConfig, extend, gpt_logits, greedy_choice
-from ..kernels import ONEDNN_AVAILABLE, chosen_among, chosen_kernels, onednn_linear, use_fastest_kernels
+from ..kernels import (ONEDNN_AVAILABLE, chosen_among, chosen_kernels, onednn_linear, use_fastest_bf16_kernels,
+                       use_fastest_kernels)
 from ..kv_cache import generate_cached
 from ..quantize import INT4_GROUP_SIZE, decode_weight_bytes, dequantize_int4, quantize_int4, quantize_weights
 from . import timing
@@ -179,7 +180,8 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
         for shape in shapes:
             config = GPTConfig(**DECODE_SHAPES[shape])
             ours, theirs = _seeded_pair(GPT, config, to_hf, seed)
-            ours_int8, ours_bf16 = quantize_weights(ours, "int8"), quantize_weights(ours, "bfloat16")
+            ours_int8 = quantize_weights(ours, "int8")
+            ours_bf16 = use_fastest_bf16_kernels(quantize_weights(ours, "bfloat16"))  # oneDNN packed where faster here
             ours_int4, int4_reference = quantize_weights(ours, "int4"), int4_reference_model(ours)
             use_fastest_kernels(ours, rows=batch_sizes)  # float32: the faster kernel per weight, measured here
             n_uncached = min(uncached_tokens[shape], new_tokens)
@@ -266,10 +268,11 @@ def format_decode(result: dict) -> str:
             lines.append(f"  {weights:8s} {b['weight_bytes'] / 1e6:6.1f} MB -> {b['tokens_per_s']:6.1f} tokens/s; "
                          f"ours cached reaches {b['fraction']:.0%} of it" + (" (target >= 50%)" if weights == "float32" else ""))
     lines.append(format_kernels(result.get("kernels", {})))
-    int4 = sorted({(key[1:4], name) for key, name in result.get("int4_kernels", {}).items() if key[0] == "int4"})
-    if int4:
-        lines.append("int4 kernels chosen (course_lib.kernels, measured): " +
-                     "; ".join(f"({o}, {i}) groups of {g}: {name}" for (o, i, g), name in int4))
+    for kind, what in (("int4", "groups of"), ("bfloat16", "bias")):
+        chosen = sorted({(key[1:4], name) for key, name in result.get("int4_kernels", {}).items() if key[0] == kind})
+        if chosen:
+            lines.append(f"{kind} kernels chosen (course_lib.kernels, measured): " +
+                         "; ".join(f"({o}, {i}) {what} {g}: {name}" for (o, i, g), name in chosen))
     return "\n".join(lines)
 
 
