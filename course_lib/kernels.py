@@ -71,6 +71,7 @@ class Choice(NamedTuple):
 
 
 _chosen: dict[Choice, str] = {}  # -> kernel name
+_chosen_among: dict[tuple, str] = {}  # ``choose_faster``'s: (*key, threads) -> name
 
 
 def _forced() -> str:
@@ -161,6 +162,36 @@ def chosen_kernels() -> dict[Choice, str]:
 def forget_choices() -> None:
     """Measure again from the next call (after the machine's load or thread count changed, say)."""
     _chosen.clear()
+    _chosen_among.clear()
+
+
+def choose_faster(key: tuple, runs: dict[str, Callable[[], object]], forced: str = "auto") -> str:
+    """The name of the fastest of `runs` ({name: a call of one kernel on one product}), measured the first time
+    `key` (what the product is: its shapes, format, ...) is met at this thread count, and kept for the process.
+
+    ``measure``'s way for the other kernel choices (int4's: PyTorch's int4 kernel or a dequantize-and-multiply):
+    ROUNDS rounds in which the runs take turns, each timed for about BUDGET_S, the best round of each kept.
+    forced: "auto" measures; a name of `runs` is returned unmeasured (ValueError for any other)."""
+    if forced != "auto":
+        if forced not in runs:
+            raise ValueError(f"forced must be 'auto' or one of {sorted(runs)}, got {forced!r}")
+        return forced
+    full_key = (*key, torch.get_num_threads())
+    if full_key not in _chosen_among:
+        with torch.no_grad():
+            probe = {name: _seconds(run) for name, run in runs.items()}  # warm-up and probe: one call each
+            calls = {name: max(1, min(1000, int(BUDGET_S / max(seconds, 1e-7)))) for name, seconds in probe.items()}
+            times = {name: math.inf for name in runs}
+            for _ in range(ROUNDS):
+                for name, run in runs.items():
+                    times[name] = min(times[name], _seconds(run, calls[name]))
+        _chosen_among[full_key] = min(times, key=times.get)
+    return _chosen_among[full_key]
+
+
+def chosen_among() -> dict[tuple, str]:
+    """What ``choose_faster`` chose so far: {(*key, threads): name}."""
+    return dict(_chosen_among)
 
 
 class FastLinear(nn.Linear):
@@ -191,6 +222,44 @@ def use_fastest_kernels(model: nn.Module, rows=(1,)) -> nn.Module:
             for n in rows:
                 x = torch.zeros(n, module.in_features, dtype=module.weight.dtype, device=module.weight.device)
                 choose(module.weight, module.bias, x, model_bytes)
+    return model
+
+
+#: The two products a bfloat16 nn.Linear can run; ``use_fastest_bf16_kernels`` measures which is faster here.
+BF16_KERNELS = ("F.linear", "oneDNN packed")
+BF16_PACKED_AVAILABLE = ONEDNN_AVAILABLE and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(nn.Module):
+    """A bfloat16 nn.Linear for inference through oneDNN's inner product on its weight reordered once into oneDNN's
+    blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the way ``torch.compile`` packs CPU weights):
+    x (..., in) -> (..., out), F.linear's product within bfloat16 rounding, no gradient. The reordered weight is the
+    buffer ``packed`` (the same bytes as the weight, in another order), the bias ``bias``."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x):
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def use_fastest_bf16_kernels(model: nn.Module) -> nn.Module:
+    """Make every bfloat16 nn.Linear of `model` a ``PackedLinear``, in place, where ``choose_faster`` measured it
+    faster than F.linear on a one-row product of its shape (a decode step's) at this thread count; returns the
+    model. ``COURSE_BF16_KERNEL`` ("auto", or one of BF16_KERNELS) forces the choice. For inference only."""
+    forced = os.environ.get("COURSE_BF16_KERNEL", "auto")
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is not nn.Linear or child.weight.dtype != torch.bfloat16 or not BF16_PACKED_AVAILABLE:
+                continue
+            packed, x = PackedLinear(child), torch.zeros(1, child.in_features, dtype=torch.bfloat16)
+            runs = {BF16_KERNELS[0]: lambda child=child: child(x), BF16_KERNELS[1]: lambda packed=packed: packed(x)}
+            key = ("bfloat16", child.out_features, child.in_features, child.bias is not None)
+            if choose_faster(key, runs, forced) == BF16_KERNELS[1]:
+                setattr(module, name, packed)
     return model
 
 

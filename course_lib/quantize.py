@@ -3,13 +3,17 @@
 A decode step of a batch of B sequences reads every weight once, whatever B, and each sequence's KV
 cache; it computes 2 FLOPs per weight and sequence. At small B the time goes to reading the weights, so
 storing them in fewer bytes makes decoding faster: int8 with one float32 scale per output channel
-(symmetric absmax), or bfloat16.
+(symmetric absmax), bfloat16, or int4 levels with a scale and a minimum per group of inputs (asymmetric, the
+layout of llama.cpp's Q4_1: weight ~ scale * q + minimum, q in 0..15).
 
 ``bytes_per_token``, ``quantize_int8``, ``dequantize_int8`` and ``int8_linear`` are the reference
 solutions of chapter 08's exercises (``tests/grading/test_solution_drift.py`` keeps the notebook's equal to them).
 ``Int8Linear`` (an ``nn.Linear`` with int8 weights) and ``quantize_model`` (every nn.Linear of a model made
 one, in place) are the reference of its build exercise; ``Int8KernelLinear`` runs PyTorch's int8 kernel,
-``quantize_weights`` a quantized copy of a course_lib GPT, ``decode_weight_bytes`` the bytes of the weights a decode step of a model reads, counted.
+``quantize_int4`` is the reference of its int4 exercise, ``dequantize_int4`` the weight it stands for, and
+``Int4Linear`` a layer on those int4 weights (PyTorch's CPU int4 kernel or a dequantize-and-multiply, whichever
+``course_lib.kernels`` measured faster here); ``quantize_weights`` a quantized copy of a course_lib GPT,
+``decode_weight_bytes`` the bytes of the weights a decode step of a model reads, counted.
 
 Shapes: B batch, C = n_embd, L = n_layer, V vocabulary; a weight is (out, in), as in ``nn.Linear``.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -173,28 +178,157 @@ class Int8KernelLinear(Int8Linear):
         return super().forward(x)
 
 
+#: The group sizes ``quantize_int4`` takes: groups of 32 to 128 inputs (llama.cpp's Q4 blocks hold 32, GPTQ's and
+#: AWQ's groups usually 128), the sizes PyTorch's int4 kernel takes.
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def quantize_int4(weight, group_size=32):
+    """Asymmetric int4 quantization of a weight (out, in), one scale and one minimum per group of `group_size`
+    consecutive inputs of a row (the layout of llama.cpp's Q4_1; GPTQ and AWQ group the inputs the same way).
+
+    Returns (q (out, in) uint8, scale (out, in // group_size) float32, minimum (out, in // group_size) float32),
+    with weight[o, i] ~ q[o, i] * scale[o, g] + minimum[o, g] for the group g = i // group_size: minimum is the
+    group's smallest weight and scale = (its largest - its smallest) / 15, so the levels are 0..15, the group's
+    smallest entry at 0, its largest at 15, and every entry within half a step (scale / 2) of the weight. A group
+    whose float32 scale is 0 (its entries all equal, or so close that the scale underflows) gets scale 0 and q 0,
+    never NaN or an infinity. The weight is left unchanged. Raises ValueError naming the argument: weight not 2-D, group_size not one of
+    32, 64, 128, in not a multiple of group_size.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (out, in), got shape {tuple(weight.shape)}")
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"weight's in = {in_features} inputs must be a multiple of group_size = {group_size}")
+    groups = weight.detach().float().reshape(out_features, in_features // group_size, group_size)  # consecutive inputs
+    minimum = groups.amin(dim=2)  # (out, groups)
+    scale = (groups.amax(dim=2) - minimum) / 15  # 16 levels, 15 steps
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: 0 / 1, not 0 / 0
+    q = torch.round((groups - minimum[..., None]) / divisor[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(out_features, in_features), scale, minimum
+
+
+def dequantize_int4(q, scale, minimum):
+    """The weight (out, in) float32 that (q (out, in), scale and minimum (out, in // group_size)) stand for."""
+    out_features, in_features = q.shape
+    groups = q.float().reshape(out_features, scale.shape[1], -1)  # (out, groups, group_size)
+    return (groups * scale.float()[..., None] + minimum.float()[..., None]).reshape(out_features, in_features)
+
+
+#: PyTorch's CPU int4 kernel (bfloat16 activations; two levels per byte, a bfloat16 scale and offset per group).
+_INT4_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+#: That kernel's packing takes a number of output channels that is a multiple of 16 (others are padded with zeros).
+INT4_KERNEL_ROWS = 16
+#: The two ways ``Int4Linear`` can compute; which one runs is measured (``COURSE_INT4_KERNEL`` forces one).
+INT4_KERNELS = ("int4 kernel", "dequantize + F.linear")
+
+
+class Int4Linear(nn.Module):
+    """A linear layer on int4 weights: ``Int4Linear(q, scale, minimum, bias=None)``, from ``quantize_int4``'s triple.
+
+    forward(x (..., in)) -> (..., out), in x's dtype: F.linear(x, W, bias) with W = ``dequantize_int4(q, scale,
+    minimum)``, within the rounding of the kernel that runs, ``self.kernel``: "int4 kernel", PyTorch's
+    (``torch._weight_int4pack_mm_for_cpu``: two levels per byte, bfloat16 activations, scales and offsets, the
+    output channels padded to a multiple of 16), or "dequantize + F.linear" (float32 levels from uint8,
+    one byte per level, float32 scales). ``course_lib.kernels.choose_faster`` measures the two on a one-row product
+    of this shape, once per shape and thread count, and the layer keeps only the chosen one's tensors;
+    `kernel` (or else ``COURSE_INT4_KERNEL``) forces one: the dequantizing one computes in x's dtype on every CPU
+    alike, where a measured choice may differ between machines. ``from_linear(linear, group_size=32,
+    quantize=quantize_int4, kernel="auto")``: the layer of an nn.Linear (its bias kept in float32), quantized by
+    `quantize` (a learner's, say).
+    """
+
+    def __init__(self, q, scale, minimum, bias=None, kernel="auto"):
+        super().__init__()
+        from .kernels import choose_faster
+
+        self.out_features, self.in_features = q.shape
+        self.group_size = self.in_features // scale.shape[1]
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        candidates = {INT4_KERNELS[1]: self._dequantized_buffers(q, scale, minimum)}
+        if _INT4_KERNEL and self.group_size in INT4_GROUP_SIZES:
+            candidates[INT4_KERNELS[0]] = self._packed_buffers(q, scale, minimum)
+        x = torch.zeros(1, self.in_features)
+        runs = {name: (lambda buffers=buffers, name=name: self._forward(name, buffers, x))
+                for name, buffers in candidates.items()}
+        self.kernel = choose_faster(("int4", self.out_features, self.in_features, self.group_size), runs,
+                                    os.environ.get("COURSE_INT4_KERNEL", "auto") if kernel == "auto" else kernel)
+        for name, t in candidates[self.kernel].items():
+            self.register_buffer(name, t)
+
+    @staticmethod
+    def _dequantized_buffers(q, scale, minimum) -> dict:
+        return {"q": q.detach().to(torch.uint8).contiguous(), "scale": scale.detach().float(),
+                "minimum": minimum.detach().float()}
+
+    @staticmethod
+    def _packed_buffers(q, scale, minimum) -> dict:
+        """The kernel's layout: levels packed two per byte, (out padded, in / 2); per group (scale, minimum + 8 scale),
+        (groups, out padded, 2) in bfloat16 (the kernel computes (q - 8) * scale + offset)."""
+        pad = -q.shape[0] % INT4_KERNEL_ROWS
+        q, scale, minimum = (F.pad(t.detach(), (0, 0, 0, pad)) for t in (q, scale.float(), minimum.float()))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        offsets = torch.stack([scale.t(), (minimum + 8 * scale).t()], dim=-1).to(torch.bfloat16).contiguous()
+        return {"packed": packed, "scales_and_offsets": offsets}
+
+    def _forward(self, kernel: str, buffers: dict, x):
+        if kernel == INT4_KERNELS[0]:
+            rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, buffers["packed"], self.group_size,
+                                                           buffers["scales_and_offsets"])[:, :self.out_features]
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, dequantize_int4(buffers["q"], buffers["scale"], buffers["minimum"]).to(x.dtype))
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def forward(self, x):
+        names = ("packed", "scales_and_offsets") if self.kernel == INT4_KERNELS[0] else ("q", "scale", "minimum")
+        return self._forward(self.kernel, {name: getattr(self, name) for name in names}, x)
+
+    @classmethod
+    def from_linear(cls, linear, group_size=32, quantize=quantize_int4, kernel="auto"):
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        return cls(*quantize(linear.weight, group_size), linear.bias, kernel)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"bias={self.bias is not None}, kernel={self.kernel!r}")
+
+
+#: The group size of ``quantize_weights``' int4: llama.cpp's Q4 block.
+INT4_GROUP_SIZE = 32
+
+
 #: What ``quantize_weights`` can store the weights in.
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")
 
 
-def quantize_weights(model: nn.Module, weights: str) -> nn.Module:
+def quantize_weights(model: nn.Module, weights: str, group_size: int = INT4_GROUP_SIZE, quantize=quantize_int4,
+                     kernel: str = "auto") -> nn.Module:
     """A copy of `model` (in eval mode) with its weights stored as `weights`; the model is left as it is.
 
     "int8": every nn.Linear becomes an ``Int8KernelLinear`` (for a GPT: the blocks' four projections and the LM
     head, whose int8 copy no longer shares storage with the token embedding, which stays float32 for its
-    look-ups); LayerNorms, embeddings and biases stay float32. "bfloat16": every parameter and buffer
-    in bfloat16 (the activations and a KV cache made for the model follow). "float32": a plain copy.
+    look-ups); LayerNorms, embeddings and biases stay float32. "int4": the same with ``Int4Linear`` layers, groups
+    of `group_size` inputs quantized by `quantize` (``quantize_int4``'s contract: a learner's, say), on `kernel`
+    (``Int4Linear``'s), where the input width is a multiple of group_size (others stay nn.Linear). "bfloat16": every
+    parameter and buffer in bfloat16 (the activations and a KV cache made for the model follow). "float32": a plain copy.
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     quantized = copy.deepcopy(model).eval()
     if weights == "bfloat16":
         return quantized.to(torch.bfloat16)
-    if weights == "int8":
+    if weights in ("int8", "int4"):
         for module in list(quantized.modules()):
             for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear):
+                if isinstance(child, nn.Linear) and weights == "int8":
                     setattr(module, name, Int8KernelLinear.from_linear(child))
+                elif isinstance(child, nn.Linear) and child.in_features % group_size == 0:
+                    setattr(module, name, Int4Linear.from_linear(child, group_size, quantize, kernel))
     return quantized
 
 

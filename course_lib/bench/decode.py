@@ -1,13 +1,14 @@
 """``course bench decode``: greedy decoding speed of ours against Hugging Face's ``generate``, same weights.
 
 ``bench_decode``: tokens per second of our cached decoding (``course_lib.kv_cache.generate_cached``) with float32,
-int8 and bfloat16 weights (``course_lib.quantize``), our uncached decoding (a full forward pass per token), and Hugging
+int8, bfloat16 and int4 weights (``course_lib.quantize``), our uncached decoding (a full forward pass per token), and Hugging
 Face's ``generate`` with ``use_cache`` True and False; beside them the memory-bandwidth bound of each weight format
 (``read_bandwidth``, which chapter 08 uses too). ``bench_llama_decode``: chapter 11's Llama-style model
 (``course_lib.llama.generate_llama``) against Hugging Face's ``LlamaForCausalLM`` with the same weights.
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -15,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from ..gpt import GPT, GPTConfig, extend, gpt_logits, greedy_choice
-from ..kernels import ONEDNN_AVAILABLE, chosen_kernels, onednn_linear, use_fastest_kernels
+from ..kernels import (ONEDNN_AVAILABLE, chosen_among, chosen_kernels, onednn_linear, use_fastest_bf16_kernels,
+                       use_fastest_kernels)
 from ..kv_cache import generate_cached
-from ..quantize import decode_weight_bytes, quantize_weights
+from ..quantize import INT4_GROUP_SIZE, decode_weight_bytes, dequantize_int4, quantize_int4, quantize_weights
 from . import timing
 from .hf_adapters import hf_generate
 
@@ -123,6 +125,25 @@ def _prompt(vocab_size: int, batch_size: int, prompt_len: int, seed: int):
     return torch.randint(0, vocab_size, (batch_size, prompt_len), generator=torch.Generator().manual_seed(seed + batch_size))
 
 
+def int4_reference_model(model, group_size: int = INT4_GROUP_SIZE):
+    """A float64 copy of `model` whose every nn.Linear weight (group_size dividing its inputs) is replaced by its
+    dequantized int4 weight (``quantize_int4``, ``dequantize_int4``): what int4's greedy tokens are compared with.
+    The int4 model itself rounds its activations, scales and offsets to bfloat16 in PyTorch's kernel, so its tokens
+    can part from this reference where two logits are within that rounding."""
+    reference = copy.deepcopy(model).double().eval()
+    with torch.no_grad():
+        for module in reference.modules():
+            if isinstance(module, torch.nn.Linear) and module.in_features % group_size == 0:
+                module.weight = torch.nn.Parameter(dequantize_int4(*quantize_int4(module.weight, group_size)).double())
+    return reference
+
+
+def first_difference(a, b) -> int | None:
+    """The first position (along the tokens, any row) at which two (B, T) token tensors differ; None if equal."""
+    differ = (a != b).any(dim=0).nonzero()
+    return None if differ.numel() == 0 else int(differ[0])
+
+
 def _time_runs(runs: dict, warmup: int, repeats: int, after_round=None) -> dict:
     """Time each run {name: (run(n new tokens), n)} alternately after warmup runs of at most WARMUP_TOKENS tokens
     (``timing.alternate``); returns {name: its Runs}, whose last result holds its last run's tokens."""
@@ -134,17 +155,21 @@ def _time_runs(runs: dict, warmup: int, repeats: int, after_round=None) -> dict:
 def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: int = 256, prompt_len: int = 16,
                  uncached_tokens: dict | None = None, threads: int = 2, warmup: int = 1, repeats: int = REPEATS,
                  seed: int = 0) -> dict:
-    """Greedy decoding speed of ours (cached with float32, int8 and bfloat16 weights; uncached) and of
+    """Greedy decoding speed of ours (cached with float32, int8, bfloat16 and int4 weights; uncached) and of
     Hugging Face's generate (use_cache True, False), float32.
 
     For each shape and batch size: random weights (seeded), one converted copy for Hugging Face (identical
-    weights) and our int8 and bfloat16 copies (``quantize_weights``), a random prompt of prompt_len tokens;
+    weights) and our int8, bfloat16 and int4 copies (``quantize_weights``; int4: groups of INT4_GROUP_SIZE, each
+    layer on the kernel ``course_lib.kernels`` measured faster), a random prompt of prompt_len tokens;
     each implementation generates new_tokens (cached) or uncached_tokens[shape] (uncached) tokens, warmup
     times untimed, then repeats times, alternating between implementations; the median time gives
     tokens/s = B * new tokens / seconds; "vs HF" divides by HF's float32 row of the same caching. For the
     GPT-2-small shape at batch 1, the memory-bandwidth bound of each weight format: the measured read
     bandwidth (``read_bandwidth``, with one thread, two and `threads`, measured after each repeat's runs; the
-    fastest of them, so that no run beats it) / the bytes of the weights a step reads. Returns {"rows": [...], "bound": {...} or None, ...}.
+    fastest of them, so that no run beats it) / the bytes of the weights a step reads. Tokens: ours float32 against
+    HF's (equal, the same float32 weights); int4's against a float64 model with int4's dequantized weights
+    (``int4_reference_model``), ``int4_first_difference`` the first token at which they part (None: equal).
+    Returns {"rows": [...], "bound": {...} or None, ...}.
     """
     from ..hf import to_hf
 
@@ -155,7 +180,9 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
         for shape in shapes:
             config = GPTConfig(**DECODE_SHAPES[shape])
             ours, theirs = _seeded_pair(GPT, config, to_hf, seed)
-            ours_int8, ours_bf16 = quantize_weights(ours, "int8"), quantize_weights(ours, "bfloat16")
+            ours_int8 = quantize_weights(ours, "int8")
+            ours_bf16 = use_fastest_bf16_kernels(quantize_weights(ours, "bfloat16"))  # oneDNN packed where faster here
+            ours_int4, int4_reference = quantize_weights(ours, "int4"), int4_reference_model(ours)
             use_fastest_kernels(ours, rows=batch_sizes)  # float32: the faster kernel per weight, measured here
             n_uncached = min(uncached_tokens[shape], new_tokens)
             for B in batch_sizes:
@@ -164,6 +191,7 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
                     "ours, cached": (lambda n: generate_cached(ours, prompt, n), new_tokens),
                     "ours int8, cached": (lambda n: generate_cached(ours_int8, prompt, n), new_tokens),
                     "ours bf16, cached": (lambda n: generate_cached(ours_bf16, prompt, n), new_tokens),
+                    "ours int4, cached": (lambda n: generate_cached(ours_int4, prompt, n), new_tokens),
                     "ours, uncached": (lambda n: greedy_uncached(ours, prompt, n), n_uncached),
                     "HF generate, use_cache=True": (lambda n: hf_generate(theirs, prompt, n, True), new_tokens),
                     "HF generate, use_cache=False": (lambda n: hf_generate(theirs, prompt, n, False), n_uncached),
@@ -177,10 +205,13 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
 
                 timed = _time_runs(runs, warmup, repeats, after_round=measure)
                 same = torch.equal(timed["ours, cached"].results[-1], timed["HF generate, use_cache=True"].results[-1])
+                int4_part = first_difference(timed["ours int4, cached"].results[-1][:, prompt_len:],
+                                             generate_cached(int4_reference, prompt, new_tokens)[:, prompt_len:])
                 for name, (_, n) in runs.items():
                     seconds = timed[name].median
                     rows.append({"shape": shape, "batch_size": B, "impl": name, "new_tokens": n, "seconds": seconds,
-                                 "tokens_per_s": B * n / seconds, "times": timed[name].seconds, "same_tokens_as_hf": same})
+                                 "tokens_per_s": B * n / seconds, "times": timed[name].seconds, "same_tokens_as_hf": same,
+                                 "int4_first_difference": int4_part})
                 these = rows[-len(runs):]
                 for row in these:
                     cached = row["impl"].endswith((" cached", "True"))
@@ -190,13 +221,14 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
                     bandwidth = max(bandwidths)  # a bound: the fastest read of the whole run
                     bound = {"bandwidth": bandwidth, "bandwidths": bandwidths, "formats": {}}
                     for weights, model, impl in (("float32", ours, "ours, cached"), ("int8", ours_int8, "ours int8, cached"),
-                                                 ("bfloat16", ours_bf16, "ours bf16, cached")):
+                                                 ("bfloat16", ours_bf16, "ours bf16, cached"),
+                                                 ("int4", ours_int4, "ours int4, cached")):
                         weight_bytes = decode_weight_bytes(model)
                         row = next(r for r in these if r["impl"] == impl)
                         bound["formats"][weights] = {"weight_bytes": weight_bytes, "tokens_per_s": bandwidth / weight_bytes,
                                                      "fraction": row["tokens_per_s"] * weight_bytes / bandwidth}
     return {"rows": rows, "bound": bound, "threads": threads, "repeats": repeats, "warmup": warmup, "prompt_len": prompt_len,
-            "kernels": chosen_kernels()}
+            "kernels": chosen_kernels(), "int4_kernels": chosen_among()}
 
 
 def _format_rows(rows: list) -> list[str]:
@@ -220,6 +252,10 @@ def format_decode(result: dict) -> str:
              f"median of {result['repeats']} runs after {result['warmup']} warm-up run(s); tokens/s = B x new tokens / seconds",
              *_format_rows(result["rows"])]
     lines.append("ours cached == HF cached, same tokens: " + _format_agreement(result["rows"]))
+    parts = {(r["shape"], r["batch_size"]): r.get("int4_first_difference") for r in result["rows"]}
+    lines.append("ours int4 == a float64 model with int4's dequantized weights, same tokens: " + ", ".join(
+        f"{s} B={b}: " + ("yes" if p is None else f"from token {p} on (bfloat16 rounding in the kernel)")
+        for (s, b), p in parts.items()))
     lines.append("(vs HF: our cached rows / HF use_cache=True float32, ours uncached / HF use_cache=False; "
                  "targets: float32 >= 1.3x, int8 >= 2.5x at gpt2-small)")
     bound = result.get("bound")
@@ -232,6 +268,11 @@ def format_decode(result: dict) -> str:
             lines.append(f"  {weights:8s} {b['weight_bytes'] / 1e6:6.1f} MB -> {b['tokens_per_s']:6.1f} tokens/s; "
                          f"ours cached reaches {b['fraction']:.0%} of it" + (" (target >= 50%)" if weights == "float32" else ""))
     lines.append(format_kernels(result.get("kernels", {})))
+    for kind, what in (("int4", "groups of"), ("bfloat16", "bias")):
+        chosen = sorted({(key[1:4], name) for key, name in result.get("int4_kernels", {}).items() if key[0] == kind})
+        if chosen:
+            lines.append(f"{kind} kernels chosen (course_lib.kernels, measured): " +
+                         "; ".join(f"({o}, {i}) {what} {g}: {name}" for (o, i, g), name in chosen))
     return "\n".join(lines)
 
 

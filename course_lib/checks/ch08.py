@@ -6,7 +6,9 @@ position table left out and the tied embedding once, plus the ``nbytes`` of a ch
 row, q = round(w / scale), a scale that underflows to 0 in float32 taken as 0) and its properties (int8 levels in -127..127, every entry within half a step of
 the weight, each row's largest entry at +-127); the dequantized weight and the int8 layer as float64
 products (``q * scale[:, None]``, ``F.linear``); a quantized GPT against a float64 copy whose matrices are the
-oracle's dequantized weights (``dequantized_copy``); never course_lib.quantize's reference solutions.
+oracle's dequantized weights (``dequantized_copy``); int4 with groups as its float64 formula
+(``int4_reference``: minimum and (max - min) / 15 per group of consecutive inputs, q = round((w - minimum) / scale));
+never course_lib.quantize's reference solutions.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from .core import ATOL, RTOL, assert_close, assert_shape, assert_tensor, call_learner, fail, passed, unpack_pair
 
 __all__ = ["check_bytes_per_token", "check_quantize_int8", "check_dequantize_int8", "check_int8_linear",
-           "check_quantize_model", "dequantized_copy",
+           "check_quantize_model", "check_quantize_int4", "dequantized_copy", "int4_reference",
            "bytes_per_token_oracle", "default_cache_dtype", "int8_reference", "int8_rounding_ties"]
 
 
@@ -666,3 +668,219 @@ def check_quantize_model(quantize_model) -> None:
     assert_close(logits, expected, "the quantized GPT's logits, compared with a float64 GPT whose matrices are "
                  "the dequantized weights", atol=_atol(expected))
     passed("quantize_model")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# exercise 5: int4 with a scale and a minimum per group of inputs
+
+
+def int4_reference(weight, group_size: int):
+    """The float64 formula of asymmetric int4 with groups of `group_size` consecutive inputs of each row:
+    minimum = the group's smallest weight, scale = (largest - smallest) / 15 (0 where it is 0 in float32),
+    q = round((w - minimum) / scale) in 0..15 (0 where the scale is 0). Returns (q (out, in) int64, scale, minimum
+    (out, in // group_size) float64)."""
+    out, inp = weight.shape
+    groups = weight.double().reshape(out, inp // group_size, group_size)
+    minimum = groups.amin(dim=2)
+    scale = (groups.amax(dim=2) - minimum) / 15
+    scale = torch.where(scale.float() > 0, scale, torch.zeros_like(scale))
+    ratio = (groups - minimum[..., None]) / torch.where(scale > 0, scale, 1.0)[..., None]
+    return ratio.round().clamp(0, 15).long().reshape(out, inp), scale, minimum
+
+
+def _int4_ratio(weight, group_size: int):
+    """(w - minimum) / scale per entry, float64, (out, in): where it is within 1e-4 of a half, rounding may go either way."""
+    _, scale, minimum = int4_reference(weight, group_size)
+    out, inp = weight.shape
+    groups = weight.double().reshape(out, inp // group_size, group_size)
+    return ((groups - minimum[..., None]) / torch.where(scale > 0, scale, 1.0)[..., None]).reshape(out, inp)
+
+
+def _int4_weight(g, out: int, inp: int, group_size: int, dtype=torch.float32):
+    """A random weight whose groups differ in size by up to 10^3 (across a row and across rows), shifted off zero
+    (so a group's minimum is not minus its largest), with one all-zero group and one constant group."""
+    n = inp // group_size
+    sizes = torch.logspace(-2, 1, out * n, dtype=torch.float64)[torch.randperm(out * n, generator=g)].reshape(out, n, 1)
+    w = (torch.randn(out, n, group_size, generator=g, dtype=torch.float64) + 0.7) * sizes
+    w[0, n - 1] = 0.0  # an all-zero group
+    w[out - 1, 0] = 0.25  # a constant group: scale 0, its minimum the value
+    if dtype == torch.float32:  # a group spanning 7e-45: (max - min) / 15 underflows to a float32 scale of 0
+        w[out - 2, 0] = 7e-45 * (torch.arange(group_size) % 2)
+    return w.reshape(out, inp).to(dtype)
+
+
+def _check_int4_errors(quantize_int4) -> None:
+    weight = torch.randn(4, 96)
+    for group_size, what in ((16, "group_size 16 (below 32)"), (256, "group_size 256 (above 128)"),
+                             (48, "group_size 48 (not one of 32, 64, 128)")):
+        try:
+            quantize_int4(weight, group_size)
+        except ValueError as error:
+            if "group_size" not in str(error):
+                fail(f"quantize_int4(weight, {group_size}) raised ValueError({str(error)!r}), which does not name the "
+                     "argument: say which argument is wrong, group_size, and what it may be (32, 64 or 128)")
+            continue
+        except Exception as error:  # noqa: BLE001 - any other error is the learner's to see
+            fail(f"quantize_int4(weight, {group_size}) raised {type(error).__name__}: {error}; expected a ValueError "
+                 f"naming group_size for {what}")
+        fail(f"quantize_int4(weight, {group_size}) returned without an error: {what}; raise ValueError naming "
+             "group_size and the sizes it may be (32, 64, 128)")
+    try:
+        quantize_int4(torch.randn(4, 80), 32)
+    except ValueError as error:
+        if "group_size" not in str(error) and "weight" not in str(error):
+            fail(f"quantize_int4(weight (4, 80), 32) raised ValueError({str(error)!r}), which names neither weight "
+                 "nor group_size: say that the weight's 80 inputs are not a multiple of group_size 32")
+        return
+    except Exception as error:  # noqa: BLE001
+        fail(f"quantize_int4(weight (4, 80), 32) raised {type(error).__name__}: {error}; expected a ValueError: 80 inputs "
+             "are not a multiple of group_size 32 (a last group of 16 would break the (out, in // group_size) layout)")
+    fail("quantize_int4(weight (4, 80), 32) returned without an error: 80 inputs are not a multiple of group_size 32; "
+         "raise ValueError naming weight or group_size")
+
+
+def _check_int4(quantize_int4, weight, group_size: int, name: str) -> None:
+    """One matrix: every property of asymmetric grouped int4, with a specific message for each classic mistake."""
+    original = weight.clone()
+    watch = _NonFiniteWatch()
+    with watch:
+        result = call_learner(lambda: quantize_int4(weight, group_size), f"quantize_int4(weight, {group_size})", "",
+                              Exception)
+    if not isinstance(result, tuple) or len(result) != 3:
+        fail(f"quantize_int4 should return a tuple (q, scale, minimum), got {type(result).__name__}")
+    q, scale, minimum = result
+    for t, what in ((q, "q"), (scale, "scale"), (minimum, "minimum")):
+        assert_tensor(t, f"{what} ({name})")
+    if not torch.equal(weight, original):
+        fail(f"quantize_int4 changed the weight it was given ({name}): compute new tensors, do not modify it in place")
+    out, inp = weight.shape
+    n = inp // group_size
+    q_ref, s_ref, m_ref = int4_reference(weight, group_size)
+    w = weight.double()
+    assert_shape(q, (out, inp), f"q ({name}), one level per weight (out, in)")
+    for t, what in ((scale, "scale"), (minimum, "minimum")):
+        shape = tuple(t.shape)
+        if shape in ((out,), (out, 1)):
+            fail(f"{what} has shape {shape} ({name}): one {what} per row. Each group of {group_size} consecutive inputs of "
+                 f"a row gets its own, shape (out, in // group_size) = ({out}, {n}): a row's groups differ in size here "
+                 "by up to 10^3, and one scale per row leaves its small groups a level or two")
+        if shape == (out // group_size, inp) or shape == (n, out):
+            fail(f"{what} has shape {shape} ({name}): your groups run across the output axis (or the result is "
+                 f"transposed). A group is {group_size} consecutive inputs of one row, w.reshape(out, in // group_size, "
+                 f"group_size), reduced over its last axis: shape ({out}, {n})")
+        if shape == (out, group_size) and group_size != n:
+            fail(f"{what} has shape {shape} ({name}): you reduced over the wrong axis of w.reshape(out, in // group_size, "
+                 "group_size): reduce within each group, over the last axis (dim=2), to get (out, in // group_size) = "
+                 f"({out}, {n})")
+        assert_shape(t, (out, n), f"{what} ({name}), one per group (out, in // group_size)")
+        if t.dtype != torch.float32:
+            fail(f"{what} should be float32, got {t.dtype} ({name}): return {what}.float()")
+        if not torch.isfinite(t).all():
+            fail(f"{what} has non-finite entries ({name}), e.g. {t[~torch.isfinite(t)][0].item()}")
+    if not q.is_floating_point() and (q < 0).any():
+        r, c = (int(i) for i in (q < 0).nonzero()[0])
+        fail(f"q[{r}, {c}] = {int(q[r, c])} ({name}): negative levels, as in the symmetric scheme (llama.cpp's Q4_0: "
+             "levels -8..7, scale max |w| / 8, no minimum). This exercise is the asymmetric one: levels 0..15 from the "
+             "group's minimum, q = round((w - minimum) / scale) with scale = (max - min) / 15, stored as uint8")
+    if q.dtype != torch.uint8:
+        hint = (": round, then store the levels as unsigned bytes, .to(torch.uint8)" if q.is_floating_point() else
+                ": the levels 0..15 are unsigned; store them as torch.uint8")
+        fail(f"q should be uint8 (torch.uint8), got {q.dtype} ({name}){hint}")
+    if (q > 15).any():
+        r, c = (int(i) for i in (q > 15).nonzero()[0])
+        wrapped = " (a uint8 cast wraps negative levels around to 255, 254, ...)" if int(q[r, c]) >= 240 else ""
+        fail(f"q[{r}, {c}] = {int(q[r, c])} ({name}): 4 bits hold the levels 0..15 only{wrapped}. With the group's "
+             "minimum at level 0 and scale = (max - min) / 15, q = round((w - minimum) / scale) lies in 0..15 "
+             "(clamp to (0, 15) before the cast; a symmetric -8..7 scheme is llama.cpp's Q4_0, not this contract)")
+    groups = w.reshape(out, n, group_size)
+    m, s = minimum.double(), scale.double()
+    if out > 1 and n > 1:
+        per_row = (m == m[:, :1]).all() and (s == s[:, :1]).all()
+        if per_row and not torch.allclose(s_ref, s_ref[:, :1].expand(-1, n)):
+            fail(f"every group of a row got the same scale and minimum ({name}): one per row, not per group. Each group of "
+                 f"{group_size} consecutive inputs gets its own: here a row's groups differ in size by up to 10^3")
+    strided = w.reshape(out, group_size, n)  # every n-th input: groups that interleave
+    if not torch.allclose(m, m_ref, rtol=1e-6, atol=1e-30) and torch.allclose(m, strided.amin(dim=1), rtol=1e-6, atol=1e-30):
+        fail(f"minimum ({name}) is the minimum of every {n}-th input of the row (w.reshape(out, group_size, in // "
+             "group_size) reduced over dim 1): a group is group_size CONSECUTIVE inputs, w.reshape(out, in // group_size, "
+             "group_size) reduced over dim 2 (the layout llama.cpp, GPTQ and AWQ use)")
+    bad = (m - m_ref).abs() > 1e-6 * m_ref.abs() + 1e-30
+    if bad.any():
+        r, c = (int(i) for i in bad.nonzero()[0])
+        hint = (": you took the smallest magnitude, min |w|; the minimum is the smallest value, negative entries "
+                "included" if abs(m[r, c] - groups[r, c].abs().min()) <= 1e-6 * abs(m_ref[r, c]) + 1e-30 else
+                ": that is minus the largest |w|, a symmetric range; this scheme is asymmetric: the group's own "
+                "smallest value, so no level is wasted on values the group does not have"
+                if abs(m[r, c] + groups[r, c].abs().max()) <= 1e-6 * abs(m_ref[r, c]) + 1e-30 else "")
+        fail(f"minimum[{r}, {c}] should be the smallest weight of group {c} of row {r}, {m_ref[r, c].item():.6g}, got "
+             f"{m[r, c].item():.6g} ({name}){hint}")
+    span = groups.amax(dim=2) - m_ref
+    bad = ((s - s_ref).abs() > 1e-6 * (s_ref + (groups.abs().amax(dim=2)) / 15)) & (s_ref > 0)
+    if bad.any():
+        r, c = (int(i) for i in bad.nonzero()[0])
+        got, want = s[r, c].item(), s_ref[r, c].item()
+        hint = (": that is (max - min) / 16; 16 levels have 15 steps between them, divide by 15"
+                if abs(got * 16 / 15 / want - 1) < 1e-5 else
+                ": that is max |w| / 7.5 or / 7, a symmetric scale; here the scale spans the group's own range, "
+                "(max - min) / 15" if min(abs(got * 7.5 / groups[r, c].abs().max().item() - 1),
+                                          abs(got * 7 / groups[r, c].abs().max().item() - 1)) < 1e-5 else
+                ": that is max - min itself; divide it by 15, the number of steps" if abs(got / want / 15 - 1) < 1e-5 else "")
+        fail(f"scale[{r}, {c}] should be (max - min) / 15 of group {c} of row {r} = {want:.6g}, got {got:.6g} ({name}){hint}")
+    for r, c in ((scale == 0) & (s_ref > 0)).nonzero().tolist():
+        fail(f"scale[{r}, {c}] is 0 ({name}) though that group's weights differ")
+    constant = s_ref == 0
+    for r, c in constant.nonzero().tolist():
+        levels = q[r, c * group_size:(c + 1) * group_size]
+        if scale[r, c] != 0 or (levels != 0).any():
+            values = sorted(set(groups[r, c].tolist()))
+            what = (f"holds one value, {values[0]:.4g}, {group_size} times: its scale (max - min) / 15 is 0" if len(values) == 1
+                    else f"spans only {values[-1] - values[0]:.2g}: its scale (max - min) / 15 underflows to 0 in float32")
+            fail(f"group {c} of row {r} {what} ({name}), so it should get scale 0 and q 0 (its minimum stands for "
+                 f"the group); got scale {scale[r, c].item():.4g} and levels {sorted(set(levels.tolist()))}. Dividing by "
+                 "that zero scale gives 0 / 0 = NaN or x / 0 = inf: divide such a group by 1 instead, "
+                 "torch.where(scale > 0, scale, 1), a guard on the float32 scale itself")
+    if watch.garbage(q):
+        fail(f"your code turned {watch.cast[1]} into integers ({watch.cast[0]}) ({name}): casting NaN or an infinity "
+             "to uint8 is undefined (0 on one CPU, any level on another). It came from a division by a zero scale, "
+             "0 / 0 in a group whose entries are all equal: divide such a group by 1, torch.where(scale > 0, scale, 1)")
+    ratio = _int4_ratio(weight, group_size)
+    ties = ((ratio - ratio.floor()) - 0.5).abs() < 1e-4
+    back = (q.double().reshape(out, n, group_size) * s[..., None] + m[..., None]).reshape(out, inp)
+    step = s.repeat_interleave(group_size, dim=1)
+    too_far = ((back - w).abs() > step * (0.5 + 2e-4) + 1e-6 * w.abs()) & (step > 0)
+    if too_far.any():
+        r, c = (int(i) for i in too_far.nonzero()[0])
+        near_integer = (ratio - ratio.round()).abs() < 1e-4  # truncating or rounding: either may land there
+        if bool(((q.long() == ratio.floor().clamp(0, 15).long()) | ties | near_integer
+                 | constant.repeat_interleave(group_size, 1)).all()):
+            frac = ratio - ratio.floor()
+            r, c = (int(i) for i in ((frac > 0.5) & ~ties).nonzero()[0])
+            fail(f"q looks truncated, not rounded ({name}): (w - minimum) / scale = {ratio[r, c].item():.4g} at [{r}, {c}] "
+                 f"became {int(q[r, c])}, an error of {frac[r, c].item():.2f} of a step. .to(torch.uint8) truncates: "
+                 "round first, torch.round((w - minimum) / scale)")
+        fail(f"q[{r}, {c}] = {int(q[r, c])} stands for q x scale + minimum = {back[r, c].item():.6g}, but w[{r}, {c}] = "
+             f"{w[r, c].item():.6g} ({name}): more than half a step away. q should be round((w - minimum) / scale) = "
+             f"round({ratio[r, c].item():.4g})")
+    differ = (q.long() != q_ref) & ~ties
+    if differ.any():
+        r, c = (int(i) for i in differ.nonzero()[0])
+        fail(f"q[{r}, {c}] = {int(q[r, c])}, expected round((w - minimum) / scale) = {int(q_ref[r, c])} ({name})")
+    for level, where in ((0, "smallest"), (15, "largest")):
+        hit = (q.reshape(out, n, group_size) == level).any(dim=2) | constant
+        if not hit.all():
+            r, c = (int(i) for i in (~hit).nonzero()[0])
+            fail(f"no weight of group {c} of row {r} got level {level} ({name}): the group's {where} weight maps to "
+                 f"{level}, so that its 16 levels span its range")
+
+
+def check_quantize_int4(quantize_int4) -> None:
+    """Visible checks for chapter 08, exercise 5: weights whose groups differ in size by 10^3, with an all-zero and a
+    constant group, in float32, float64 and bfloat16, groups of 32 and 64, against the float64 formula
+    (``int4_reference``); and a ValueError naming group_size for 16, 48, 256, and for inputs not a multiple of it."""
+    g = torch.Generator().manual_seed(805)
+    for (out, inp, group_size, dtype) in ((6, 128, 32, torch.float32), (4, 128, 64, torch.float64),
+                                          (3, 64, 32, torch.bfloat16)):
+        weight = _int4_weight(g, out, inp, group_size, dtype)
+        _check_int4(quantize_int4, weight, group_size, f"a ({out}, {inp}) {str(dtype)[6:]} weight, groups of {group_size}")
+    _check_int4_errors(quantize_int4)
+    passed("quantize_int4")

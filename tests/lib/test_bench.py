@@ -37,7 +37,7 @@ def test_bench_decode_quick_on_the_tiny_shape_returns_and_prints_sane_rows(capsy
     assert torch.get_num_threads() == threads
     rows = result["rows"]
     assert [(r["batch_size"], r["impl"]) for r in rows] == [(b, impl) for b in (1, 2) for impl in (
-        "ours, cached", "ours int8, cached", "ours bf16, cached", "ours, uncached", "HF generate, use_cache=True",
+        "ours, cached", "ours int8, cached", "ours bf16, cached", "ours int4, cached", "ours, uncached", "HF generate, use_cache=True",
         "HF generate, use_cache=False")]
     for row in rows:
         assert row["seconds"] > 0 and row["tokens_per_s"] == row["batch_size"] * row["new_tokens"] / row["seconds"]
@@ -50,6 +50,7 @@ def test_bench_decode_quick_on_the_tiny_shape_returns_and_prints_sane_rows(capsy
     assert result["bound"] is None  # measured for the GPT-2-small shape only
     table = format_decode(result)
     assert "ours, cached" in table and "ours int8, cached" in table and "HF generate, use_cache=False" in table and "vs HF" in table
+    assert "ours int4, cached" in table and "ours int4 == a float64 model with int4's dequantized weights" in table
 
 
 def test_bench_main_decode_quick_prints_the_table(capsys, monkeypatch):

@@ -224,3 +224,49 @@ def test_products_oneDNN_cannot_take_run_f_linear_unmeasured(monkeypatch, case):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast"):
         assert choose(weight, bias, x) == "F.linear"
     assert kernels.chosen_kernels() == {}
+
+
+def test_choose_faster_keeps_the_fastest_per_key_and_thread_count_and_can_be_forced(monkeypatch):
+    calls = {"slow": 0, "fast": 0}
+
+    def run(name, seconds):
+        def call():
+            calls[name] += 1
+            clock[0] += seconds
+        return call
+
+    clock = [0.0]
+    monkeypatch.setattr(kernels.time, "perf_counter", lambda: clock[0])
+    runs = {"slow": run("slow", 2e-3), "fast": run("fast", 1e-3)}
+    assert kernels.choose_faster(("int4", 8, 32, 32), runs) == "fast"
+    measured = dict(calls)
+    assert measured["slow"] >= 1 + kernels.ROUNDS and measured["fast"] >= 1 + kernels.ROUNDS
+    assert kernels.choose_faster(("int4", 8, 32, 32), runs) == "fast" and calls == measured  # kept: not measured again
+    assert kernels.chosen_among() == {("int4", 8, 32, 32, torch.get_num_threads()): "fast"}
+    assert kernels.choose_faster(("int4", 8, 32, 32), runs, forced="slow") == "slow"
+    with pytest.raises(ValueError, match=r"forced must be 'auto' or one of \['fast', 'slow'\], got 'other'"):
+        kernels.choose_faster(("int4", 8, 32, 32), runs, forced="other")
+    kernels.forget_choices()
+    assert kernels.chosen_among() == {}
+
+
+@pytest.mark.skipif(not kernels.BF16_PACKED_AVAILABLE, reason="no oneDNN weight packing in this build")
+@pytest.mark.parametrize("forced", kernels.BF16_KERNELS)
+def test_bf16_models_keep_their_outputs_on_either_kernel(monkeypatch, forced):
+    """Forced either way: a bfloat16 GPT's logits within bfloat16 rounding of float64 F.linear's on the same weights,
+    every bfloat16 nn.Linear packed (or none), the packed bytes those of the weights, and greedy tokens decoded."""
+    monkeypatch.setenv("COURSE_BF16_KERNEL", forced)
+    torch.manual_seed(6)
+    config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=64)
+    model = GPT(config).eval().to(torch.bfloat16)
+    reference = GPT(config).eval().double()
+    reference.load_state_dict(model.state_dict())
+    kernels.use_fastest_bf16_kernels(model)
+    packed = [m for m in model.modules() if isinstance(m, kernels.PackedLinear)]
+    assert len(packed) == (4 * config.n_layer + 1 if forced == "oneDNN packed" else 0)
+    assert all(m.packed.numel() * m.packed.element_size() == m.in_features * m.out_features * 2 for m in packed)
+    idx = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits, expected = model(idx)[0].double(), reference(idx)[0]
+    assert (logits - expected).abs().max() <= 0.05 * expected.abs().max()
+    assert generate_cached(model, idx, 4).shape == (2, 9)

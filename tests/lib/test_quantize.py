@@ -12,15 +12,16 @@ from torch import nn
 
 from course_lib.gpt import GPT, GPTConfig
 from course_lib.kv_cache import generate_cached
-from course_lib.quantize import (WEIGHT_FORMATS, Int8KernelLinear, Int8Linear, bytes_per_token, decode_weight_bytes, dequantize_int8,
-                                 int8_linear, quantize_int8, quantize_model, quantize_weights)
+from course_lib.quantize import (INT4_KERNELS, WEIGHT_FORMATS, Int4Linear, Int8KernelLinear, Int8Linear, bytes_per_token,
+                                 decode_weight_bytes, dequantize_int4, dequantize_int8, int8_linear, quantize_int4,
+                                 quantize_int8, quantize_model, quantize_weights)
 
 SMALL = GPTConfig(vocab_size=61, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
 
-def small_gpt(seed: int = 0) -> GPT:
+def small_gpt(seed: int = 0, config: GPTConfig = SMALL) -> GPT:
     torch.manual_seed(seed)
-    return GPT(SMALL).eval()
+    return GPT(config).eval()
 
 
 def test_bytes_per_token_of_gpt2_small_matches_hugging_faces_parameter_count():
@@ -100,9 +101,9 @@ def test_quantize_weights_copies_and_leaves_the_model_alone():
     assert int8.transformer.wte.weight.dtype == torch.float32  # the embedding stays float32 for its look-ups
     assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
     assert fp32.lm_head.weight is fp32.transformer.wte.weight  # the copy keeps the tie
-    with pytest.raises(ValueError, match=r"weights must be one of \('float32', 'bfloat16', 'int8'\), got 'int4'"):
-        quantize_weights(model, "int4")
-    assert WEIGHT_FORMATS == ("float32", "bfloat16", "int8")
+    with pytest.raises(ValueError, match=r"weights must be one of \('float32', 'bfloat16', 'int8', 'int4'\), got 'int2'"):
+        quantize_weights(model, "int2")
+    assert WEIGHT_FORMATS == ("float32", "bfloat16", "int8", "int4")
 
 
 def test_decode_weight_bytes_counts_what_a_step_reads():
@@ -128,3 +129,72 @@ def test_quantized_models_decode_and_stay_close_to_float32():
             assert (q_logits.float() - logits).abs().max() < 0.05 * logits.abs().max()
             out = generate_cached(quantized, idx[:, :4], 6)
             assert out.shape == (2, 10) and torch.equal(out[:, :4], idx[:, :4])
+
+
+# ---- int4 with a scale and a minimum per group
+
+
+def test_quantize_int4_is_the_formula_per_group_of_consecutive_inputs():
+    # one row, two groups of 32: 0..31 (minimum 0, scale 31 / 15) and -1, 0, ..., 29 and 59 (minimum -1, scale 4)
+    weight = torch.cat([torch.arange(32.0), torch.arange(-1.0, 30.0), torch.tensor([59.0])])[None, :]
+    q, scale, minimum = quantize_int4(weight, 32)
+    assert q.dtype == torch.uint8 and scale.dtype == minimum.dtype == torch.float32
+    assert minimum.tolist() == [[0.0, -1.0]] and torch.allclose(scale, torch.tensor([[31 / 15, 4.0]]))
+    expected = torch.cat([torch.round(torch.arange(32.0) / (31 / 15)), torch.round(torch.arange(32.0) / 4).clamp(max=15)])
+    expected[-1] = 15  # 59 - (-1) = 60 = 15 steps of 4
+    assert torch.equal(q[0].float(), expected)
+    back = dequantize_int4(q, scale, minimum)
+    assert back.dtype == torch.float32 and ((back - weight).abs() <= scale.repeat_interleave(32, 1) / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(weight=torch.zeros(3, 64), group_size=16), r"group_size must be one of \(32, 64, 128\), got 16"),
+    (dict(weight=torch.zeros(3, 64), group_size=256), r"group_size must be one of \(32, 64, 128\), got 256"),
+    (dict(weight=torch.zeros(3, 80), group_size=32), r"weight's in = 80 inputs must be a multiple of group_size = 32"),
+    (dict(weight=torch.zeros(64), group_size=32), r"weight must be 2-D \(out, in\), got shape \(64,\)"),
+])
+def test_quantize_int4_names_the_bad_argument(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        quantize_int4(**kwargs)
+
+
+@pytest.mark.parametrize("kernel", INT4_KERNELS)
+@pytest.mark.parametrize("out_features,group_size,bias", [(24, 32, True), (48, 64, False), (7, 128, True)])
+def test_int4_linear_is_f_linear_with_the_dequantized_weight(monkeypatch, kernel, out_features, group_size, bias):
+    """Both kernels, forced, against float64 F.linear on the dequantized weight: the dequantizing one within float32
+    rounding, PyTorch's int4 kernel within its bfloat16 rounding (activations, scales and offsets); output channels
+    that are not a multiple of 16 (7, 24) padded and cut back."""
+    if kernel == "int4 kernel" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        pytest.skip("this PyTorch build has no CPU int4 kernel")
+    monkeypatch.setenv("COURSE_INT4_KERNEL", "auto")  # the argument forces it
+    torch.manual_seed(3)
+    linear = nn.Linear(256, out_features, bias=bias)
+    layer = Int4Linear.from_linear(linear, group_size, kernel=kernel)
+    assert layer.kernel == kernel
+    x = torch.randn(2, 3, 256)
+    expected = F.linear(x.double(), dequantize_int4(*quantize_int4(linear.weight, group_size)).double(),
+                        None if linear.bias is None else linear.bias.double())
+    y = layer(x)
+    assert y.shape == (2, 3, out_features) and y.dtype == torch.float32
+    tolerance = 1e-5 if kernel == "dequantize + F.linear" else 2e-2  # bfloat16: 8 significant bits
+    assert (y.double() - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+def test_int4_models_store_half_a_byte_per_weight_and_decode_their_reference_tokens(monkeypatch):
+    from course_lib.bench.decode import first_difference, int4_reference_model
+
+    monkeypatch.setenv("COURSE_INT4_KERNEL", "int4 kernel")
+    config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=64)
+    model = small_gpt(4, config)
+    int4 = quantize_weights(model, "int4", 32)
+    layers = [m for m in int4.modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 4 * config.n_layer + 1 and not any(type(m) is nn.Linear for m in int4.modules())
+    C, V, L = config.n_embd, config.vocab_size, config.n_layer
+    weights = L * 12 * C * C + V * C
+    groups = weights // 32
+    vectors = L * (2 * 2 * C + 3 * C + C + 4 * C + C) + 2 * C  # LayerNorms and biases, float32
+    assert decode_weight_bytes(int4) == weights // 2 + 2 * 2 * groups + 4 * vectors  # a bfloat16 pair per group
+    idx = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(5))
+    reference = int4_reference_model(model)
+    assert first_difference(generate_cached(int4, idx, 8), generate_cached(reference, idx, 8)) is None
+    assert first_difference(torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 4]])) == 2

@@ -590,3 +590,108 @@ def test_the_int8_model_oracle_is_the_formula():
     expected = torch.tensor([[0.5, -1.27, 0.0], [2.54, 1.0, -0.1]], dtype=torch.float64)
     assert oracle[0].weight.dtype == torch.float64 and torch.allclose(oracle[0].weight, expected, rtol=0, atol=1e-6)
     assert torch.equal(oracle[0].bias, layer.bias.double()) and layer.weight.dtype == torch.float32  # the model as it was
+
+
+# ---- exercise 5: int4 with a scale and a minimum per group
+
+
+def _int4(weight, group_size, *, groups=None, low=None, steps=15, rounding=torch.round, levels=(0, 15), out=torch.uint8,
+          guard=True, check=True):
+    """quantize_int4 written out with one knob per classic mistake (the defaults are correct)."""
+    if check and group_size not in (32, 64, 128):
+        raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")
+    if check and weight.shape[1] % group_size:
+        raise ValueError(f"weight: in must be a multiple of group_size {group_size}")
+    rows, inp = weight.shape
+    w = weight.float()
+    g = groups(w, group_size) if groups else w.reshape(rows, inp // group_size, group_size)
+    minimum = low(g) if low else g.amin(dim=2)
+    scale = (g.amax(dim=2) - minimum) / steps
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale)) if guard else scale
+    q = rounding((g - minimum[..., None]) / divisor[..., None]).clamp(*levels).to(out)
+    if groups:  # back to (out, in) the way it was grouped
+        q = q.transpose(1, 2) if g.shape[1] == group_size else q
+    return q.reshape(rows, inp), scale, minimum
+
+
+def int4_by_loops(weight, group_size):
+    """Group by group in float64, with a float32 scale (a correct alternative)."""
+    if group_size not in (32, 64, 128) or weight.shape[1] % group_size:
+        raise ValueError(f"group_size {group_size} does not fit weight {tuple(weight.shape)}")
+    rows, inp = weight.shape
+    q = torch.zeros(rows, inp, dtype=torch.uint8)
+    scale, minimum = torch.zeros(rows, inp // group_size), torch.zeros(rows, inp // group_size)
+    for r in range(rows):
+        for c in range(inp // group_size):
+            group = weight[r, c * group_size:(c + 1) * group_size].double()
+            low, step = group.min(), ((group.max() - group.min()) / 15).float()
+            scale[r, c], minimum[r, c] = step, low
+            if step > 0:
+                q[r, c * group_size:(c + 1) * group_size] = torch.round((group - low) / step.double()).to(torch.uint8)
+    return q, scale, minimum
+
+
+def int4_per_row(weight, group_size):
+    q, scale, minimum = _int4(weight, weight.shape[1], check=False)
+    n = weight.shape[1] // group_size
+    return q, scale.expand(-1, n).contiguous(), minimum.expand(-1, n).contiguous()
+
+
+def int4_one_scale_per_row(weight, group_size):
+    q, scale, minimum = _int4(weight, weight.shape[1], check=False)
+    return q, scale[:, 0], minimum[:, 0]
+
+
+def int4_symmetric(weight, group_size):
+    """llama.cpp's Q4_0: levels -8..7, scale max |w| / 8, no minimum (another scheme than this exercise's)."""
+    g = weight.float().reshape(weight.shape[0], -1, group_size)
+    scale = g.abs().amax(dim=2) / 8
+    q = torch.round(g / torch.where(scale > 0, scale, 1.0)[..., None]).clamp(-8, 7).to(torch.int8)
+    return q.reshape(weight.shape), scale, torch.zeros_like(scale)
+
+
+INT4_BUGS = [
+    (int4_one_scale_per_row, r"scale has shape \(6,\) .*: one scale per row\. Each group of 32 consecutive inputs"),
+    (int4_per_row, r"every group of a row got the same scale and minimum .*one per row, not per group"),
+    (lambda w, gs: _int4(w, gs, rounding=torch.trunc), r"q looks truncated, not rounded .*round first"),
+    (int4_symmetric, r"negative levels, as in the symmetric scheme \(llama.cpp's Q4_0: levels -8..7"),
+    (lambda w, gs: _int4(w, gs, out=torch.int8), r"q should be uint8 \(torch.uint8\), got torch.int8"),
+    (lambda w, gs: _int4(w, gs, low=lambda g: g.abs().amin(dim=2)), r"you took the smallest magnitude, min \|w\|"),
+    (lambda w, gs: _int4(w, gs, levels=(0, 16), steps=16.5), r"q\[\d+, \d+\] = 16 .*4 bits hold the levels 0\.\.15 only"),
+    (lambda w, gs: _int4(w, gs, steps=16), r"that is \(max - min\) / 16; 16 levels have 15 steps"),
+    (lambda w, gs: _int4(w, gs, low=lambda g: -g.abs().amax(dim=2)), r"that is minus the largest \|w\|, a symmetric range"),
+    (lambda w, gs: _int4(w, gs, groups=lambda w, n: w.reshape(w.shape[0], n, -1).transpose(1, 2)),
+     r"minimum of every 4-th input of the row .*CONSECUTIVE"),
+    (lambda w, gs: _int4(w, gs, guard=False), r"group 0 of row 4 spans only 7e-45: its scale \(max - min\) / 15 underflows to 0 in float32"),
+    (lambda w, gs: _int4(w, gs, check=False), r"quantize_int4\(weight, 16\) returned without an error"),
+    (lambda w, gs: _int4(w, gs, check=False) if gs in (32, 64, 128) else _int4(w, gs),
+     r"quantize_int4\(weight \(4, 80\), 32\) raised RuntimeError: .*expected a ValueError"),
+    (lambda w, gs: tuple(t.T for t in _int4(w, gs)), r"q \(a \(6, 128\) float32 weight, groups of 32\)"),
+    (lambda w, gs: _int4(w, gs)[:2], r"should return a tuple \(q, scale, minimum\)"),
+]
+
+
+def test_the_int4_reference_and_an_alternative_pass(capsys):
+    from course_lib.quantize import quantize_int4
+    for solution in (quantize_int4, int4_by_loops, _int4):
+        checks.check_quantize_int4(solution)
+        assert "quantize_int4: all visible checks passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("buggy,message", INT4_BUGS, ids=[m[:40] for _, m in INT4_BUGS])
+def test_int4_mistakes_get_specific_messages(buggy, message):
+    with pytest.raises(checks.CheckFailed, match=message):
+        checks.check_quantize_int4(buggy)
+
+
+def test_the_int4_oracle_is_the_formula():
+    # a group of 32: 0, 1, ..., 30 and 45: minimum 0, scale 45 / 15 = 3, levels round(i / 3) (ties 1.5, 4.5, ... away)
+    weight = torch.cat([torch.arange(31.0), torch.tensor([45.0])])[None, :]
+    q, scale, minimum = checks.int4_reference(weight, 32)
+    assert scale.tolist() == [[3.0]] and minimum.tolist() == [[0.0]]
+    assert q[0, :7].tolist() == [0, 0, 1, 1, 1, 2, 2] and q[0, -1] == 15 and q.dtype == torch.int64
+    # a constant group: scale 0, minimum its value, q 0; a negative shift moves the minimum, not the levels
+    q, scale, minimum = checks.int4_reference(torch.full((1, 32), -0.5), 32)
+    assert (q == 0).all() and scale.item() == 0 and minimum.item() == -0.5
+    q2, scale2, minimum2 = checks.int4_reference(weight - 100, 32)
+    assert torch.equal(q2, checks.int4_reference(weight, 32)[0]) and minimum2.item() == -100 and scale2.item() == 3

@@ -8,7 +8,9 @@ One `grading.grade` run grades three students: the reference (full marks), the u
   happens to give q = 0, since NaN casts to int8 as 0 here; a row whose scale underflows to 0 does not);
 * dequantize_int8: the scale along the columns -> the visible test and `axis`;
 * int8_linear: the bias multiplied by the scale too -> the visible test and `bias`;
-* quantize_model: the LM head left unquantized (the blocks only) -> the visible test and `model`.
+* quantize_model: the LM head left unquantized (the blocks only) -> the visible test and `model`;
+* quantize_int4: a division by the scale even where it is 0 -> the visible test and `constant` (a group spanning
+  7e-45, whose float32 scale underflows to 0, gets level 15 from 7e-45 / 0 = inf).
 
 tests/chapters/ch08/test_hidden_08.py runs the same cells against more bugs, one at a time and without nbgrader.
 """
@@ -23,6 +25,7 @@ from tests.roundtrip import Chapter, round_trip
 CH = Chapter("08-memory-bound", "memory_bound")
 BYTES, QUANT, DEQUANT, LINEAR, MODEL = ("bytes_per_token-solution", "quantize_int8-solution", "dequantize_int8-solution",
                                         "int8_linear-solution", "quantize_model-solution")
+INT4 = "quantize_int4-solution"
 
 
 def planted() -> dict:
@@ -35,6 +38,7 @@ def planted() -> dict:
                           "return (y if bias is None else y + bias.to(x.dtype)) * scale.to(x.dtype)").replace(
             "y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)", "y = F.linear(x, q.to(x.dtype))"),
         MODEL: CH.mutate(MODEL, "for module in list(model.modules()):", "for module in list(model.transformer.h.modules()):"),
+        INT4: CH.mutate(INT4, "/ divisor[..., None])", "/ scale[..., None])"),
     })
 
 
@@ -44,12 +48,12 @@ STUDENTS = {
     "untouched": (CH.untouched, set(CH.points)),
     "planted": (planted, failing("bytes_per_token", "visible", "kv") | failing("quantize_int8", "visible", "zero")
                 | failing("dequantize_int8", "visible", "axis") | failing("int8_linear", "visible", "bias")
-                | failing("quantize_model", "visible", "model")),
+                | failing("quantize_model", "visible", "model") | failing("quantize_int4", "visible", "constant")),
 }
 
 
 graded, test_each_student_loses_exactly_its_bugs_points, test_reference_untouched_and_submissions = round_trip(
-    CH, STUDENTS, total=25)  # one nbgrader run grades every student
+    CH, STUDENTS, total=31)  # one nbgrader run grades every student
 
 
 @pytest.mark.slow
@@ -59,3 +63,5 @@ def test_failures_carry_the_checks_messages(graded):
     assert "a division by a zero scale" in messages["quantize_int8-visible"]
     assert "you multiplied the bias by the scale too" in messages["int8_linear-visible"]
     assert "left 1 of the 9 nn.Linear layers unquantized: lm_head" in messages["quantize_model-visible"]
+    assert "underflows to 0 in float32" in messages["quantize_int4-visible"]
+    assert "got scale 0.0, levels [0, 15]" in messages["quantize_int4-constant"]

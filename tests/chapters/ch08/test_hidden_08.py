@@ -17,13 +17,14 @@ from torch import nn
 
 from course_lib import checks
 from course_lib.gpt import GPT, GPTConfig, gpt_param_count
+from course_lib.quantize import INT4_GROUP_SIZES
 from tests.cell_harness import TestCells
 from tests.helpers import ROOT, failing
 
 SOURCE = ROOT / "solutions" / "08-memory-bound" / "memory_bound.ipynb"
 GPT2_SMALL = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 HARNESS = TestCells(SOURCE, {"copy": copy, "torch": torch, "F": F, "nn": nn, "checks": checks, "GPT": GPT, "GPTConfig": GPTConfig,
-                             "GPT2_SMALL": GPT2_SMALL, "gpt_param_count": gpt_param_count})
+                             "GPT2_SMALL": GPT2_SMALL, "gpt_param_count": gpt_param_count, "INT4_GROUP_SIZES": INT4_GROUP_SIZES})
 CELLS, REFERENCE = HARNESS.cells, HARNESS.reference
 cells_of, mutate, failing_tests = HARNESS.cells_of, HARNESS.mutate, HARNESS.failing_tests
 
@@ -203,7 +204,7 @@ def quantize_model(model):
 
 
 def test_every_exercise_has_a_visible_test_and_hidden_tests():
-    assert set(REFERENCE) == {BYTES, QUANT, DEQUANT, LINEAR, MODEL}
+    assert set(REFERENCE) == {BYTES, QUANT, DEQUANT, LINEAR, MODEL, "quantize_int4"}
     for exercise in REFERENCE:
         assert f"{exercise}-visible" in CELLS and len(cells_of(exercise)) >= 2
 
@@ -244,3 +245,63 @@ def test_plain_attributes_are_named_with_what_they_lose():
             exec(code, namespace)  # noqa: S102
         exec(mutate(MODEL, *PLAIN_ATTRIBUTES), namespace)  # noqa: S102
         checks.check_quantize_model(namespace["quantize_model"])
+
+
+# ---- exercise 5: int4 with a scale and a minimum per group
+
+INT4 = "quantize_int4"
+MIN = "minimum = groups.amin(dim=2)  # (out, groups)"
+STEPS = "scale = (groups.amax(dim=2) - minimum) / 15  # 16 levels, 15 steps"
+LEVELS = "q = torch.round((groups - minimum[..., None]) / divisor[..., None]).clamp(0, 15).to(torch.uint8)"
+GROUPS = "groups = weight.detach().float().reshape(out_features, in_features // group_size, group_size)  # consecutive inputs"
+
+INT4_CASES = [
+    (INT4, "one scale and minimum per row, repeated for each group", mutate(INT4, (MIN, "minimum = groups.amin(dim=(1, 2))[:, None].expand(-1, groups.shape[1])"),
+                                                                          (STEPS, "scale = (groups.amax(dim=(1, 2))[:, None] - minimum) / 15")),
+     failing(INT4, "visible", "groups", "levels", "constant")),
+    (INT4, "groups of every n-th input", mutate(INT4, (GROUPS, "groups = weight.detach().float().reshape(out_features, group_size, "
+                                                        "in_features // group_size).transpose(1, 2)"),
+                                               ("return q.reshape(out_features, in_features)", "return q.transpose(1, 2).reshape(out_features, in_features)")),
+     failing(INT4, "visible", "groups", "round", "levels", "constant")),
+    (INT4, "truncation instead of rounding", mutate(INT4, (LEVELS, LEVELS.replace("torch.round(", "("))),
+     failing(INT4, "visible", "round")),
+    (INT4, "16 steps: (max - min) / 16, levels 0..16", mutate(INT4, (STEPS, "scale = (groups.amax(dim=2) - minimum) / 16"),
+                                                       (LEVELS, LEVELS.replace("clamp(0, 15)", "clamp(0, 16)"))),
+     failing(INT4, "visible", "groups", "levels", "constant")),  # the constant test checks an ordinary group's scale too
+    (INT4, "the symmetric -8..7 (Q4_0) under this contract", mutate(INT4, (MIN, "minimum = torch.zeros_like(groups[..., 0])"),
+                                                                   (STEPS, "scale = groups.abs().amax(dim=2) / 8"),
+                                                                   (LEVELS, "q = torch.round(groups / divisor[..., None]).clamp(-8, 7).to(torch.int8)")),
+     failing(INT4, "visible", "groups", "round", "levels", "constant")),
+    (INT4, "division by a zero scale", mutate(INT4, (LEVELS, LEVELS.replace("/ divisor[", "/ scale["))),
+     failing(INT4, "visible", "constant")),
+    (INT4, "no check of group_size", mutate(INT4, ("if group_size not in INT4_GROUP_SIZES:", "if False:"),
+                                           ("if in_features % group_size:", "if False:")),
+     failing(INT4, "visible", "errors")),
+    (INT4, "correct: group by group in float64, scale float32", '''
+def quantize_int4(weight, group_size=32):
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"group_size {group_size}: expected 32, 64 or 128")
+    if weight.shape[1] % group_size:
+        raise ValueError(f"weight: {weight.shape[1]} inputs are not a multiple of group_size {group_size}")
+    rows, inp = weight.shape
+    q = torch.zeros(rows, inp, dtype=torch.uint8)
+    scale, minimum = torch.zeros(rows, inp // group_size), torch.zeros(rows, inp // group_size)
+    for r in range(rows):
+        for c in range(inp // group_size):
+            group = weight[r, c * group_size:(c + 1) * group_size].double()
+            step = ((group.max() - group.min()) / 15).float()
+            scale[r, c], minimum[r, c] = step, group.min()
+            if step > 0:
+                q[r, c * group_size:(c + 1) * group_size] = torch.round((group - group.min()) / step.double()).to(torch.uint8)
+    return q, scale, minimum
+''', set()),
+]
+
+
+def test_the_int4_reference_passes_every_test():
+    assert failing_tests(INT4, REFERENCE[INT4]) == set()
+
+
+@pytest.mark.parametrize("exercise,bug,solution,must_fail", INT4_CASES, ids=[f"{c[0]}:{c[1]}" for c in INT4_CASES])
+def test_each_int4_bug_fails_exactly_the_tests_that_target_it(exercise, bug, solution, must_fail):
+    assert failing_tests(exercise, solution) == must_fail
