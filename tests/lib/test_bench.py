@@ -164,57 +164,6 @@ def test_read_bandwidths_times_every_way_at_every_thread_count_and_restores_the_
     assert read_bandwidth(4_000_000, repeats=1, threads=(1,)) > 0
 
 
-def test_no_decode_step_of_chapter_08_reads_faster_than_the_measured_bandwidth_bound():
-    """The bound chapter 08 and `course bench decode` compare with is an upper bound on this machine.
-
-    Decode steps of the chapter's GPT-2-small-shaped model (float32 weights at batch 1 and 2, int8 and
-    bfloat16 weights at batch 1; one thread and two, as the notebook and the benchmark run them) read
-    bytes_per_token(config, B, context, dtype) x B bytes (the course's formula); divided by a step's time,
-    that must not beat ``read_bandwidth`` (measured before the steps and after those of each thread count, the
-    best kept: on a shared machine a read measured while another process runs is slow, and the steps get many
-    more chances at a quiet moment than one measurement of the bound), timing noise aside (10%).
-    """
-    from course_lib.bench import DECODE_SHAPES, read_bandwidth
-    from course_lib.gpt import GPT, GPTConfig
-    from course_lib.kv_cache import KVCache, cached_forward
-    from course_lib.quantize import bytes_per_token, decode_weight_bytes, quantize_weights
-
-    config = GPTConfig(**DECODE_SHAPES["gpt2-small"])
-    torch.manual_seed(0)
-    model = GPT(config).eval()
-    cases = [(model, torch.float32, 1), (model, torch.float32, 2),
-             (quantize_weights(model, "int8"), torch.int8, 1), (quantize_weights(model, "bfloat16"), torch.bfloat16, 1)]
-    nbytes = decode_weight_bytes(model)
-    bound = read_bandwidth(nbytes)
-    rates = {}  # (threads, dtype, B): the fastest read of any of its steps, bytes/s
-    previous_threads = torch.get_num_threads()
-    try:
-        with torch.inference_mode():
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                for m, dtype, B in cases:
-                    cache = KVCache.for_model(m, B, 8)
-                    token = torch.zeros(B, 1, dtype=torch.long)
-                    cached_forward(m, token, cache)  # prefill, then one untimed step
-                    cached_forward(m, token, cache)
-                    for _ in range(4):
-                        step_bytes = bytes_per_token(config, B, cache.length, dtype) * B  # weights + the B caches it reads
-                        start = time.perf_counter()
-                        cached_forward(m, token, cache)
-                        rate = step_bytes / (time.perf_counter() - start)
-                        key = (threads, str(dtype).removeprefix("torch."), B)
-                        rates[key] = max(rates.get(key, 0.0), rate)
-                bound = max(bound, read_bandwidth(nbytes, threads=(threads,)))  # right after the steps it bounds
-    finally:
-        torch.set_num_threads(previous_threads)
-    bound = max(bound, read_bandwidth(nbytes))
-    fastest = max(rates, key=rates.get)
-    report = "; ".join(f"{threads} thread(s), {dtype}, B={B}: {rate / 1e9:.1f}" for (threads, dtype, B), rate in rates.items())
-    assert rates[fastest] <= 1.1 * bound, (f"a decode step ({fastest}) read {rates[fastest] / 1e9:.1f} GB/s, more than 1.1 x "
-                                           f"the measured bound {bound / 1e9:.1f} GB/s; every step's best (GB/s): {report}")
-    print(f"bound {bound / 1e9:.1f} GB/s; every step's best (GB/s): {report}")
-
-
 def test_bench_serve_load_tiny_run_has_every_row():
     """The load sweep of `course bench serve` on 4 requests, one round: its rows and their step counts, never speed."""
     from course_lib.bench import bench_serve_load, format_serve_load
