@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from ..gpt import gpt_logits, qkv_heads
+from ..gpt import fused_qkv, gpt_logits
 from .block_pool import PagedKVCache
 
 
@@ -142,7 +142,7 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, paged_attention=p
 
     chunks: list of (block_table (n,) int64, start, tokens (T,) int64), each table and tokens a tensor or a list of
     ints: tokens at positions start..start+T-1, their blocks already allocated. Every token goes through the linear
-    layers in one (sum T, C) matrix. In each layer, the new keys and values go to their slots (one copy each); attention
+    layers in one (sum T, C) matrix. In each layer, the new keys and values go to their slots in one copy; attention
     reads each sequence's keys and values through its block table: one ``paged_attention`` for all the
     chunks of one token (decodes), their block tables padded into one tensor, and one masked attention for all the
     longer chunks (prefill), padded into one batch. The slots come from slot_mapping, called twice per pass whatever the
@@ -173,11 +173,11 @@ def _paged_forward(model, cache: PagedKVCache, chunks: list, paged_attention, sl
     layout = _layout(chunks, cache.block_size, slot_mapping)
     N = len(layout.ids)
 
-    def attend(layer, attn, h):  # every chunk's attention in block `layer`, through the block tables: h (1, N, C)
-        q, k, v = (t[0].transpose(0, 1) for t in qkv_heads(attn, h))  # each (N, H, Dh)
+    def attend(layer, attn, h):  # every chunk's attention in block `layer`, through the block tables: h (N, C)
+        qkv = fused_qkv(attn, h)  # (N, 3, H, Dh): queries, keys, values
+        q = qkv[:, 0]  # (N, H, Dh)
+        cache.slots[layer].index_copy_(1, layout.slots, qkv[:, 1:].transpose(0, 1))  # the new keys, values: their slots
         key_pool, value_pool = cache.layers[layer]  # (N_blocks, S, H, Dh) each
-        for pool, new in ((key_pool, k), (value_pool, v)):  # the new keys and values: their slots
-            pool.view(-1, *new.shape[1:]).index_copy_(0, layout.slots, new)
         if layout.prefill_rows is None:  # a decode-only step: every row is a decode, in order
             y = paged_attention(q, key_pool, value_pool, layout.decode_tables, layout.decode_lens)
         else:
@@ -187,6 +187,6 @@ def _paged_forward(model, cache: PagedKVCache, chunks: list, paged_attention, sl
                                                   layout.decode_lens)
             chunked = _prefill_attention(q, key_pool, value_pool, layout)  # (P, T_p, H, Dh), padding included
             y[layout.prefill_rows[layout.prefill_real]] = chunked[layout.prefill_real]
-        return attn.c_proj(y.reshape(1, N, -1))
+        return attn.c_proj(y.reshape(N, -1))
 
-    return gpt_logits(model, layout.ids[None], layout.positions, attend, at=layout.last)[0]  # (len(chunks), V)
+    return gpt_logits(model, layout.ids, layout.positions, attend, at=layout.last)  # (len(chunks), V)
