@@ -8,6 +8,7 @@ prefill chunks.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -82,8 +83,10 @@ def _int64(values) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
-def _joined(rows: list) -> np.ndarray:
-    """Lists of ints or 1-D int64 tensors, end to end: one int64 array (no tensor made per row)."""
+def _joined(rows) -> np.ndarray:
+    """Lists of ints or 1-D int64 tensors, end to end: one int64 array (lists of ints in one pass, no array per row)."""
+    if all(type(row) is list for row in rows):  # the engine's chunks
+        return np.fromiter(itertools.chain.from_iterable(rows), np.int64)
     return np.concatenate([np.asarray(row, dtype=np.int64) for row in rows])
 
 
@@ -95,23 +98,25 @@ def _layout(chunks: list, S: int, slot_mapping=slot_mapping) -> _Layout:
     of every prefill chunk's keys, whatever the number of chunks; the decodes' tables, padded, are one gather from
     it. The index arithmetic is vectorised in NumPy (as vLLM prepares its inputs): a fixed number of operations
     per pass, none per sequence."""
-    long_table = _joined([t for t, _, _ in chunks])  # every block table, end to end
+    tables, starts, tokens = zip(*chunks)
+    long_table = _joined(tables)  # every block table, end to end
     table = torch.from_numpy(long_table)
-    starts = np.array([start for _, start, _ in chunks], dtype=np.int64)
-    lengths = np.array([len(tokens) for _, _, tokens in chunks], dtype=np.int64)
-    widths = np.array([len(t) for t, _, _ in chunks], dtype=np.int64)
-    offsets = np.cumsum(widths) - widths  # where each chunk's table begins in the long one, in blocks
-    ends = np.cumsum(lengths)  # one past each chunk's last row
+    starts = np.array(starts, dtype=np.int64)
+    lengths = np.fromiter(map(len, tokens), np.int64, len(chunks))
+    widths = np.fromiter(map(len, tables), np.int64, len(chunks))
+    offsets = widths.cumsum() - widths  # where each chunk's table begins in the long one, in blocks
+    ends = lengths.cumsum()  # one past each chunk's last row
     first = ends - lengths  # each chunk's first row
     chunk = np.repeat(np.arange(len(chunks)), lengths)  # (N,): the chunk of each token
     positions = starts[chunk] + np.arange(ends[-1]) - first[chunk]
-    decode, prefill = np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)
+    decode = np.flatnonzero(lengths == 1)
     M_d = int(widths[decode].max(initial=0))
     gather = np.minimum(offsets[decode, None] + np.arange(M_d), len(table) - 1)  # (B_d, M_d); padding: the next tables'
-    layout = _Layout(ids=torch.from_numpy(_joined([tokens for _, _, tokens in chunks])), positions=_int64(positions),
+    layout = _Layout(ids=torch.from_numpy(_joined(tokens)), positions=_int64(positions),
                      slots=slot_mapping(table, _int64(offsets[chunk] * S + positions), S), last=_int64(ends - 1),
                      decode_rows=_int64(first[decode]), decode_tables=_int64(long_table[gather]),
                      decode_lens=_int64(starts[decode] + 1))
+    prefill = np.flatnonzero(lengths > 1) if len(decode) < len(chunks) else ()
     if len(prefill):
         t, k = np.arange(lengths[prefill].max()), np.arange((starts + lengths)[prefill].max())
         start, length = starts[prefill, None], lengths[prefill, None]
