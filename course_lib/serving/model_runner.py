@@ -156,9 +156,11 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, paged_attention=p
     paged_attention and slot_mapping: the functions run for paged attention and the slot mapping (the learner's, say),
     with the contracts of the course's ``paged_attention`` and ``slot_mapping``.
     """
-    tokens = sum(len(t) for _, _, t in chunks)
     n = torch.get_num_threads()
-    if n == 1 or tokens * 12 * model.config.n_embd ** 2 < kernels.ONE_THREAD_WORK:  # per layer
+    if n == 1:  # nothing to choose
+        return _paged_forward(model, cache, chunks, paged_attention, slot_mapping)
+    tokens = sum(len(t) for _, _, t in chunks)
+    if tokens * 12 * model.config.n_embd ** 2 < kernels.ONE_THREAD_WORK:  # per layer
         with kernels.threads(1):
             return _paged_forward(model, cache, chunks, paged_attention, slot_mapping)
     rows = 1 << (tokens - 1).bit_length()
@@ -194,4 +196,5 @@ def _paged_forward(model, cache: PagedKVCache, chunks: list, paged_attention, sl
             y[layout.prefill_rows[layout.prefill_real]] = chunked[layout.prefill_real]
         return attn.c_proj(y.reshape(N, -1))
 
-    return gpt_logits(model, layout.ids, layout.positions, attend, at=layout.last)  # (len(chunks), V)
+    every = N == len(chunks)  # one token per chunk (a decode-only step): every row is a chunk's last, in order
+    return gpt_logits(model, layout.ids, layout.positions, attend, at=None if every else layout.last)  # (len(chunks), V)
