@@ -185,16 +185,24 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def qkv_heads(attn, x):
+def fused_qkv(attn, x):
     """The queries, keys and values of a GPT attention module (its fused ``c_attn`` and ``n_head``: a
-    CausalSelfAttention, or heads.HeadAttention), split into heads: x (B, T, C) -> q, k, v, each (B, H, T, Dh).
-    ``c_attn``'s output is [q | k | v] side by side, each H * Dh wide: C for a whole module, C / p for a rank's
-    share of one (chapter 16's ``tensor_parallel.shard_block``, H its heads alone).
+    CausalSelfAttention, or heads.HeadAttention) in one tensor: x (..., C) -> (..., 3, H, Dh), [..., 0, :, :] the
+    queries, [..., 1, :, :] the keys and [..., 2, :, :] the values of the H heads (a view of ``c_attn``'s output).
+    ``c_attn``'s output is [q | k | v] side by side, each H * Dh wide: C for a whole module, C / p for a rank's share
+    of one (chapter 16's ``tensor_parallel.shard_block``, H its heads alone). ``qkv_heads`` splits it; chapter 12's
+    paged forward reads it whole (its keys and values go to the pool in one copy)."""
+    qkv = attn.c_attn(x)  # (..., 3 * H * Dh)
+    head_size = qkv.shape[-1] // (3 * attn.n_head)  # stated, not -1: a view of T = 0 tokens must still know it
+    return qkv.view(*qkv.shape[:-1], 3, attn.n_head, head_size)
+
+
+def qkv_heads(attn, x):
+    """The queries, keys and values of a GPT attention module (as ``fused_qkv``'s), split into heads:
+    x (B, T, C) -> q, k, v, each (B, H, T, Dh).
     ``CausalSelfAttention.forward`` writes the same split (chapter 04's exercise); every other reader calls this."""
-    B, T, _ = x.shape
-    q, k, v = attn.c_attn(x).chunk(3, dim=2)  # each (B, T, H * Dh)
-    head_size = q.shape[-1] // attn.n_head  # stated, not -1: a view of T = 0 tokens must still know it
-    return tuple(t.view(B, T, attn.n_head, head_size).transpose(1, 2) for t in (q, k, v))
+    q, k, v = fused_qkv(attn, x).unbind(2)  # each (B, T, H, Dh)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 def gpt_block(block: GPTBlock, x, attend: Callable):
@@ -224,16 +232,18 @@ def gpt_layers(model: GPT, x, attend: Callable | None = None):
 
 def gpt_logits(model: GPT, idx, positions=None, attend: Callable | None = None, at=None):
     """The forward pass of a GPT without the loss, the one every way of running it but ``GPT.forward`` (chapter 04's
-    exercise) calls: embed, ``gpt_layers``, LM head. idx (B, T) int64; positions (B, T) or (T,) int64, the tokens'
-    positions (default 0..T-1); attend as ``gpt_layers``'s. Returns logits (B, T, V); with `at`, an index into the T
-    positions, only theirs, the head run over them alone: at=-1 the last position's (B, V), at a (R,) int64 tensor
-    those R positions' (B, R, V). Dropout acts as in GPT.forward (in training mode only).
+    exercise) calls: embed, ``gpt_layers``, LM head. idx (B, T) int64, or (T,) with an attend that takes (T, C) (one
+    row without its batch dimension: chapter 12's paged forward, every sequence's tokens end to end); positions (B, T)
+    or (T,) int64, the tokens' positions (default 0..T-1); attend as ``gpt_layers``'s. Returns logits (B, T, V), or
+    (T, V); with `at`, an index into the T positions, only theirs, the head run over them alone: at=-1 the last
+    position's (B, V), at a (R,) int64 tensor those R positions' (B, R, V) (without B for idx (T,)). Dropout acts as
+    in GPT.forward (in training mode only).
     """
     tr = model.transformer
     if positions is None:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-    x = gpt_layers(model, tr.drop(tr.wte(idx) + tr.wpe(positions)), attend)  # (B, T, C)
-    return model.lm_head(x if at is None else x[:, at])
+        positions = torch.arange(idx.shape[-1], device=idx.device)
+    x = gpt_layers(model, tr.drop(tr.wte(idx) + tr.wpe(positions)), attend)  # (B, T, C) or (T, C)
+    return model.lm_head(x if at is None else x[..., at, :])
 
 
 def gpt_param_count(config: GPTConfig, tied: bool = True) -> int:

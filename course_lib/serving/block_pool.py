@@ -51,6 +51,8 @@ class PagedKVCache:
         self.storage = torch.zeros(n_layer, 2, num_blocks, block_size, n_head, head_dim, dtype=dtype)
         #: per layer, views of its pool made once: (key pool, value pool), each (N, S, H, Dh)
         self.layers = [(pool[0], pool[1]) for pool in self.storage]
+        #: per layer, its keys and values by slot, a view (2, N * S, H, Dh): a pass writes its new keys and values in one copy
+        self.slots = [pool.view(2, -1, n_head, head_dim) for pool in self.storage]
         self.free = OrderedDict.fromkeys(range(num_blocks))  # the free list, least recently freed first
         self.refs = [0] * num_blocks  # reference counts
         self.cached: dict = {}  # block hash -> the block remembered under it
@@ -66,7 +68,7 @@ class PagedKVCache:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block in all layers, keys and values."""
-        return self.storage[:, :, 0].numel() * self.storage.element_size()
+        return self.storage.numel() // self.num_blocks * self.storage.element_size()
 
     def allocate(self) -> int:
         """A fresh block (reference count 1): the least recently freed, evicted from the prefix cache if remembered."""

@@ -8,6 +8,7 @@ prefill chunks.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from ..gpt import gpt_logits, qkv_heads
+from ..gpt import fused_qkv, gpt_logits
 from .block_pool import PagedKVCache
 
 
@@ -82,8 +83,10 @@ def _int64(values) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
-def _joined(rows: list) -> np.ndarray:
-    """Lists of ints or 1-D int64 tensors, end to end: one int64 array (no tensor made per row)."""
+def _joined(rows) -> np.ndarray:
+    """Lists of ints or 1-D int64 tensors, end to end: one int64 array (lists of ints in one pass, no array per row)."""
+    if all(type(row) is list for row in rows):  # the engine's chunks
+        return np.fromiter(itertools.chain.from_iterable(rows), np.int64)
     return np.concatenate([np.asarray(row, dtype=np.int64) for row in rows])
 
 
@@ -95,23 +98,25 @@ def _layout(chunks: list, S: int, slot_mapping=slot_mapping) -> _Layout:
     of every prefill chunk's keys, whatever the number of chunks; the decodes' tables, padded, are one gather from
     it. The index arithmetic is vectorised in NumPy (as vLLM prepares its inputs): a fixed number of operations
     per pass, none per sequence."""
-    long_table = _joined([t for t, _, _ in chunks])  # every block table, end to end
+    tables, starts, tokens = zip(*chunks)
+    long_table = _joined(tables)  # every block table, end to end
     table = torch.from_numpy(long_table)
-    starts = np.array([start for _, start, _ in chunks], dtype=np.int64)
-    lengths = np.array([len(tokens) for _, _, tokens in chunks], dtype=np.int64)
-    widths = np.array([len(t) for t, _, _ in chunks], dtype=np.int64)
-    offsets = np.cumsum(widths) - widths  # where each chunk's table begins in the long one, in blocks
-    ends = np.cumsum(lengths)  # one past each chunk's last row
+    starts = np.array(starts, dtype=np.int64)
+    lengths = np.fromiter(map(len, tokens), np.int64, len(chunks))
+    widths = np.fromiter(map(len, tables), np.int64, len(chunks))
+    offsets = widths.cumsum() - widths  # where each chunk's table begins in the long one, in blocks
+    ends = lengths.cumsum()  # one past each chunk's last row
     first = ends - lengths  # each chunk's first row
     chunk = np.repeat(np.arange(len(chunks)), lengths)  # (N,): the chunk of each token
     positions = starts[chunk] + np.arange(ends[-1]) - first[chunk]
-    decode, prefill = np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)
+    decode = np.flatnonzero(lengths == 1)
     M_d = int(widths[decode].max(initial=0))
     gather = np.minimum(offsets[decode, None] + np.arange(M_d), len(table) - 1)  # (B_d, M_d); padding: the next tables'
-    layout = _Layout(ids=torch.from_numpy(_joined([tokens for _, _, tokens in chunks])), positions=_int64(positions),
+    layout = _Layout(ids=torch.from_numpy(_joined(tokens)), positions=_int64(positions),
                      slots=slot_mapping(table, _int64(offsets[chunk] * S + positions), S), last=_int64(ends - 1),
                      decode_rows=_int64(first[decode]), decode_tables=_int64(long_table[gather]),
                      decode_lens=_int64(starts[decode] + 1))
+    prefill = np.flatnonzero(lengths > 1) if len(decode) < len(chunks) else ()
     if len(prefill):
         t, k = np.arange(lengths[prefill].max()), np.arange((starts + lengths)[prefill].max())
         start, length = starts[prefill, None], lengths[prefill, None]
@@ -142,7 +147,7 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, paged_attention=p
 
     chunks: list of (block_table (n,) int64, start, tokens (T,) int64), each table and tokens a tensor or a list of
     ints: tokens at positions start..start+T-1, their blocks already allocated. Every token goes through the linear
-    layers in one (sum T, C) matrix. In each layer, the new keys and values go to their slots (one copy each); attention
+    layers in one (sum T, C) matrix. In each layer, the new keys and values go to their slots in one copy; attention
     reads each sequence's keys and values through its block table: one ``paged_attention`` for all the
     chunks of one token (decodes), their block tables padded into one tensor, and one masked attention for all the
     longer chunks (prefill), padded into one batch. The slots come from slot_mapping, called twice per pass whatever the
@@ -151,9 +156,11 @@ def paged_forward(model, cache: PagedKVCache, chunks: list, *, paged_attention=p
     paged_attention and slot_mapping: the functions run for paged attention and the slot mapping (the learner's, say),
     with the contracts of the course's ``paged_attention`` and ``slot_mapping``.
     """
-    tokens = sum(len(t) for _, _, t in chunks)
     n = torch.get_num_threads()
-    if n == 1 or tokens * 12 * model.config.n_embd ** 2 < kernels.ONE_THREAD_WORK:  # per layer
+    if n == 1:  # nothing to choose
+        return _paged_forward(model, cache, chunks, paged_attention, slot_mapping)
+    tokens = sum(len(t) for _, _, t in chunks)
+    if tokens * 12 * model.config.n_embd ** 2 < kernels.ONE_THREAD_WORK:  # per layer
         with kernels.threads(1):
             return _paged_forward(model, cache, chunks, paged_attention, slot_mapping)
     rows = 1 << (tokens - 1).bit_length()
@@ -173,11 +180,11 @@ def _paged_forward(model, cache: PagedKVCache, chunks: list, paged_attention, sl
     layout = _layout(chunks, cache.block_size, slot_mapping)
     N = len(layout.ids)
 
-    def attend(layer, attn, h):  # every chunk's attention in block `layer`, through the block tables: h (1, N, C)
-        q, k, v = (t[0].transpose(0, 1) for t in qkv_heads(attn, h))  # each (N, H, Dh)
+    def attend(layer, attn, h):  # every chunk's attention in block `layer`, through the block tables: h (N, C)
+        qkv = fused_qkv(attn, h)  # (N, 3, H, Dh): queries, keys, values
+        q = qkv[:, 0]  # (N, H, Dh)
+        cache.slots[layer].index_copy_(1, layout.slots, qkv[:, 1:].transpose(0, 1))  # the new keys, values: their slots
         key_pool, value_pool = cache.layers[layer]  # (N_blocks, S, H, Dh) each
-        for pool, new in ((key_pool, k), (value_pool, v)):  # the new keys and values: their slots
-            pool.view(-1, *new.shape[1:]).index_copy_(0, layout.slots, new)
         if layout.prefill_rows is None:  # a decode-only step: every row is a decode, in order
             y = paged_attention(q, key_pool, value_pool, layout.decode_tables, layout.decode_lens)
         else:
@@ -187,6 +194,7 @@ def _paged_forward(model, cache: PagedKVCache, chunks: list, paged_attention, sl
                                                   layout.decode_lens)
             chunked = _prefill_attention(q, key_pool, value_pool, layout)  # (P, T_p, H, Dh), padding included
             y[layout.prefill_rows[layout.prefill_real]] = chunked[layout.prefill_real]
-        return attn.c_proj(y.reshape(1, N, -1))
+        return attn.c_proj(y.reshape(N, -1))
 
-    return gpt_logits(model, layout.ids[None], layout.positions, attend, at=layout.last)[0]  # (len(chunks), V)
+    every = N == len(chunks)  # one token per chunk (a decode-only step): every row is a chunk's last, in order
+    return gpt_logits(model, layout.ids, layout.positions, attend, at=None if every else layout.last)  # (len(chunks), V)

@@ -300,7 +300,8 @@ def test_sample_choice_draws_from_the_softmax_with_its_generator():
 
 
 def test_gpt_logits_and_qkv_heads_are_gpt_forward_and_its_attention(generator):
-    """gpt_logits is GPT.forward's logits bit for bit (all positions, the last alone, some rows alone, positions given); qkv_heads is the
+    """gpt_logits is GPT.forward's logits bit for bit (all positions, the last alone, some rows alone, positions given), and
+    within rounding for one row without its batch dimension; qkv_heads is the
     split CausalSelfAttention.forward computes: with it, F.scaled_dot_product_attention gives the module's output."""
     model = GPT(small_config()).eval()
     idx = torch.randint(0, model.config.vocab_size, (2, 7), generator=generator)
@@ -311,6 +312,12 @@ def test_gpt_logits_and_qkv_heads_are_gpt_forward_and_its_attention(generator):
         rows = torch.tensor([6, 0, 3])
         torch.testing.assert_close(gpt_logits(model, idx, at=rows), logits[:, rows], rtol=0, atol=1e-6)
         assert torch.equal(gpt_logits(model, idx, torch.arange(7).expand(2, 7)), logits)
+        # one row without its batch dimension, with an attend that takes (T, C) (chapter 12's paged forward): (T,) -> (T, V),
+        # `at` indexing its T positions
+        unbatched = lambda layer, attn, h: attn(h[None])[0]  # noqa: E731 - the module's own attention on the row
+        torch.testing.assert_close(gpt_logits(model, idx[1], attend=unbatched), logits[1], rtol=0, atol=1e-6)
+        torch.testing.assert_close(gpt_logits(model, idx[1], attend=unbatched, at=-1), logits[1, -1], rtol=0, atol=1e-6)
+        torch.testing.assert_close(gpt_logits(model, idx[1], attend=unbatched, at=rows), logits[1, rows], rtol=0, atol=1e-6)
         attn = model.transformer.h[0].attn
         x = torch.randn(2, 7, model.config.n_embd, generator=generator)
         q, k, v = qkv_heads(attn, x)

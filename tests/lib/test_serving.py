@@ -100,6 +100,11 @@ def test_paged_forward_logits_equal_the_full_forward_pass(small):
         full = small(ids)[0]
     assert_parity(logits[0], full[0, 10])
     assert_parity(logits[1], full[1, 10])
+    # block tables and tokens as lists of ints (the engine's), all or some of them: the same pass
+    for listed in ({0, 1, 2, 3}, {1, 2}):  # which of (table 0, tokens 0, table 1, tokens 1) are lists
+        parts = [tables[0], ids[0, 6:11], tables[1], ids[1, 10:11]]
+        parts = [part.tolist() if i in listed else part for i, part in enumerate(parts)]
+        assert torch.equal(paged_forward(small, cache, [(parts[0], 6, parts[1]), (parts[2], 10, parts[3])]), logits)
 
 
 # ---------------------------------------------------------------------------------------------------- one batched pass
