@@ -236,8 +236,8 @@ class Int4Linear(nn.Module):
     of this shape, once per shape and thread count, and the layer keeps only the chosen one's tensors;
     `kernel` (or else ``COURSE_INT4_KERNEL``) forces one: the dequantizing one computes in x's dtype on every CPU
     alike, where a measured choice may differ between machines. ``from_linear(linear, group_size=32,
-    quantize=quantize_int4, kernel="auto")``: the layer of an nn.Linear (its bias kept in float32), quantized by
-    `quantize` (a learner's, say).
+    quantize_int4=quantize_int4, kernel="auto")``: the layer of an nn.Linear (its bias kept in float32), quantized by
+    `quantize_int4` (a learner's, say).
     """
 
     def __init__(self, q, scale, minimum, bias=None, kernel="auto"):
@@ -288,10 +288,10 @@ class Int4Linear(nn.Module):
         return self._forward(self.kernel, {name: getattr(self, name) for name in names}, x)
 
     @classmethod
-    def from_linear(cls, linear, group_size=32, quantize=quantize_int4, kernel="auto"):
+    def from_linear(cls, linear, group_size=32, quantize_int4=quantize_int4, kernel="auto"):
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        return cls(*quantize(linear.weight, group_size), linear.bias, kernel)
+        return cls(*quantize_int4(linear.weight, group_size), linear.bias, kernel)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
@@ -306,14 +306,14 @@ INT4_GROUP_SIZE = 32
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")
 
 
-def quantize_weights(model: nn.Module, weights: str, group_size: int = INT4_GROUP_SIZE, quantize=quantize_int4,
+def quantize_weights(model: nn.Module, weights: str, group_size: int = INT4_GROUP_SIZE, quantize_int4=quantize_int4,
                      kernel: str = "auto") -> nn.Module:
     """A copy of `model` (in eval mode) with its weights stored as `weights`; the model is left as it is.
 
     "int8": every nn.Linear becomes an ``Int8KernelLinear`` (for a GPT: the blocks' four projections and the LM
     head, whose int8 copy no longer shares storage with the token embedding, which stays float32 for its
     look-ups); LayerNorms, embeddings and biases stay float32. "int4": the same with ``Int4Linear`` layers, groups
-    of `group_size` inputs quantized by `quantize` (``quantize_int4``'s contract: a learner's, say), on `kernel`
+    of `group_size` inputs quantized by `quantize_int4` (a learner's, say), on `kernel`
     (``Int4Linear``'s), where the input width is a multiple of group_size (others stay nn.Linear). "bfloat16": every
     parameter and buffer in bfloat16 (the activations and a KV cache made for the model follow). "float32": a plain copy.
     """
@@ -328,7 +328,7 @@ def quantize_weights(model: nn.Module, weights: str, group_size: int = INT4_GROU
                 if isinstance(child, nn.Linear) and weights == "int8":
                     setattr(module, name, Int8KernelLinear.from_linear(child))
                 elif isinstance(child, nn.Linear) and child.in_features % group_size == 0:
-                    setattr(module, name, Int4Linear.from_linear(child, group_size, quantize, kernel))
+                    setattr(module, name, Int4Linear.from_linear(child, group_size, quantize_int4, kernel))
     return quantized
 
 

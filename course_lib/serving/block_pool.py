@@ -51,8 +51,9 @@ class PagedKVCache:
         self.storage = torch.zeros(n_layer, 2, num_blocks, block_size, n_head, head_dim, dtype=dtype)
         #: per layer, views of its pool made once: (key pool, value pool), each (N, S, H, Dh)
         self.layers = [(pool[0], pool[1]) for pool in self.storage]
-        #: per layer, its keys and values by slot, a view (2, N * S, H, Dh): a pass writes its new keys and values in one copy
-        self.slots = [pool.view(2, -1, n_head, head_dim) for pool in self.storage]
+        #: per layer, its keys and values by slot, a view (2, N * S, H, Dh): a pass writes its new keys and values in one
+        #: copy (sizes stated, not -1: the caller's bookkeeping of a tensor-parallel pool has 0 heads)
+        self.slots = [pool.view(2, num_blocks * block_size, n_head, head_dim) for pool in self.storage]
         self.free = OrderedDict.fromkeys(range(num_blocks))  # the free list, least recently freed first
         self.refs = [0] * num_blocks  # reference counts
         self.cached: dict = {}  # block hash -> the block remembered under it

@@ -250,6 +250,7 @@ class TensorParallelExecutor:
                         answers[rank] = payload
                 else:  # the process ended; one that failed reported it first, so this is a crash
                     del watched[handle]
+                    self.processes[rank].join(timeout=1.0)  # its sentinel closes as it exits, before its exit code is set
                     code = self.processes[rank].exitcode
                     failed.setdefault(rank, (float("-inf"), f"rank {rank} of {self.world_size} died (exit code {code})",
                                              None))
