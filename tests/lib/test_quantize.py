@@ -152,6 +152,11 @@ def test_quantize_int4_is_the_formula_per_group_of_consecutive_inputs():
     (dict(weight=torch.zeros(3, 64), group_size=256), r"group_size must be one of \(32, 64, 128\), got 256"),
     (dict(weight=torch.zeros(3, 80), group_size=32), r"weight's in = 80 inputs must be a multiple of group_size = 32"),
     (dict(weight=torch.zeros(64), group_size=32), r"weight must be 2-D \(out, in\), got shape \(64,\)"),
+    (dict(weight=torch.zeros(3, 64), group_size=32.0), r"group_size must be one of \(32, 64, 128\), got 32.0"),
+    (dict(weight=torch.zeros(3, 64).index_fill(1, torch.tensor([5]), float("nan")), group_size=32),
+     "weight must be finite: it holds NaN or an infinity"),
+    (dict(weight=torch.zeros(3, 64).index_fill(1, torch.tensor([40]), float("-inf")), group_size=64),
+     "weight must be finite: it holds NaN or an infinity"),
 ])
 def test_quantize_int4_names_the_bad_argument(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -274,8 +274,8 @@ INT4_CASES = [
      failing(INT4, "visible", "groups", "round", "levels", "constant")),
     (INT4, "division by a zero scale", mutate(INT4, (LEVELS, LEVELS.replace("/ divisor[", "/ scale["))),
      failing(INT4, "visible", "constant")),
-    (INT4, "no check of group_size", mutate(INT4, ("if group_size not in INT4_GROUP_SIZES:", "if False:"),
-                                           ("if in_features % group_size:", "if False:")),
+    (INT4, "no check of group_size", mutate(INT4, ("if not isinstance(group_size, int) or group_size not in INT4_GROUP_SIZES:",
+                                                  "if False:"), ("if in_features % group_size:", "if False:")),
      failing(INT4, "visible", "errors")),
     (INT4, "correct: group by group in float64, scale float32", '''
 def quantize_int4(weight, group_size=32):
