@@ -192,12 +192,14 @@ def quantize_int4(weight, group_size=32):
     group's smallest weight and scale = (its largest - its smallest) / 15, so the levels are 0..15, the group's
     smallest entry at 0, its largest at 15, and every entry within half a step (scale / 2) of the weight. A group
     whose float32 scale is 0 (its entries all equal, or so close that the scale underflows) gets scale 0 and q 0,
-    never NaN or an infinity. The weight is left unchanged. Raises ValueError naming the argument: weight not 2-D, group_size not one of
-    32, 64, 128, in not a multiple of group_size.
+    never NaN or an infinity. The weight is left unchanged. Raises ValueError naming the argument: weight not 2-D
+    or not finite (NaN or an infinity), group_size not one of 32, 64, 128, in not a multiple of group_size.
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D (out, in), got shape {tuple(weight.shape)}")
-    if group_size not in INT4_GROUP_SIZES:
+    if not torch.isfinite(weight).all():  # no scale and minimum stand for NaN or inf
+        raise ValueError("weight must be finite: it holds NaN or an infinity")
+    if not isinstance(group_size, int) or group_size not in INT4_GROUP_SIZES:  # 32.0 is not a size
         raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
     out_features, in_features = weight.shape
     if in_features % group_size:

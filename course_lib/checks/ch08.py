@@ -688,6 +688,13 @@ def int4_reference(weight, group_size: int):
     return ratio.round().clamp(0, 15).long().reshape(out, inp), scale, minimum
 
 
+def _int4_scale_in(weight, group_size: int):
+    """(max - min) / 15 per group computed in the weight's own dtype (a bfloat16 learner's slip), as float32 numbers."""
+    out, inp = weight.shape
+    groups = weight.reshape(out, inp // group_size, group_size)
+    return ((groups.amax(dim=2) - groups.amin(dim=2)) / 15).float()
+
+
 def _int4_ratio(weight, group_size: int):
     """(w - minimum) / scale per entry, float64, (out, in): where it is within 1e-4 of a half, rounding may go either way."""
     _, scale, minimum = int4_reference(weight, group_size)
@@ -811,7 +818,10 @@ def _check_int4(quantize_int4, weight, group_size: int, name: str) -> None:
                 "included" if abs(m[r, c] - groups[r, c].abs().min()) <= 1e-6 * abs(m_ref[r, c]) + 1e-30 else
                 ": that is minus the largest |w|, a symmetric range; this scheme is asymmetric: the group's own "
                 "smallest value, so no level is wasted on values the group does not have"
-                if abs(m[r, c] + groups[r, c].abs().max()) <= 1e-6 * abs(m_ref[r, c]) + 1e-30 else "")
+                if abs(m[r, c] + groups[r, c].abs().max()) <= 1e-6 * abs(m_ref[r, c]) + 1e-30 else
+                ": that is a zero point in levels, round(-minimum / scale), as GPTQ and AWQ store it; this contract "
+                "stores the minimum itself, a float32 weight" if s_ref[r, c] > 0 and m[r, c] == torch.round(
+                    -m_ref[r, c] / s_ref[r, c]) and m[r, c] != m_ref[r, c] else "")
         fail(f"minimum[{r}, {c}] should be the smallest weight of group {c} of row {r}, {m_ref[r, c].item():.6g}, got "
              f"{m[r, c].item():.6g} ({name}){hint}")
     span = groups.amax(dim=2) - m_ref
@@ -824,7 +834,10 @@ def _check_int4(quantize_int4, weight, group_size: int, name: str) -> None:
                 ": that is max |w| / 7.5 or / 7, a symmetric scale; here the scale spans the group's own range, "
                 "(max - min) / 15" if min(abs(got * 7.5 / groups[r, c].abs().max().item() - 1),
                                           abs(got * 7 / groups[r, c].abs().max().item() - 1)) < 1e-5 else
-                ": that is max - min itself; divide it by 15, the number of steps" if abs(got / want / 15 - 1) < 1e-5 else "")
+                ": that is max - min itself; divide it by 15, the number of steps" if abs(got / want / 15 - 1) < 1e-5 else
+                f": that is (max - min) / 15 computed in {weight.dtype}, rounded to its few bits of precision; convert "
+                "the weight to float32 first (weight.float()), then reduce and divide"
+                if weight.dtype in (torch.bfloat16, torch.float16) and got == _int4_scale_in(weight, group_size)[r, c] else "")
         fail(f"scale[{r}, {c}] should be (max - min) / 15 of group {c} of row {r} = {want:.6g}, got {got:.6g} ({name}){hint}")
     for r, c in ((scale == 0) & (s_ref > 0)).nonzero().tolist():
         fail(f"scale[{r}, {c}] is 0 ({name}) though that group's weights differ")

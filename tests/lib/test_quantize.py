@@ -152,6 +152,11 @@ def test_quantize_int4_is_the_formula_per_group_of_consecutive_inputs():
     (dict(weight=torch.zeros(3, 64), group_size=256), r"group_size must be one of \(32, 64, 128\), got 256"),
     (dict(weight=torch.zeros(3, 80), group_size=32), r"weight's in = 80 inputs must be a multiple of group_size = 32"),
     (dict(weight=torch.zeros(64), group_size=32), r"weight must be 2-D \(out, in\), got shape \(64,\)"),
+    (dict(weight=torch.zeros(3, 64), group_size=32.0), r"group_size must be one of \(32, 64, 128\), got 32.0"),
+    (dict(weight=torch.zeros(3, 64).index_fill(1, torch.tensor([5]), float("nan")), group_size=32),
+     "weight must be finite: it holds NaN or an infinity"),
+    (dict(weight=torch.zeros(3, 64).index_fill(1, torch.tensor([40]), float("-inf")), group_size=64),
+     "weight must be finite: it holds NaN or an infinity"),
 ])
 def test_quantize_int4_names_the_bad_argument(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -198,3 +203,29 @@ def test_int4_models_store_half_a_byte_per_weight_and_decode_their_reference_tok
     reference = int4_reference_model(model)
     assert first_difference(generate_cached(int4, idx, 8), generate_cached(reference, idx, 8)) is None
     assert first_difference(torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 4]])) == 2
+
+
+def test_int4_parting_measures_the_reference_logit_margin_and_the_bench_names_a_parting_rounding_cannot_explain():
+    """Where int4's tokens part from the float64 reference, the bench reports the reference's own logit margin at that
+    step: a second-best token chosen at a real gap is NOT a near-tie (the bench once called every parting bfloat16
+    rounding). The margin's oracle: the reference's logits of the two tokens, from a plain forward pass."""
+    from course_lib.bench.decode import NEAR_TIE, format_decode, int4_parting, int4_reference_model
+
+    config = GPTConfig(vocab_size=48, block_size=32, n_layer=1, n_head=2, n_embd=64)
+    reference = int4_reference_model(small_gpt(6, config))
+    prompt = torch.randint(0, config.vocab_size, (3, 4), generator=torch.Generator().manual_seed(7))
+    expected = generate_cached(reference, prompt, 5)
+    assert int4_parting(expected, reference, 4) is None
+    with torch.no_grad():
+        logits = reference(expected[1:2, :6])[0][0, -1]  # row 1, the step that writes new token 2
+    second = logits.argsort(descending=True)[1]
+    planted = expected.clone()
+    planted[1, 6] = second  # row 1 takes its second-best token at new token 2, the later tokens left as they were
+    parting = int4_parting(planted, reference, 4)
+    margin = ((logits.max() - logits[second]) / logits.abs().max()).item()
+    assert parting["token"] == 2 and parting["margin"] == pytest.approx(margin, rel=1e-9) and margin > NEAR_TIE
+    row = {"shape": "tiny", "batch_size": 3, "impl": "ours int4, cached", "new_tokens": 5, "seconds": 1.0,
+           "tokens_per_s": 15.0, "ratio_to_hf": 1.0, "same_tokens_as_hf": True, "int4_parting": parting}
+    table = format_decode({"prompt_len": 4, "threads": 1, "repeats": 1, "warmup": 0, "rows": [row], "bound": None})
+    assert f"tiny B=3: from token 2 on, where the reference's two logits differ by {margin:.1e}" in table
+    assert "NOT a near-tie: more than rounding explains" in table

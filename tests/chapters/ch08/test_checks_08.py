@@ -650,7 +650,24 @@ def int4_symmetric(weight, group_size):
     return q.reshape(weight.shape), scale, torch.zeros_like(scale)
 
 
+def int4_in_weight_dtype(weight, group_size):
+    """The formula computed in the weight's own dtype (bfloat16: a scale off by its rounding), cast at the end."""
+    g = weight.reshape(weight.shape[0], -1, group_size)
+    minimum = g.amin(dim=2)
+    scale = (g.amax(dim=2) - minimum) / 15
+    q = torch.round((g - minimum[..., None]) / torch.where(scale > 0, scale, 1)[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(weight.shape), scale.float(), minimum.float()
+
+
+def int4_zero_point(weight, group_size):
+    """GPTQ's and AWQ's integer zero point, round(-minimum / scale), returned where this contract has the minimum."""
+    q, scale, minimum = _int4(weight, group_size)
+    return q, scale, torch.round(-minimum / torch.where(scale > 0, scale, 1))
+
+
 INT4_BUGS = [
+    (int4_in_weight_dtype, r"bfloat16 weight, groups of 32\): that is \(max - min\) / 15 computed in torch.bfloat16"),
+    (int4_zero_point, r"that is a zero point in levels, round\(-minimum / scale\), as GPTQ and AWQ store it"),
     (int4_one_scale_per_row, r"scale has shape \(6,\) .*: one scale per row\. Each group of 32 consecutive inputs"),
     (int4_per_row, r"every group of a row got the same scale and minimum .*one per row, not per group"),
     (lambda w, gs: _int4(w, gs, rounding=torch.trunc), r"q looks truncated, not rounded .*round first"),
@@ -673,7 +690,9 @@ INT4_BUGS = [
 
 def test_the_int4_reference_and_an_alternative_pass(capsys):
     from course_lib.quantize import quantize_int4
-    for solution in (quantize_int4, int4_by_loops, _int4):
+    half_away = lambda w, gs: _int4(w, gs, rounding=lambda x: torch.floor(x + 0.5))  # noqa: E731 - ties up, not to even
+    non_contiguous = lambda w, gs: tuple(t.T.contiguous().T for t in _int4(w, gs))  # noqa: E731 - column-major results
+    for solution in (quantize_int4, int4_by_loops, _int4, half_away, non_contiguous):
         checks.check_quantize_int4(solution)
         assert "quantize_int4: all visible checks passed" in capsys.readouterr().out
 

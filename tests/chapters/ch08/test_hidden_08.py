@@ -274,9 +274,19 @@ INT4_CASES = [
      failing(INT4, "visible", "groups", "round", "levels", "constant")),
     (INT4, "division by a zero scale", mutate(INT4, (LEVELS, LEVELS.replace("/ divisor[", "/ scale["))),
      failing(INT4, "visible", "constant")),
-    (INT4, "no check of group_size", mutate(INT4, ("if group_size not in INT4_GROUP_SIZES:", "if False:"),
-                                           ("if in_features % group_size:", "if False:")),
+    (INT4, "no check of group_size", mutate(INT4, ("if not isinstance(group_size, int) or group_size not in INT4_GROUP_SIZES:",
+                                                  "if False:"), ("if in_features % group_size:", "if False:")),
      failing(INT4, "visible", "errors")),
+    (INT4, "the minimum returned as a zero point in levels, round(-minimum / scale)",
+     mutate(INT4, ("return q.reshape(out_features, in_features), scale, minimum",
+                   "return q.reshape(out_features, in_features), scale, torch.round(-minimum / divisor)")),
+     failing(INT4, "visible", "groups", "round", "constant")),
+    (INT4, "computed in the weight's dtype (bfloat16), cast at the end", mutate(INT4, (GROUPS, GROUPS.replace(".float()", "")), (
+        "return q.reshape(out_features, in_features), scale, minimum",
+        "return q.reshape(out_features, in_features), scale.float(), minimum.float()")),
+     failing(INT4, "visible")),  # only the visible test has a bfloat16 weight
+    (INT4, "correct: ties rounded away from zero, floor(x + 0.5)",
+     mutate(INT4, (LEVELS, LEVELS.replace("torch.round(", "torch.floor(0.5 + "))), set()),
     (INT4, "correct: group by group in float64, scale float32", '''
 def quantize_int4(weight, group_size=32):
     if group_size not in (32, 64, 128):
