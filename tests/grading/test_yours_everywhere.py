@@ -119,10 +119,13 @@ def direct_uses(notebook: dict) -> list[str]:
         course_modules |= _course_modules(tree)
         if meta.get("solution") or meta.get("grade"):
             continue  # the learner's own code, and the graded checks of it
-        uses = _Uses(names - safe, course_aliases, course_modules)
-        uses.visit(tree)
-        problems += [f"cell {index}: {name}" for name in dict.fromkeys(uses.found)]
-        safe |= _rebound_by_yours(tree)
+        found = []
+        for statement in tree.body:  # in order: a rebinding covers the statements after it, in its cell too
+            uses = _Uses(names - safe, course_aliases, course_modules)
+            uses.visit(statement)
+            found += uses.found
+            safe |= _rebound_by_yours(ast.Module(body=[statement], type_ignores=[]))
+        problems += [f"cell {index}: {name}" for name in dict.fromkeys(found)]
     return problems
 
 
@@ -156,6 +159,9 @@ def test_the_static_reading_flags_what_it_should_and_nothing_else():
     assert direct_uses(_notebook(("import numpy as np", {}), answer, ("y = np.f(1)", {}))) == []
     assert direct_uses(_notebook(("from course_lib.m import f as reference_f", {}), answer,
                                  ("y = reference_f(1)", {}))) == ["cell 2: reference_f"]
+    # a rebinding covers what follows it in its own cell, not what comes before it
+    assert direct_uses(_notebook(answer, ("f = yours(f, checks.check_f, course_lib.m.f)\ny = f(1)", {}))) == []
+    assert direct_uses(_notebook(answer, ("y = f(1)\nf = yours(f, checks.check_f, course_lib.m.f)", {}))) == ["cell 1: f"]
     # rebinding to another name does not make the original name safe
     assert direct_uses(_notebook(answer, ("g = yours(f, c, r)", {}), ("f(2)", {}))) == ["cell 2: f"]
     # uses inside a later answer cell (the learner's code) are the learner's business
