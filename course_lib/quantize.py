@@ -321,6 +321,8 @@ def quantize_weights(model: nn.Module, weights: str, group_size: int = INT4_GROU
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    if weights == "int4" and group_size not in INT4_GROUP_SIZES:  # else a size no width divides quantizes nothing
+        raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
     quantized = copy.deepcopy(model).eval()
     if weights == "bfloat16":
         return quantized.to(torch.bfloat16)

@@ -99,9 +99,13 @@ class PagedKVCache:
         """A fresh block holding a copy of `block` (keys and values of every layer), which loses this reference: what a
         sequence writes into then stays its own (parallel sampling's shared last prompt block, vLLM's copy on write)."""
         fresh = self.allocate()
-        self.storage[:, :, fresh] = self.storage[:, :, block]
+        self.copy_block(block, fresh)
         self.release(block)
         return fresh
+
+    def copy_block(self, source: int, fresh: int) -> None:
+        """Block `fresh` becomes a copy of block `source`: keys and values of every layer."""
+        self.storage[:, :, fresh] = self.storage[:, :, source]
 
     def release_all(self, blocks: list) -> None:
         """Release a sequence's blocks, its last block first: a prefix outlives the blocks after it (as in vLLM)."""

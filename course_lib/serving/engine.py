@@ -231,7 +231,7 @@ class Engine:
         failed = {}  # index in scheduled -> the exception its chunk raised alone
         if chunks:
             try:
-                forward = paged_forward if self.executor is None else self.executor.forward  # the same contract
+                forward = paged_forward if self.executor is None else self.executor.forward  # a worker's failure: RankError
                 logits = forward(self.model, cache, chunks, paged_attention=paged_attention, slot_mapping=slot_mapping)
             except (RankError, ExecutorError):
                 raise  # a worker of the tensor-parallel model failed, or they are stopped: no request's fault

@@ -25,6 +25,7 @@ import signal
 import tempfile
 import time
 import weakref
+from functools import partial
 from multiprocessing.connection import wait
 
 from .. import tensor_parallel as tp
@@ -73,9 +74,14 @@ class _Channel:
 
 
 def _codes(functions) -> list:
-    """Each function's compiled code as bytes (None for a callable without its own, a ``partial``): what tells a
-    worker's copy of a function from the caller's current definition of the same name."""
-    return [marshal.dumps(f.__code__) if hasattr(f, "__code__") else None for f in functions]
+    """Each function's compiled code as bytes (a ``partial``'s function's; None for a callable without code): what
+    tells a worker's copy of a function from the caller's current definition of the same name. Only the function
+    itself is compared: a helper it calls, redefined after the fork, is not seen (make a new Engine then)."""
+    def code(f):
+        while isinstance(f, partial):
+            f = f.func
+        return marshal.dumps(f.__code__) if hasattr(f, "__code__") else None
+    return [code(f) for f in functions]
 
 
 def _step_functions(message: bytes) -> tuple:
@@ -116,7 +122,7 @@ def _serve(rank: int, world_size: int, model, num_blocks: int, block_size: int, 
             return  # close
         copies, chunks, paged_attention, slot_mapping = _step_functions(message)
         for source, fresh in copies:
-            pool.storage[:, :, fresh] = pool.storage[:, :, source]
+            pool.copy_block(source, fresh)
         logits = paged_forward(shard, pool, chunks, paged_attention=paged_attention, slot_mapping=slot_mapping)
         if rank == 0:
             channel.put((rank, "step", logits))
@@ -174,14 +180,14 @@ class TensorParallelExecutor:
         self.connections = [caller_end for caller_end, _ in pipes]
         self._stop = weakref.finalize(self, _stop, self.processes, self.connections, folder)
         try:
-            for process in self.processes:
-                process.start()
-        finally:
-            for _, worker_end in pipes:
-                worker_end.close()
-        try:
+            try:
+                for process in self.processes:
+                    process.start()
+            finally:
+                for _, worker_end in pipes:
+                    worker_end.close()
             self._wait("ready", range(world_size))
-        except BaseException:
+        except BaseException:  # a start that failed part way, or a worker that did not get ready: stop those started
             self.close()
             raise
 

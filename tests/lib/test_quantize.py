@@ -229,3 +229,13 @@ def test_int4_parting_measures_the_reference_logit_margin_and_the_bench_names_a_
     table = format_decode({"prompt_len": 4, "threads": 1, "repeats": 1, "warmup": 0, "rows": [row], "bound": None})
     assert f"tiny B=3: from token 2 on, where the reference's two logits differ by {margin:.1e}" in table
     assert "NOT a near-tie: more than rounding explains" in table
+
+
+def test_quantize_weights_refuses_an_int4_group_size_that_would_quantize_nothing():
+    """A group size outside 32, 64, 128 is a ValueError naming group_size, never a float32 copy returned as "int4"
+    (no layer's width divides by 100, so each would be skipped)."""
+    from course_lib.quantize import quantize_weights
+
+    model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=32))
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_weights(model, "int4", group_size=100)

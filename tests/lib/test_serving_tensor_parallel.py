@@ -9,6 +9,7 @@ logits agree within float32 rounding; the traces' tokens are not decided by that
 """
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import multiprocessing
@@ -237,10 +238,12 @@ def attention_of_the_fork(*args, **kwargs):
     return paged_attention(*args, **kwargs)
 
 
-@pytest.mark.parametrize("name,says", [("attention_of_the_fork", "redefined after the Engine started its workers"),
-                                       ("attention_defined_later", "defined after the Engine started its workers")])
+@pytest.mark.parametrize("name,says,wrap", [
+    ("attention_of_the_fork", "redefined after the Engine started its workers", lambda f: f),
+    ("attention_of_the_fork", "redefined after the Engine started its workers", functools.partial),  # pickled by name too
+    ("attention_defined_later", "defined after the Engine started its workers", lambda f: f)])
 def test_a_step_function_the_workers_hold_no_current_copy_of_is_an_error_not_a_stale_run(small, monkeypatch, name,
-                                                                                        says):
+                                                                                        says, wrap):
     """The workers get the step's functions by name (pickle), as their module held them when the Engine forked them:
     a learner who fixes a function and re-runs the engine cell must get an error, never the old definition's run."""
     trace = make_trace(3, 2, context=48, vocab=list(range(61)), prompt_range=(1, 10), output_median=5)
@@ -249,7 +252,7 @@ def test_a_step_function_the_workers_hold_no_current_copy_of_is_an_error_not_a_s
         exec(f"def {name}(*args, **kwargs):\n    raise ValueError('the definition made after the fork')", namespace)
         monkeypatch.setattr(sys.modules[__name__], name, namespace[name], raising=False)
         with pytest.raises(tp.RankError, match=says):
-            engine.run(trace, paged_attention=namespace[name])
+            engine.run(trace, paged_attention=wrap(namespace[name]))
     no_processes_left()
 
 
