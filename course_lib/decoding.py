@@ -282,7 +282,7 @@ def gnmt_length_penalty(generated_len, alpha: float):
 @torch.no_grad()
 def beam_search(model, input_ids: torch.Tensor, max_new_tokens: int, num_beams: int, *, length_penalty: float = 1.0,
                 early_stopping: bool | str = False, eos_token_id: int | None = None, pad_token_id: int | None = None,
-                attention_mask: torch.Tensor | None = None):
+                attention_mask: torch.Tensor | None = None, logits_processor: Callable | None = None):
     """Beam search as Hugging Face's ``generate(num_beams=K)``: input_ids (B, T) -> (sequences, scores).
 
     model: a course GPT in eval mode, run through chapter 05's ``cached_forward`` (keep one cache and reorder
@@ -298,6 +298,9 @@ def beam_search(model, input_ids: torch.Tensor, max_new_tokens: int, num_beams: 
     The hidden tests compare tokens exactly (scores to 1e-4) with Hugging Face's generate on a converted
     GPT and with brute force on lookup-table models: every early_stopping rule, all beams ending, EOS at
     the first step, positive and negative length penalties, batches with left padding.
+    logits_processor: None, or a function (the beams' tokens (B * K, t), log-probs (B * K, V)) -> (B * K, V)
+    that each step's log-probs pass through before the ranking, as in Hugging Face's beam search (chapter 15
+    gives -inf to what a grammar forbids with it); this chapter's checks and tests never pass it: yours may ignore it.
     """
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
@@ -320,6 +323,8 @@ def beam_search(model, input_ids: torch.Tensor, max_new_tokens: int, num_beams: 
     new = input_ids.repeat_interleave(K, dim=0)  # the prefill, then each beam's last token
     for cur_len in range(T0, max_len):
         log_probs = cached_forward(model, new, cache, mask)[:, -1].float().log_softmax(dim=-1)  # (B * K, V)
+        if logits_processor is not None:
+            log_probs = logits_processor(running[:, :, :cur_len].reshape(B * K, cur_len), log_probs)
         V = log_probs.shape[-1]
         total = (running_scores[:, :, None] + log_probs.view(B, K, V)).view(B, K * V)
         scores, flat = total.topk(2 * K, dim=-1)  # (B, 2K) over all K x V at once: at most K of them end

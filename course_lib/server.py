@@ -36,8 +36,9 @@ the field, "code"}}`` and touches no other request (so do an unknown path, 404, 
   ``{"json": schema}``), ``guided_regex`` / ``guided_json`` (vLLM's names before v0.12). The official client sends
   them in ``extra_body``. A schema becomes a regex (``structured.schema_regex``), the regex a token index of the
   model's vocabulary, compiled on the server's one compiling thread (a request without a constraint, or with one
-  compiled before, never waits for it; when MAX_COMPILES_WAITING wait already, a 429 naming the field) and kept in
-  an LRU bounded in patterns and in token entries (``structured.IndexCache``); a bad schema or regex, one over
+  compiled before, never waits for it; one for a pattern being compiled joins that compile; a new pattern when
+  MAX_COMPILES_WAITING patterns wait already is a 429 naming the field) and kept in an LRU bounded in patterns and
+  in token entries (``structured.IndexCache``); a bad schema or regex, one over
   ``MAX_CONSTRAINT_STATES`` automaton states (or too much work to build them) or ``MAX_INDEX_WALKS`` states x
   tokens or ``MAX_PATTERN_CHARS`` characters, or one no string of the vocabulary can spell is a 400 naming the field (``constraint_pattern``,
   ``compile_constraint``). Each choice then holds its own automaton state in the engine
@@ -90,7 +91,7 @@ MAX_INDEX_WALKS = 2_000_000  # and one whose token index needs more DFA states x
 INDEX_CACHE_SIZE = 64  # compiled patterns kept (least recently used dropped first) ...
 INDEX_CACHE_ENTRIES = 4_000_000  # ... and at most this many token entries together (the newest always kept)
 MAX_PATTERN_CHARS = 100_000  # a longer regex (sent, or a schema's) is refused before it is parsed
-MAX_COMPILES_WAITING = 4  # constraints waiting for the one compiling thread: one more is a 429 (retry later)
+MAX_COMPILES_WAITING = 4  # patterns waiting for the one compiling thread: one more is a 429 (retry later)
 MAX_BODY_BYTES = 2 ** 20  # a larger body is refused (413) without being read to its end
 BODY_SECONDS = 30.0  # a body must arrive within this many seconds of its request's headers (else 408)
 LOG_STEPS = 1024  # a running server keeps the step log of its last this many steps
@@ -239,8 +240,13 @@ def compile_constraint(field: str, pattern: str, constraints: IndexCache) -> Tok
     try:
         index = constraints.get(pattern)
     except (ValueError, RecursionError) as error:
-        raise BadRequest(f"{field}: {error}", field) from None
+        raise bad_pattern(field, error) from None
     return nonempty_constraint(field, index)
+
+
+def bad_pattern(field: str, error: Exception) -> BadRequest:
+    """The BadRequest of a pattern that does not compile (``IndexCache.get``'s ValueError, or a RecursionError)."""
+    return BadRequest(f"{field}: {error}", field)
 
 
 def nonempty_constraint(field: str, index: TokenIndex) -> TokenIndex:
@@ -607,7 +613,7 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
                              max_states=MAX_CONSTRAINT_STATES, max_walks=MAX_INDEX_WALKS,
                              max_entries=INDEX_CACHE_ENTRIES)
     compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="constraint-compiler")
-    compiling = [0]  # constraints given to the compiler and not back yet (the event loop's thread alone counts)
+    compiles: dict = {}  # pattern -> its compile, given to the compiler and not back yet (the event loop's thread's)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -621,20 +627,24 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
 
     async def compiled(field: str, pattern: str) -> TokenIndex:
         """The pattern's index: found at once, or compiled on the one compiling thread (not the executor the
-        requests are parsed on: a request without a constraint never waits for a compile); BadRequest (429) when
-        MAX_COMPILES_WAITING constraints wait for it already."""
+        requests are parsed on: a request without a constraint never waits for a compile); a request for a pattern
+        being compiled, or waiting to be, waits for that compile; BadRequest (429) for another pattern when
+        MAX_COMPILES_WAITING patterns wait for the compiler already."""
         index = constraints.cached(pattern)
-        if index is not None:
-            return nonempty_constraint(field, index)
-        if compiling[0] > MAX_COMPILES_WAITING:
-            raise BadRequest(f"{field}: {compiling[0]} constraints are being compiled; retry later", field, 429,
-                             "rate_limit_exceeded")
-        compiling[0] += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(compiler, compile_constraint, field, pattern,
-                                                                    constraints)
-        finally:
-            compiling[0] -= 1
+        if index is None:
+            compile = compiles.get(pattern)
+            if compile is None:
+                if len(compiles) > MAX_COMPILES_WAITING:
+                    raise BadRequest(f"{field}: {len(compiles)} other patterns are being compiled or wait for the "
+                                     "compiler; retry later", field, 429, "rate_limit_exceeded")
+                compile = asyncio.get_running_loop().run_in_executor(compiler, constraints.get, pattern)
+                compiles[pattern] = compile
+                compile.add_done_callback(lambda _: compiles.pop(pattern))
+            try:
+                index = await asyncio.shield(compile)  # a client that leaves does not cancel the others' compile
+            except (ValueError, RecursionError) as error:
+                raise bad_pattern(field, error) from None
+        return nonempty_constraint(field, index)
 
     async def completions(http: HTTPRequest):
         loop = asyncio.get_running_loop()

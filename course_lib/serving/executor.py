@@ -7,8 +7,8 @@ loopback address), each hold rank r's share of the model (``tensor_parallel.shar
 1/p of its weights) and the keys and values of those H/p heads in a paged pool of the same blocks. Each step the
 caller sends every worker the step's input (the chunks with their block tables, and the block copies that parallel
 sampling's copy on write asked for), each runs chapter 12's ``paged_forward`` on its shard and its pool (two
-all-reduces per layer among the workers), and rank 0 sends the logits back. So the caller never takes part in a
-collective: it waits for the workers with a time limit, and a worker that raises, crashes or stops answering ends
+all-reduces per layer among the workers), and each answers, rank 0 with the logits. So the caller never takes part
+in a collective: it waits for the workers with a time limit, and a worker that raises, crashes or stops answering ends
 the group with a ``tensor_parallel.RankError`` naming it, never a hang (vLLM v1 runs its engine core the same way,
 broadcasting the scheduler's output to every worker and reading rank 0's). A driver that is itself rank 0 (vLLM's
 older driver worker) would save one message per step, but the caller, a notebook's kernel or a server, would then sit
@@ -85,23 +85,42 @@ def _codes(functions) -> list:
 
 
 def _step_functions(message: bytes) -> tuple:
-    """A step's message unpickled: (copies, chunks, paged_attention, slot_mapping). ValueError if its functions are
-    not the ones this worker holds under their names (defined or redefined after the fork)."""
-    try:
-        copies, chunks, functions, codes = pickle.loads(message)
-    except AttributeError as error:  # pickle finds a function by its module and name: there was none at the fork
-        raise ValueError(f"a step function was defined after the Engine started its workers, which hold the "
-                         f"definitions of that moment: make a new Engine ({error})") from None
-    if _codes(functions) != codes:
-        raise ValueError("paged_attention or slot_mapping was redefined after the Engine started its workers, which "
-                         "hold the definitions of that moment: make a new Engine")
-    return copies, chunks, *functions
+    """A step's message unpickled: (copies, chunks, (paged_attention, slot_mapping), stale), stale {the position of
+    each function this worker holds no current copy of: "defined" (pickle found no function of that name at the
+    fork) or "redefined" (its code differs from the caller's)}."""
+    copies, chunks, pickled, codes = pickle.loads(message)
+    functions, stale = [], {}
+    for i, data in enumerate(pickled):
+        try:
+            functions.append(pickle.loads(data))
+        except AttributeError:  # pickle finds a function by its module and name: there was none at the fork
+            functions.append(None)
+            stale[i] = "defined"
+            continue
+        if _codes([functions[i]]) != [codes[i]]:
+            stale[i] = "redefined"
+    return copies, chunks, functions, stale
+
+
+def _stale_message(functions, stale: dict) -> str:
+    """What the caller did wrong: each step function (position in `functions`: "defined" or "redefined") named."""
+    def name(f):
+        while isinstance(f, partial):
+            f = f.func
+        return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
+    said = "; ".join(f"{('paged_attention', 'slot_mapping')[i]} {name(functions[i])} was {why} after the Engine "
+                     f"started its workers" for i, why in sorted(stale.items()))
+    return (f"{said}: the workers hold the definitions of that moment (found by name), and a step runs the current "
+            "ones or none: make a new Engine")
 
 
 def _serve(rank: int, world_size: int, model, num_blocks: int, block_size: int, pipes: list) -> None:
     """A worker: rank `rank`'s shard of `model` and its heads' pool; then, for each step the caller sends
-    (copies, chunks, paged_attention, slot_mapping), the copies made and ``paged_forward`` run, rank 0 replying
-    (0, "step", logits (len(chunks), V)). It leaves on an empty message (``close``) or when the caller is gone."""
+    (copies, chunks, paged_attention, slot_mapping), the copies made and ``paged_forward`` run, every rank replying
+    (rank, "step", its result: rank 0's logits (len(chunks), V), None from the others), so that a step out of time
+    names the ranks that did not answer. A step whose functions it holds no current copy of runs nowhere: it replies
+    (rank, "stale", {position: "defined" or "redefined"}) and waits for the next. It leaves on an empty message
+    (``close``) or when the caller is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches every process: the caller handles it
     for r, (caller_end, worker_end) in enumerate(pipes):  # forked with every end: keep only its own, so that the
         caller_end.close()  # caller's end closing (the caller gone) reaches this worker as the end of its pipe
@@ -120,12 +139,14 @@ def _serve(rank: int, world_size: int, model, num_blocks: int, block_size: int, 
             return  # the caller is gone
         if not message:
             return  # close
-        copies, chunks, paged_attention, slot_mapping = _step_functions(message)
+        copies, chunks, (paged_attention, slot_mapping), stale = _step_functions(message)
+        if stale:  # every rank holds the fork's definitions: every rank refuses, before any collective
+            channel.put((rank, "stale", stale))
+            continue
         for source, fresh in copies:
             pool.copy_block(source, fresh)
         logits = paged_forward(shard, pool, chunks, paged_attention=paged_attention, slot_mapping=slot_mapping)
-        if rank == 0:
-            channel.put((rank, "step", logits))
+        channel.put((rank, "step", logits if rank == 0 else None))
 
 
 def _stop(processes: list, connections: list, folder: str) -> None:
@@ -155,11 +176,13 @@ class TensorParallelExecutor:
     paged pool of num_blocks blocks of block_size slots; see the module's docstring.
 
     ``block_pool()``: a fresh ``BlockBookkeeping`` for the caller. ``forward``: ``paged_forward``'s contract, run on
-    the workers. Every wait for the workers (their start, each step) lasts at most `timeout` seconds
-    (``tensor_parallel.TIMEOUT_S`` by default), as does each collective among them; a worker that fails raises
-    ``tensor_parallel.RankError`` naming the rank that failed first, after which every worker is stopped and the
+    the workers. Every collective among the workers waits at most `timeout` seconds
+    (``tensor_parallel.TIMEOUT_S`` by default), and the caller waits that long (and GRACE_S for their reports) for
+    every worker's answer (at their start, at each step); a worker that fails raises ``tensor_parallel.RankError``
+    naming the rank that failed first, or the ranks that did not answer, after which every worker is stopped and the
     executor is closed. ``close()`` stops them (also at garbage collection and at exit; an interrupt while waiting
-    closes it too); ``forward`` on stopped workers, or with functions that cannot be pickled, raises ``ExecutorError``.
+    closes it too); ``forward`` on stopped workers, or with functions that cannot be pickled or that the workers hold
+    no current copy of, raises ``ExecutorError``.
     ValueError unless world_size (an integer >= 1) divides n_head, or for timeout <= 0.
     """
 
@@ -179,6 +202,7 @@ class TensorParallelExecutor:
             (model, num_blocks, block_size, pipes), _Channel(pipes[rank][1]))) for rank in range(world_size)]
         self.connections = [caller_end for caller_end, _ in pipes]
         self._stop = weakref.finalize(self, _stop, self.processes, self.connections, folder)
+        started = time.monotonic()
         try:
             try:
                 for process in self.processes:
@@ -186,7 +210,7 @@ class TensorParallelExecutor:
             finally:
                 for _, worker_end in pipes:
                     worker_end.close()
-            self._wait("ready", range(world_size))
+            self._wait(("ready",), started)
         except BaseException:  # a start that failed part way, or a worker that did not get ready: stop those started
             self.close()
             raise
@@ -205,23 +229,29 @@ class TensorParallelExecutor:
         """``paged_forward(model, cache, chunks, ...)`` on the workers: logits (len(chunks), V). `model` is the one
         sharded at the start (the workers hold its shards); the copies `cache` recorded are made first.
         paged_attention and slot_mapping reach the workers by name, as they were when the workers were forked: a
-        function defined or redefined since fails the step (RankError) rather than run its old definition."""
+        function defined or redefined since is the caller's error, not a rank's (ExecutorError naming it; the step runs
+        on no worker, and the workers are stopped), rather than a run of its old definition."""
         if self.closed:
             raise ExecutorError("the tensor-parallel workers are stopped (closed, or a rank failed): make a new Engine")
         try:
             functions = (paged_attention, slot_mapping)
-            message = pickle.dumps((cache.copies, chunks, functions, _codes(functions)))
+            message = pickle.dumps((cache.copies, chunks, [pickle.dumps(f) for f in functions], _codes(functions)))
         except (pickle.PicklingError, AttributeError, TypeError) as error:
             raise ExecutorError(f"paged_attention and slot_mapping must be functions a module defines to reach the "
                                 f"workers (pickled by name; not a lambda or a nested function): {error}") from error
         cache.copies = []
         try:
+            sent = time.monotonic()
             for connection in self.connections:
                 try:
                     connection.send_bytes(message)
                 except OSError:
                     break  # that worker is gone: the wait below names it (its process has ended)
-            return self._wait("step", [0])[0]
+            answers = self._wait(("step", "stale"), sent)
+            stale = {i: why for what, payload in answers.values() if what == "stale" for i, why in payload.items()}
+            if stale:
+                raise ExecutorError(_stale_message(functions, stale))
+            return answers[0][1]
         except BaseException:  # a rank failed, or the caller was interrupted: the group is in an unknown state
             for process in self.processes:
                 if process.is_alive():
@@ -229,15 +259,17 @@ class TensorParallelExecutor:
             self.close()
             raise
 
-    def _wait(self, status: str, ranks) -> dict:
-        """Wait for the message `status` from each of `ranks`; returns {rank: its payload}. RankError if a worker
-        reports a failure (the one that failed first, once the others had GRACE_S to report), crashes, or the
-        `timeout` passes (naming the first rank still awaited)."""
-        awaited, answers, failed = set(ranks), {}, {}
+    def _wait(self, statuses: tuple, since: float) -> dict:
+        """Wait for every rank's answer, one of `statuses`, to what was sent at `since` (``time.monotonic``); returns
+        {rank: (status, payload)}. RankError when a rank reports a failure or crashes: the one that failed first, once
+        the others had GRACE_S to report; or when ranks stay silent: those named, if no rank failed before `timeout`
+        had passed (a rank inside a collective waits that long for a silent one, then fails because of it)."""
+        answers, failed = {}, {}
         watched = {connection: rank for rank, connection in enumerate(self.connections)}
         watched.update({process.sentinel: rank for rank, process in enumerate(self.processes)})
-        deadline, first_failure = time.monotonic() + self.timeout, None
-        while awaited - set(answers) and len(failed) < self.world_size:
+        limit_at = since + self.timeout
+        deadline, first_failure = limit_at + tp.GRACE_S, None  # GRACE_S: for the reports of the ranks that waited
+        while len(answers) + len(failed) < self.world_size and time.monotonic() < deadline:
             if first_failure is not None and time.monotonic() > first_failure + tp.GRACE_S:
                 break  # the other ranks had their time to report why they stopped
             limit = deadline if first_failure is None else min(deadline, first_failure + tp.GRACE_S)
@@ -252,8 +284,8 @@ class TensorParallelExecutor:
                         continue
                     if what == "error":
                         failed[rank] = payload
-                    elif what == status:
-                        answers[rank] = payload
+                    elif what in statuses:
+                        answers[rank] = (what, payload)
                 else:  # the process ended; one that failed reported it first, so this is a crash
                     del watched[handle]
                     self.processes[rank].join(timeout=1.0)  # its sentinel closes as it exits, before its exit code is set
@@ -262,11 +294,15 @@ class TensorParallelExecutor:
                                              None))
                 if failed and first_failure is None:
                     first_failure = time.monotonic()
-            if not failed and time.monotonic() > deadline:
-                late = sorted(awaited - set(answers))
-                raise tp.RankError(late[0], f"rank {late[0]} of {self.world_size} did not answer within "
-                                            f"{self.timeout} s (ranks awaited: {late}, for {status!r}; a rank stuck "
-                                            f"outside the collectives holds the others inside them)")
+        silent = sorted(set(range(self.world_size)) - set(answers) - set(failed))
+        if silent and all(when >= limit_at for when, _, _ in failed.values()):
+            waited = sorted(failed)
+            raise tp.RankError(silent[0], (
+                f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} of {self.world_size} did not "
+                f"answer within {self.timeout} s (for {statuses[0]!r})" + (
+                    f"; rank{'s' if len(waited) > 1 else ''} {', '.join(map(str, waited))} failed after waiting that "
+                    f"long in a collective for {'them' if len(silent) > 1 else 'it'}" if waited else
+                    ": a rank stuck outside the collectives holds the others inside them")))
         if failed:
             raise tp.first_failure_error(failed, self.world_size)
         return answers

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..decoding import beam_search
 from ..gpt import extend, greedy_choice, sample_choice
 from ..validation import is_count
 from .automaton import MAX_STATES, ByteDFA, regex_dfa
@@ -216,46 +217,57 @@ def constrained_generate(model, idx: torch.Tensor, max_new_tokens: int, constrai
     return extend(idx, max_new_tokens, next_logits, choose, done=lambda tokens: constraint.finished)
 
 
-@torch.no_grad()
+def grammar_processor(index: TokenIndex, prompt_len: int, max_len: int, *, constrained_mask=constrained_mask):
+    """The logits processor of beam search within the language (``decoding.beam_search``'s ``logits_processor``):
+    (beams' tokens (N, t), log-probs (N, V)) -> (N, V), each row masked by ``constrained_mask`` for the automaton state
+    its tokens after the first prompt_len lead to. At the last step a string can take (t + 1 == max_len) only EOS is
+    allowed, in an accepting state: a string ends there or not at all. A beam whose tokens the language does not allow
+    (a dead beam, kept at -inf when fewer extensions than beams remain; one that took EOS) gets -inf everywhere."""
+    def process(tokens: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+        last = tokens.shape[1] + 1 == max_len
+        rows = []
+        for generated, row in zip(tokens[:, prompt_len:].tolist(), log_probs):
+            state = index.dfa.start
+            for token in generated:  # EOS is in no state's entry (its bytes are empty): a string that took it is over
+                state = None if state is None else index.next[state].get(token)
+            if state is None:
+                rows.append(torch.full_like(row, float("-inf")))
+            else:
+                allowed = {} if last else index.next[state]
+                rows.append(constrained_mask(row, allowed, state in index.dfa.accepting, index.eos_token_id))
+        return torch.stack(rows)
+    return process
+
+
 def constrained_beam_search(model, idx: torch.Tensor, max_new_tokens: int, index: TokenIndex, num_beams: int, *,
                             constrained_mask=constrained_mask) -> tuple:
-    """Beam search within the language (chapter 06's beams, each with its own ``Constraint``): one row idx (1, T) ->
-    (the best finished string's row (1, T + n), its log-probability under the model).
+    """Beam search within the language: chapter 06's ``beam_search`` whose log-probs pass through
+    ``grammar_processor``, each beam masked for its own automaton state. One row idx (1, T) -> (the best finished
+    string's row (1, T + n), EOS last, its log-probability under the model, a float).
 
-    A beam's score is the model's own log-probability of its tokens (log-softmax of the unmasked logits): the search
-    looks for the string of the language the model finds most likely, not the masked sampler's. Each step every
-    running beam is extended by each token its mask (``constrained_mask``) allows, and the extensions are ranked by
-    score: one that ends the string (takes EOS; with no EOS id, allows nothing more) becomes a hypothesis if it ranks
-    among the first num_beams (Hugging Face's rule, as chapter 06), the num_beams best unfinished ones run on. It stops
-    when no running beam scores above the best hypothesis (a log-probability only falls as a string grows), or after
-    max_new_tokens. num_beams = 1 is greedy constrained decoding (with the EOS it takes at the end, where
-    ``constrained_generate`` stops before an EOS that is the only token left); beams enough for every prefix of a
-    finite language find its most likely string, EOS included. ValueError for num_beams < 1, or when no string
-    finished within max_new_tokens."""
-    if not is_count(num_beams) or num_beams < 1:
-        raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
+    A beam's score is the model's own log-probability of its tokens (the log-softmax of the unmasked logits, then
+    masked): the search looks for the string of the language the model finds most likely, not the masked sampler's.
+    Chapter 06's rules with length_penalty 0: the extensions of all beams are ranked together; one that takes EOS
+    (allowed only in an accepting state) becomes a hypothesis if it ranks among the first num_beams (Hugging Face's
+    rule), the num_beams best others run on; the search stops once it holds num_beams hypotheses and no running beam
+    scores above the worst of them (a log-probability only falls as a string grows), or after max_new_tokens, the
+    last of which can only be EOS; the best hypothesis is the result.
+    num_beams = 1 is greedy constrained decoding (with the EOS it takes at the end, where ``constrained_generate``
+    stops before an EOS that is the only token left); beams enough for every prefix of a finite language find its most
+    likely string, EOS included. T + max_new_tokens must fit in the model's block_size (a KV cache of that length).
+    ValueError for num_beams < 1, an index without an EOS id (a string ends by taking it), T + max_new_tokens beyond
+    the block size, or when no string finished within max_new_tokens."""
     if idx.dim() != 2 or idx.shape[0] != 1:
         raise ValueError(f"idx must have shape (1, T), got {tuple(idx.shape)}")
-    beams, best = [(0.0, idx[0].tolist(), Constraint(index))], None  # (score, tokens, constraint); (score, tokens)
-    for _ in range(max_new_tokens):
-        if not beams or best is not None and best[0] >= beams[0][0]:
-            break
-        logits = model(torch.tensor([tokens[-model.config.block_size:] for _, tokens, _ in beams]))[0][:, -1]
-        candidates = []
-        for (score, tokens, constraint), row in zip(beams, logits):
-            logp = torch.log_softmax(row.double(), -1)
-            allowed = torch.isfinite(constraint.mask(row, constrained_mask=constrained_mask)).nonzero()[:, 0]
-            candidates += [(score + logp[t].item(), tokens, constraint, t) for t in allowed.tolist()]
-        candidates.sort(key=lambda c: -c[0])
-        beams = []
-        for rank, (score, tokens, constraint, token) in enumerate(candidates):
-            after = Constraint(constraint.index, constraint.state)
-            after.advance(token)
-            if after.eos_taken if index.eos_token_id is not None else after.finished:
-                if rank < num_beams and (best is None or score > best[0]):
-                    best = (score, tokens + [token])
-            elif len(beams) < num_beams:
-                beams.append((score, tokens + [token], after))
-    if best is None:
+    if index.eos_token_id is None:
+        raise ValueError("index.eos_token_id is None: beam search within the language ends a string by taking EOS; "
+                         "build the index with the vocabulary's EOS id")
+    if idx.shape[1] + max_new_tokens > model.config.block_size:
+        raise ValueError(f"the prompt's length + max_new_tokens must be <= block_size = {model.config.block_size}, "
+                         f"got {idx.shape[1]} + {max_new_tokens}")
+    process = grammar_processor(index, idx.shape[1], idx.shape[1] + max_new_tokens, constrained_mask=constrained_mask)
+    out, scores = beam_search(model, idx, max_new_tokens, num_beams, length_penalty=0.0,
+                              eos_token_id=index.eos_token_id, logits_processor=process)
+    if scores[0] == float("-inf"):
         raise ValueError(f"no string of the language finished within max_new_tokens = {max_new_tokens}")
-    return torch.tensor([best[1]]), best[0]
+    return out, scores[0].item()

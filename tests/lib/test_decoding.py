@@ -420,6 +420,36 @@ def test_one_rows_eos_does_not_end_other_rows_or_beams(models):
         assert set(batched[i, n:].tolist()) <= {12}
 
 
+def test_beam_search_logits_processor_matches_hf_prefix_allowed_tokens_fn(models):
+    """The hook chapter 15's beam search within a grammar runs on: each step's log-probs pass through the processor,
+    which sees every beam's tokens, before the ranking; Hugging Face's beam search applies its prefix_allowed_tokens_fn
+    (a PrefixConstrainedLogitsProcessor) at the same place. The rule here forbids, after a token t, t and t + 1 (mod V):
+    a different mask per beam, prompt and left padding included."""
+    model, hf = models
+    x, mask = left_padded()
+
+    def allowed(last: int) -> list:
+        return [v for v in range(V) if v not in (last, (last + 1) % V)]
+
+    def processor(tokens, log_probs):  # (B * K, t), (B * K, V)
+        keep = torch.zeros_like(log_probs, dtype=torch.bool)
+        for row, beam in enumerate(tokens[:, -1].tolist()):
+            keep[row, allowed(beam)] = True
+        return log_probs.masked_fill(~keep, float("-inf"))
+
+    for kwargs in [dict(), dict(eos_token_id=3, pad_token_id=9, length_penalty=0.0)]:
+        ours, scores = D.beam_search(model, x, 8, 3, attention_mask=mask, logits_processor=processor, **kwargs)
+        theirs = hf.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False, num_beams=3,
+                             prefix_allowed_tokens_fn=lambda batch, tokens: allowed(int(tokens[-1])),
+                             output_scores=True, return_dict_in_generate=True, **{"pad_token_id": 9, **kwargs})
+        assert torch.equal(ours, theirs.sequences)
+        assert_parity(scores, theirs.sequences_scores)
+        generated = ours[:, x.shape[1]:]
+        assert all(b not in (a, (a + 1) % V) for row in torch.cat([x[:, -1:], generated], 1).tolist()
+                   for a, b in zip(row, row[1:]) if b != 9)
+        assert not torch.equal(ours, D.beam_search(model, x, 8, 3, attention_mask=mask, **kwargs)[0])  # it masked
+
+
 def test_gnmt_length_penalty_by_formula():
     assert abs(D.gnmt_length_penalty(1, 1.0) - 1.0) < 1e-12 and abs(D.gnmt_length_penalty(7, 0.5) - 2 ** 0.5) < 1e-12
 

@@ -141,13 +141,18 @@ def test_a_rank_that_crashes_is_named(small, monkeypatch):
     no_processes_left()
 
 
-def test_a_rank_that_stops_answering_is_a_timeout_not_a_hang(small, monkeypatch):
-    monkeypatch.setattr(executor, "paged_forward", failing_on(1, 2, lambda: time.sleep(60)))
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_that_stops_answering_is_a_timeout_naming_it_not_a_hang(small, monkeypatch, rank):
+    """The silent rank holds the other inside an all-reduce, which fails when its time is up: the error names the rank
+    that did not answer, not the one that waited for it (every rank answers each step, not only rank 0)."""
+    monkeypatch.setattr(executor, "paged_forward", failing_on(rank, 2, lambda: time.sleep(60)))
     monkeypatch.setattr(tp, "TIMEOUT_S", 2.0)
     start = time.monotonic()
     with Engine(small, num_blocks=40, block_size=4, token_budget=8, tensor_parallel_size=2) as engine:
-        with pytest.raises(tp.RankError, match=r"of 2 (failed|did not answer within 2.0 s)"):
+        says = rf"^rank {rank} of 2 did not answer within 2.0 s \(for 'step'\); rank {1 - rank} failed after waiting"
+        with pytest.raises(tp.RankError, match=says + " that long in a collective") as info:
             engine.run(make_trace(3, 2, context=48, vocab=list(range(61)), prompt_range=(1, 10), output_median=5))
+    assert info.value.rank == rank
     assert time.monotonic() - start < 2.0 + tp.GRACE_S + executor.STOP_S + 3
     no_processes_left()
 
@@ -239,20 +244,23 @@ def attention_of_the_fork(*args, **kwargs):
 
 
 @pytest.mark.parametrize("name,says,wrap", [
-    ("attention_of_the_fork", "redefined after the Engine started its workers", lambda f: f),
-    ("attention_of_the_fork", "redefined after the Engine started its workers", functools.partial),  # pickled by name too
-    ("attention_defined_later", "defined after the Engine started its workers", lambda f: f)])
+    ("attention_of_the_fork", "was redefined after the Engine started its workers", lambda f: f),
+    ("attention_of_the_fork", "was redefined after the Engine started its workers", functools.partial),  # by name too
+    ("attention_defined_later", "was defined after the Engine started its workers", lambda f: f)])
 def test_a_step_function_the_workers_hold_no_current_copy_of_is_an_error_not_a_stale_run(small, monkeypatch, name,
                                                                                         says, wrap):
     """The workers get the step's functions by name (pickle), as their module held them when the Engine forked them:
-    a learner who fixes a function and re-runs the engine cell must get an error, never the old definition's run."""
+    a learner who fixes a function and re-runs the engine cell must get an error, never the old definition's run. The
+    caller's error, naming the function: no rank failed (every rank refuses the step before any collective)."""
     trace = make_trace(3, 2, context=48, vocab=list(range(61)), prompt_range=(1, 10), output_median=5)
     with Engine(small, num_blocks=40, block_size=4, token_budget=8, tensor_parallel_size=2) as engine:
         namespace = {"__name__": __name__}
         exec(f"def {name}(*args, **kwargs):\n    raise ValueError('the definition made after the fork')", namespace)
         monkeypatch.setattr(sys.modules[__name__], name, namespace[name], raising=False)
-        with pytest.raises(tp.RankError, match=says):
+        with pytest.raises(executor.ExecutorError, match=rf"^paged_attention {__name__}.{name} {says}: .* make a new "
+                                                         "Engine$") as info:
             engine.run(trace, paged_attention=wrap(namespace[name]))
+    assert not isinstance(info.value, tp.RankError) and "rank" not in str(info.value)
     no_processes_left()
 
 

@@ -610,3 +610,40 @@ def test_beam_search_finds_the_best_string_greedy_misses_only_with_enough_beams(
         constrained_beam_search(model, start, 5, index, 0)
     with pytest.raises(ValueError, match="no string of the language finished within max_new_tokens = 1"):
         constrained_beam_search(model, start, 1, TokenIndex.build("abc", LETTERS, 3), 2)
+
+
+@torch.no_grad()
+def string_logprob(model, start: torch.Tensor, tokens: list) -> float:
+    """The model's log-probability of tokens after start, one full forward pass per prefix, in float64."""
+    total = 0.0
+    for i, token in enumerate(tokens):
+        logits = model(torch.cat([start, torch.tensor([tokens[:i]], dtype=torch.long)], 1))[0][0, -1]
+        total += torch.log_softmax(logits.double(), -1)[token].item()
+    return total
+
+
+@pytest.mark.parametrize("budget", [2, 4, 6])
+def test_beam_search_within_the_grammar_ends_its_string_within_the_budget_as_chapter_06_ends_at_max_length(budget):
+    """Chapter 06's beam search ends every beam at max_new_tokens; within a grammar a string ends only by EOS, so the
+    last step allows EOS alone (where the state accepts). Seed 0 under a+b?: greedy takes 'a' again and again (EOS
+    never ranks first), so one beam ends with as many a's as the budget leaves room for, then EOS, scored as brute
+    force scores it; the old beam search of its own let the last step rank EOS below the a's and found no string."""
+    from course_lib.structured import constrained_beam_search, constrained_generate
+
+    model, start = tiny_model(0), torch.tensor([[2, 0, 1]])
+    index = TokenIndex.build(r"a+b?", LETTERS, 3)
+    greedy = constrained_generate(model, start, budget - 1, Constraint(index), greedy=True)[0, 3:].tolist()
+    assert greedy == [0] * (budget - 1)  # no EOS: the case
+    out, score = constrained_beam_search(model, start, budget, index, 1)
+    assert out[0, 3:].tolist() == greedy + [3]
+    assert score == pytest.approx(string_logprob(model, start, greedy + [3]), abs=1e-5)
+
+
+def test_beam_search_within_the_grammar_refuses_what_chapter_06_beam_search_cannot_do():
+    from course_lib.structured import constrained_beam_search
+
+    model, start = tiny_model(0), torch.tensor([[2, 0, 1]])
+    with pytest.raises(ValueError, match="index.eos_token_id is None"):
+        constrained_beam_search(model, start, 4, TokenIndex.build(r"a+b?", LETTERS, None), 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be <= block_size = 16, got 3 \\+ 14"):
+        constrained_beam_search(model, start, 14, TokenIndex.build(r"a+b?", LETTERS, 3), 2)

@@ -493,3 +493,46 @@ def test_a_free_request_never_waits_for_constraints_being_compiled_and_too_many_
     assert len(refused) == many - (server_module.MAX_COMPILES_WAITING + 1), [a.status_code for a in answers]
     assert all(a.json()["error"]["param"] == "guided_regex" for a in refused)
     assert all(a.status_code == 200 for a in answers if a.status_code != 429)
+
+
+def test_requests_for_a_pattern_being_compiled_join_its_compile_and_only_new_patterns_count_toward_the_429(server,
+                                                                                                   monkeypatch):
+    """The limit is on compiles, not requests: MAX_COMPILES_WAITING + 1 distinct patterns held compiling (one on the
+    compiling thread, the others waiting for it), then more requests for those same patterns than the limit, all
+    answered once the compiles end, each pattern compiled once; one more distinct pattern is a 429 at once."""
+    import httpx
+
+    from course_lib import server as server_module
+
+    cache, release, get, calls = server.app.state.constraints, threading.Event(), server.app.state.constraints.get, []
+
+    def hanging_get(pattern):
+        calls.append(pattern)
+        if pattern.startswith("j"):
+            release.wait(60)
+        return get(pattern)
+
+    monkeypatch.setattr(cache, "get", hanging_get)
+    patterns = [f"j{i}[a-z]" for i in range(server_module.MAX_COMPILES_WAITING + 1)]
+    same = 3 * len(patterns)  # more requests than the limit, every one for a pattern already compiling or waiting
+
+    def post(pattern, timeout=90):
+        return httpx.post(server.url + "/completions", timeout=timeout,
+                          json={"prompt": PROMPT, "max_tokens": 2, "guided_regex": pattern})
+
+    with concurrent.futures.ThreadPoolExecutor(len(patterns) + same) as pool:
+        first = [pool.submit(post, p) for p in patterns]
+        try:
+            time.sleep(1.0)  # they have arrived: one compiling (hanging), the others waiting for the compiler
+            joined = [pool.submit(post, patterns[i % len(patterns)]) for i in range(same)]
+            time.sleep(1.0)
+            assert not any(f.done() for f in first + joined), [f.result().status_code for f in first + joined
+                                                               if f.done()]
+            refused = post("jnew[a-z]", timeout=20)
+            assert refused.status_code == 429 and refused.json()["error"]["param"] == "guided_regex"
+            assert f"{len(patterns)} other patterns are being compiled" in refused.json()["error"]["message"]
+        finally:
+            release.set()
+        answers = [f.result() for f in first + joined]
+    assert [a.status_code for a in answers] == [200] * len(answers)
+    assert sorted(calls) == sorted(patterns)  # each compiled once, on the compiling thread; the joined compiled nothing
