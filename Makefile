@@ -48,7 +48,8 @@ $(PROXY): docs/hub/package.json docs/hub/package-lock.json
 
 # nbval runs every notebook twice in the same session: as is, and as on another CPU (--other-cpu: its kernel gets ATen's
 # generic kernels, MKL's vendor-neutral path, oneDNN without AVX; see conftest.py). No stored output may show a number
-# that the CPU's rounding decides. The workers get the longest units of work first, as the last run measured them: each
+# that the CPU's rounding decides (the measurements that end a notebook, with nothing to check there, run as is only:
+# tests/other_cpu.py). The workers get the longest units of work first, as the last run measured them: each
 # run rewrites tests/durations.json (tests/schedule.py; commit it when it changed); the 25 slowest tests are listed at the end.
 # Waiting OpenMP threads sleep rather than spin while two test processes share the cores (see tests/conftest.py).
 test: setup system-packages hub ## the whole suite: library tests, nbval on solutions/ (as is and as on another CPU), round trips, browser
