@@ -298,9 +298,10 @@ def beam_search(model, input_ids: torch.Tensor, max_new_tokens: int, num_beams: 
     The hidden tests compare tokens exactly (scores to 1e-4) with Hugging Face's generate on a converted
     GPT and with brute force on lookup-table models: every early_stopping rule, all beams ending, EOS at
     the first step, positive and negative length penalties, batches with left padding.
-    logits_processor: None, or a function (the beams' tokens (B * K, t), log-probs (B * K, V)) -> (B * K, V)
-    that each step's log-probs pass through before the ranking, as in Hugging Face's beam search (chapter 15
-    gives -inf to what a grammar forbids with it); this chapter's checks and tests never pass it: yours may ignore it.
+    logits_processor: None, or a function (the beams' tokens (B * K, t), t the prompt's length and the tokens
+    generated so far; log-probs (B * K, V)) -> (B * K, V) that each step's log-probs pass through before the
+    ranking, as in Hugging Face's beam search (the course's own beam_search runs chapter 15's grammar through it:
+    -inf for what the grammar forbids). No check, test or later cell passes it to yours: yours may ignore it.
     """
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")

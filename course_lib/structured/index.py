@@ -256,7 +256,8 @@ def constrained_beam_search(model, idx: torch.Tensor, max_new_tokens: int, index
     stops before an EOS that is the only token left); beams enough for every prefix of a finite language find its most
     likely string, EOS included. T + max_new_tokens must fit in the model's block_size (a KV cache of that length).
     ValueError for num_beams < 1, an index without an EOS id (a string ends by taking it), T + max_new_tokens beyond
-    the block size, or when no string finished within max_new_tokens."""
+    the block size, or when no beam finished a string within max_new_tokens (none fits, or the beams dropped every
+    prefix of those that do: more beams may find one)."""
     if idx.dim() != 2 or idx.shape[0] != 1:
         raise ValueError(f"idx must have shape (1, T), got {tuple(idx.shape)}")
     if index.eos_token_id is None:
@@ -269,5 +270,7 @@ def constrained_beam_search(model, idx: torch.Tensor, max_new_tokens: int, index
     out, scores = beam_search(model, idx, max_new_tokens, num_beams, length_penalty=0.0,
                               eos_token_id=index.eos_token_id, logits_processor=process)
     if scores[0] == float("-inf"):
-        raise ValueError(f"no string of the language finished within max_new_tokens = {max_new_tokens}")
+        raise ValueError(f"no string of the language finished within max_new_tokens = {max_new_tokens} on "
+                         f"num_beams = {num_beams} beams: none fits, or the beams dropped the prefixes of those that "
+                         "do (more beams may find one)")
     return out, scores[0].item()

@@ -647,3 +647,17 @@ def test_beam_search_within_the_grammar_refuses_what_chapter_06_beam_search_cann
         constrained_beam_search(model, start, 4, TokenIndex.build(r"a+b?", LETTERS, None), 2)
     with pytest.raises(ValueError, match="max_new_tokens must be <= block_size = 16, got 3 \\+ 14"):
         constrained_beam_search(model, start, 14, TokenIndex.build(r"a+b?", LETTERS, 3), 2)
+
+
+def test_beam_search_within_the_grammar_that_finds_no_string_does_not_say_there_is_none():
+    """Seed 7 under b+c, 3 tokens: the one beam takes b twice (c ranks below it), and the last step allows only EOS,
+    which "bb" cannot take; "bc" fits the budget and three beams find it. The error names the beams, not the language
+    (the old message said no string of the language finished, as if none fit)."""
+    from course_lib.structured import constrained_beam_search
+
+    model, start, index = tiny_model(7), torch.tensor([[2, 0, 1]]), TokenIndex.build(r"b+c", LETTERS, 3)
+    assert (1, 2, 3) in language_logprobs(model, start, TokenIndex.build(r"bc", LETTERS, 3))  # a string that fits
+    with pytest.raises(ValueError, match="within max_new_tokens = 3 on num_beams = 1 beams: none fits, or the beams "
+                                         "dropped the prefixes of those that do"):
+        constrained_beam_search(model, start, 3, index, 1)
+    assert constrained_beam_search(model, start, 3, index, 3)[0][0, 3:].tolist() == [1, 2, 3]

@@ -536,3 +536,46 @@ def test_requests_for_a_pattern_being_compiled_join_its_compile_and_only_new_pat
         answers = [f.result() for f in first + joined]
     assert [a.status_code for a in answers] == [200] * len(answers)
     assert sorted(calls) == sorted(patterns)  # each compiled once, on the compiling thread; the joined compiled nothing
+
+
+def test_requests_that_joined_a_compile_that_fails_each_get_a_400_naming_their_own_field_and_one_leaving_cancels_none(
+        server, monkeypatch):
+    """One pattern held compiling, asked for by guided_regex and by structured_outputs' regex (a request joins the
+    compile of the first); a client that leaves while it waits changes nothing for the others. When the compile
+    fails, each request's 400 names the field it sent, as the same request alone gets (a planted version that gives
+    every joined request the first one's field fails here); compiled once."""
+    import httpx
+
+    cache, release, get, calls = server.app.state.constraints, threading.Event(), server.app.state.constraints.get, []
+
+    def hanging_get(pattern):
+        calls.append(pattern)
+        if pattern.startswith("f"):
+            release.wait(60)
+            raise ValueError(f"planted: {pattern} does not compile")
+        return get(pattern)
+
+    monkeypatch.setattr(cache, "get", hanging_get)
+    pattern, bodies = "fail[a-z]", [{"guided_regex": "fail[a-z]"}, {"structured_outputs": {"regex": "fail[a-z]"}}]
+
+    def post(body, timeout=90):
+        return httpx.post(server.url + "/completions", timeout=timeout,
+                          json={"prompt": PROMPT, "max_tokens": 2, **body})
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        try:
+            first = pool.submit(post, bodies[0])
+            time.sleep(0.5)  # it compiles (hanging)
+            with pytest.raises(httpx.TimeoutException):
+                post(bodies[0], timeout=0.5)  # joins, then leaves
+            joined = pool.submit(post, bodies[1])
+            time.sleep(0.5)
+            assert not first.done() and not joined.done()
+        finally:
+            release.set()
+        answers = [first.result(), joined.result()]
+    assert calls == [pattern]
+    assert [a.status_code for a in answers] == [400, 400]
+    assert [a.json()["error"]["param"] for a in answers] == ["guided_regex", "structured_outputs.regex"]
+    assert [post(body).json()["error"]["param"] for body in bodies] == ["guided_regex", "structured_outputs.regex"]
+    assert all("planted: fail[a-z] does not compile" in a.json()["error"]["message"] for a in answers)

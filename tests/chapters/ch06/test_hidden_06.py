@@ -135,6 +135,11 @@ CASES = [
         "log_probs = cached_forward(model, running[:, :, :cur_len].reshape(B * K, cur_len), KVCache.for_model("
         "model, B * K, cur_len), None if mask is None else mask[:, :cur_len])[:, -1]"),
         ("        cache.reorder((source + rows * K).view(-1))\n", "")), set()),
+    # the docstring lets a learner ignore logits_processor: no check or test may pass it
+    (BEAM, "correct: logits_processor ignored", mutate(BEAM, (
+        "        if logits_processor is not None:\n"
+        "            log_probs = logits_processor(running[:, :, :cur_len].reshape(B * K, cur_len), log_probs)\n", "")),
+     set()),
     (BEAM, "no ValueError", mutate(BEAM, ('if early_stopping not in (True, False, "never"):', "if False:"), (
         "if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:", "if False:")),
      failing(BEAM, "errors")),
