@@ -110,15 +110,22 @@ def measure(weight, bias, x, cycle_bytes: int = COLD_BYTES) -> dict[str, float]:
         for kernel in KERNELS.values():
             kernel(x, weight, bias)  # warm-up: first-call overheads (one copy: what is timed is a read from memory)
         runs = {name: (lambda kernel=kernel: [kernel(x, w, bias) for w in weights]) for name, kernel in KERNELS.items()}
-        probe = {name: _seconds(run) for name, run in runs.items()}  # one call each, in turn
-        calls = {name: max(1, min(1000, int(BUDGET_S / max(seconds, 1e-7)))) for name, seconds in probe.items()}
-        if all(n == 1 for n in calls.values()):  # the probe was a round of one call each: the first of ROUNDS
-            times, rounds = {name: seconds / copies for name, seconds in probe.items()}, ROUNDS - 1
-        else:
-            times, rounds = {name: math.inf for name in KERNELS}, ROUNDS
-        for _ in range(rounds):
-            for name, run in runs.items():
-                times[name] = min(times[name], _seconds(run, calls[name]) / copies)
+        return {name: seconds / copies for name, seconds in _best_of_rounds(runs).items()}
+
+
+def _best_of_rounds(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Seconds per call of each of `runs` ({name: a call}), warmed up: the best of ROUNDS rounds in which the runs take
+    turns, each timed for about BUDGET_S (at least one call). A first probe of one call each sets the calls per round;
+    where every run gets one call, the probe is the first round (a round of a large model's copies is not repeated)."""
+    probe = {name: _seconds(run) for name, run in runs.items()}  # one call each, in turn
+    calls = {name: max(1, min(1000, int(BUDGET_S / max(seconds, 1e-7)))) for name, seconds in probe.items()}
+    if all(n == 1 for n in calls.values()):
+        times, rounds = dict(probe), ROUNDS - 1
+    else:
+        times, rounds = {name: math.inf for name in runs}, ROUNDS
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name] = min(times[name], _seconds(run, calls[name]))
     return times
 
 
@@ -169,8 +176,8 @@ def choose_faster(key: tuple, runs: dict[str, Callable[[], object]], forced: str
     """The name of the fastest of `runs` ({name: a call of one kernel on one product}), measured the first time
     `key` (what the product is: its shapes, format, ...) is met at this thread count, and kept for the process.
 
-    ``measure``'s way for the other kernel choices (int4's: PyTorch's int4 kernel or a dequantize-and-multiply):
-    ROUNDS rounds in which the runs take turns, each timed for about BUDGET_S, the best round of each kept.
+    ``measure``'s way for the other kernel choices (int4's: PyTorch's int4 kernel or a dequantize-and-multiply;
+    bfloat16's: F.linear or oneDNN packed): one warm-up call each, then ``_best_of_rounds``.
     forced: "auto" measures; a name of `runs` is returned unmeasured (ValueError for any other)."""
     if forced != "auto":
         if forced not in runs:
@@ -179,12 +186,9 @@ def choose_faster(key: tuple, runs: dict[str, Callable[[], object]], forced: str
     full_key = (*key, torch.get_num_threads())
     if full_key not in _chosen_among:
         with torch.no_grad():
-            probe = {name: _seconds(run) for name, run in runs.items()}  # warm-up and probe: one call each
-            calls = {name: max(1, min(1000, int(BUDGET_S / max(seconds, 1e-7)))) for name, seconds in probe.items()}
-            times = {name: math.inf for name in runs}
-            for _ in range(ROUNDS):
-                for name, run in runs.items():
-                    times[name] = min(times[name], _seconds(run, calls[name]))
+            for run in runs.values():
+                run()  # warm-up: first-call overheads
+            times = _best_of_rounds(runs)
         _chosen_among[full_key] = min(times, key=times.get)
     return _chosen_among[full_key]
 
