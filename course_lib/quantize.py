@@ -21,8 +21,8 @@ Shapes: B batch, C = n_embd, L = n_layer, V vocabulary; a weight is (out, in), a
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
-import math
 import os
 
 import torch
@@ -86,6 +86,39 @@ def int8_linear(x, q, scale, bias=None):
     """
     y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)  # (..., out): scale each output channel
     return y if bias is None else y + bias.to(x.dtype)
+
+
+#: The two ways ``Int8KernelLinear`` sums its products of int8 levels, both exact: PyTorch's int8 kernel, where it sums
+#: exactly on this CPU, else a float64 product (integers below 2^53: exact too, but it reads the weight as float64).
+INT8_PRODUCTS = ("torch._int_mm", "float64 matmul")
+
+
+@functools.cache
+def int8_product() -> str:
+    """Which of INT8_PRODUCTS ``Int8KernelLinear`` runs here: "torch._int_mm" if it summed a probe exactly.
+
+    ``torch._int_mm`` runs oneDNN's int8 product, exact (int32 sums) on a CPU with AVX-512 VNNI; without it (AVX2, or
+    oneDNN held to AVX2 or SSE4.1 by ONEDNN_MAX_CPU_ISA) it adds pairs of products in 16 bits, which saturate: wrong
+    sums, measured. The probe: rows of +-127 against weights of +-127 (every pair of products at the most a pair can
+    be), and random levels, for 1 to 64 rows; compared with the exact int64 product."""
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 5, 16, 64):
+        x = torch.randint(-127, 128, (rows, 256), generator=g, dtype=torch.int8)
+        x[0] = 127 * (torch.randint(0, 2, (256,), generator=g) * 2 - 1)
+        q = torch.randint(-127, 128, (96, 256), generator=g, dtype=torch.int8)
+        q[:2] = x[0].abs() * torch.tensor([[1], [-1]], dtype=torch.int8)
+        q[2] = x[0]
+        if not torch.equal(torch._int_mm(x, q.t()).long(), x.long() @ q.long().t()):
+            return INT8_PRODUCTS[1]
+    return INT8_PRODUCTS[0]
+
+
+def int8_sums(levels, q):
+    """The exact sums levels @ q.T of int8 levels (M, in) and an int8 weight (out, in): (M, out), int32 from
+    ``torch._int_mm`` (the weight's transpose as a view: no copy), or float64 where ``int8_product`` chose that."""
+    if int8_product() == INT8_PRODUCTS[0]:
+        return torch._int_mm(levels, q.t())
+    return levels.double() @ q.t().double()
 
 
 #: The widest input ``Int8KernelLinear`` takes: its int32 sums of in products of two levels of at most 127 in size
@@ -167,12 +200,11 @@ class Int8KernelLinear(Int8Linear):
 
     Each row of x (a token's activations) is rounded as ``quantize_int8`` rounds a weight row: symmetric absmax, one
     float32 scale per row, max |row| / 127, levels in [-127, 127] (a row whose scale is 0 gives outputs of 0, bias
-aside). The int8 rows
-    times the int8 weight's transpose, ``torch._int_mm``, sum in int32, exactly, so the product is the same on every
-    CPU; then, in float32, each sum times its row's scale and its output channel's scale, plus the bias. A row that
-    holds a NaN or an infinity has no int8 levels: its outputs are all NaN. forward(x (..., in)) -> (..., out), in
-    x's dtype. Besides Int8Linear's checks, ValueError if in exceeds INT8_KERNEL_MAX_IN (the int32 sums could
-    overflow); on a device other than the CPU it runs ``int8_linear``.
+    aside). The int8 rows times the int8 weight's transpose sum exactly (``torch._int_mm``'s int32 sums, or a float64
+    product where that kernel is not exact: ``int8_product``), so the sums are the same on every CPU; then, in float32,
+    each sum times its row's scale and its output channel's scale, plus the bias. A row that holds a NaN or an infinity has no int8 levels: its outputs are all NaN. forward(x (..., in))
+    -> (..., out), in x's dtype. Besides Int8Linear's checks, ValueError if in exceeds INT8_KERNEL_MAX_IN (the int32
+    sums could overflow); on a device other than the CPU it runs ``int8_linear``.
     """
 
     def __init__(self, q, scale, bias=None):
@@ -185,11 +217,11 @@ aside). The int8 rows
         if x.device.type != "cpu":
             return super().forward(x)
         rows = x.reshape(-1, self.in_features).float()  # (M, in), M = the tokens of x
-        row_scale = torch.linalg.vector_norm(rows, math.inf, dim=1, keepdim=True) / 127  # (M, 1): max |row| / 127
-        # a scale of 0 multiplies the sums by 0 whatever the levels, so its divisor only has to be > 0; the levels of
-        # a NaN scale's row (NaN or an infinity in it) are 0, its outputs NaN
+        row_scale = rows.abs().amax(dim=1, keepdim=True) / 127  # (M, 1); NaN or inf if the row holds one
+        # a scale of 0 multiplies the sums by 0 whatever the levels, so its divisor only has to be > 0; a row holding
+        # NaN or an infinity gets levels 0 and a scale NaN or inf: its outputs NaN
         levels = (rows / row_scale.clamp_min(_SMALLEST)).round_().clamp_(-127, 127).nan_to_num_(0).to(torch.int8)
-        sums = torch._int_mm(levels, self.q.t())  # (M, out) int32; the weight's transpose as a view: no copy
+        sums = int8_sums(levels, self.q)
         scales = row_scale * self.scale  # (M, out): a row's scale times a channel's, float32
         y = sums * scales if self.bias is None else torch.addcmul(self.bias, sums, scales)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -19,7 +19,8 @@ from ..gpt import GPT, GPTConfig, extend, gpt_logits, greedy_choice
 from ..kernels import (ONEDNN_AVAILABLE, chosen_among, chosen_kernels, onednn_linear, use_fastest_bf16_kernels,
                        use_fastest_kernels)
 from ..kv_cache import generate_cached
-from ..quantize import INT4_GROUP_SIZE, decode_weight_bytes, dequantize_int4, quantize_int4, quantize_int8, quantize_weights
+from ..quantize import (INT4_GROUP_SIZE, decode_weight_bytes, dequantize_int4, int8_product, quantize_int4, quantize_int8,
+                        quantize_weights)
 from . import timing
 from .hf_adapters import hf_generate
 
@@ -290,7 +291,7 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
                         bound["formats"][weights] = {"weight_bytes": weight_bytes, "tokens_per_s": bandwidth / weight_bytes,
                                                      "fraction": row["tokens_per_s"] * weight_bytes / bandwidth}
     return {"rows": rows, "bound": bound, "threads": threads, "repeats": repeats, "warmup": warmup, "prompt_len": prompt_len,
-            "kernels": chosen_kernels(), "kernel_choices": chosen_among()}
+            "kernels": chosen_kernels(), "kernel_choices": chosen_among(), "int8_product": int8_product()}
 
 
 def _format_rows(rows: list) -> list[str]:
@@ -338,6 +339,8 @@ def format_decode(result: dict) -> str:
                          + (" - ABOVE the bound: this machine read faster than read_bandwidth measured (a cache holding "
                             "these weights, or the bound measured at a busy moment)" if b["fraction"] > 1.1 else ""))
     lines.append(format_kernels(result.get("kernels", {})))
+    if "int8_product" in result:
+        lines.append(f"int8 sums (course_lib.quantize.int8_product, exact either way): {result['int8_product']}")
     for kind, what in (("int4", "groups of"), ("bfloat16", "bias")):
         chosen = sorted({(key[1:4], name) for key, name in result.get("kernel_choices", {}).items() if key[0] == kind})
         if chosen:

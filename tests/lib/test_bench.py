@@ -55,6 +55,7 @@ def test_bench_decode_quick_on_the_tiny_shape_returns_and_prints_sane_rows(capsy
     assert all(set(row["partings"]) == {"int8", "int4"} for row in rows)
     # the int4 and bfloat16 kernels chosen, each key (format, out, in, group size or bias, threads)
     assert {key[0] for key in result["kernel_choices"]} <= {"int4", "bfloat16"} and "int4_kernels" not in result
+    assert f"int8 sums (course_lib.quantize.int8_product, exact either way): {result['int8_product']}" in table
 
 
 def test_bench_main_decode_quick_prints_the_table(capsys, monkeypatch):

@@ -7,15 +7,19 @@ F.linear.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from course_lib import quantize
 from course_lib.gpt import GPT, GPTConfig
 from course_lib.kv_cache import generate_cached
-from course_lib.quantize import (INT4_KERNELS, WEIGHT_FORMATS, Int4Linear, Int8KernelLinear, Int8Linear, bytes_per_token,
+from course_lib.quantize import (INT4_KERNELS, INT8_PRODUCTS, WEIGHT_FORMATS, Int4Linear, Int8KernelLinear, Int8Linear, bytes_per_token,
                                  decode_weight_bytes, dequantize_int4, dequantize_int8, int8_linear, quantize_int4,
                                  quantize_int8, quantize_model, quantize_weights)
 
@@ -91,12 +95,17 @@ def rows_between_levels(shape, seed: int):
     return (levels * 2.0**powers).float()
 
 
+@pytest.mark.parametrize("product", INT8_PRODUCTS)
 @pytest.mark.parametrize("in_features,out_features", [(768, 2304), (64, 48), (5, 7), (24, 3)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_int8_kernel_layer_rounds_activations_as_the_float64_w8a8_oracle(in_features, out_features, bias):
+def test_int8_kernel_layer_rounds_activations_as_the_float64_w8a8_oracle(monkeypatch, in_features, out_features, bias,
+                                                                          product):
     """Int8KernelLinear (W8A8) against the float64 oracle: rows whose rounding no float format decides, and plain
     Gaussian rows (a fixed seed), 1, 3 and 8 rows, inputs (M, in) and (2, 3, in). The bfloat16 kernel it replaced
-    (weight-only int8, bfloat16 activations) fails the tolerance here."""
+    (weight-only int8, bfloat16 activations) fails the tolerance here. Both sums (int8_product's choice) alike."""
+    if product == INT8_PRODUCTS[0] and quantize.int8_product() != product:
+        pytest.skip("torch._int_mm does not sum exactly on this CPU")
+    monkeypatch.setattr(quantize, "int8_product", lambda: product)
     torch.manual_seed(in_features)
     layer = nn.Linear(in_features, out_features, bias=bias)
     kernel = Int8KernelLinear.from_linear(layer)
@@ -138,6 +147,34 @@ def test_int8_kernel_layer_takes_hostile_inputs():
     assert INT8_KERNEL_MAX_IN * 127 * 127 < 2**31 <= (INT8_KERNEL_MAX_IN + 1) * 127 * 127
     with pytest.raises(ValueError, match=f"q's in = {INT8_KERNEL_MAX_IN + 1} must be at most {INT8_KERNEL_MAX_IN}"):
         Int8KernelLinear(torch.zeros(1, INT8_KERNEL_MAX_IN + 1, dtype=torch.int8), torch.ones(1))
+
+
+def test_int8_product_falls_back_where_int_mm_saturates(monkeypatch):
+    """A kernel that adds pairs of products in 16 bits, saturating (oneDNN's int8 product without AVX-512 VNNI), fails
+    the probe: the float64 product runs instead. The exact one passes it."""
+
+    def saturating(x, w):  # x + 128 as uint8 times w, pairs summed in int16 (saturated), then 128 * sum(w) taken off
+        products = (x.long() + 128)[:, :, None] * w.long()[None, :, :]  # (M, in, out)
+        pairs = products.reshape(x.shape[0], -1, 2, w.shape[1]).sum(dim=2).clamp(-2**15, 2**15 - 1)
+        return (pairs.sum(dim=1) - 128 * w.long().sum(dim=0)).int()
+
+    monkeypatch.setattr(torch, "_int_mm", saturating)
+    assert quantize.int8_product.__wrapped__() == INT8_PRODUCTS[1]
+    monkeypatch.setattr(torch, "_int_mm", lambda x, w: (x.long() @ w.long()).int())
+    assert quantize.int8_product.__wrapped__() == INT8_PRODUCTS[0]
+
+
+def test_int8_kernel_layer_is_exact_with_onednn_held_to_avx2():
+    """With oneDNN held to AVX2 (no VNNI: torch._int_mm's sums saturate there, measured), the layer falls back to the
+    float64 product and still matches the oracle's integer sums: run in a fresh process, as on such a CPU."""
+    code = ("import torch; from course_lib import quantize; from torch import nn\n"
+            "torch.manual_seed(0); layer = nn.Linear(256, 64, bias=False)\n"
+            "k = quantize.Int8KernelLinear.from_linear(layer); x = torch.ones(1, 256)\n"
+            "s = (k.q.long().sum(1) * 127).double() * (1 / 127) * k.scale.double()\n"
+            "print(quantize.int8_product(), float((k(x).double() - s).abs().max() / s.abs().max()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}).stdout.split()
+    assert out[0:2] == ["float64", "matmul"] and float(out[2]) < 1e-6
 
 
 def test_quantize_model_replaces_every_linear_in_place():
