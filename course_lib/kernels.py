@@ -27,6 +27,7 @@ library's one way to run a block on n torch threads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -110,15 +111,22 @@ def measure(weight, bias, x, cycle_bytes: int = COLD_BYTES) -> dict[str, float]:
         for kernel in KERNELS.values():
             kernel(x, weight, bias)  # warm-up: first-call overheads (one copy: what is timed is a read from memory)
         runs = {name: (lambda kernel=kernel: [kernel(x, w, bias) for w in weights]) for name, kernel in KERNELS.items()}
-        probe = {name: _seconds(run) for name, run in runs.items()}  # one call each, in turn
-        calls = {name: max(1, min(1000, int(BUDGET_S / max(seconds, 1e-7)))) for name, seconds in probe.items()}
-        if all(n == 1 for n in calls.values()):  # the probe was a round of one call each: the first of ROUNDS
-            times, rounds = {name: seconds / copies for name, seconds in probe.items()}, ROUNDS - 1
-        else:
-            times, rounds = {name: math.inf for name in KERNELS}, ROUNDS
-        for _ in range(rounds):
-            for name, run in runs.items():
-                times[name] = min(times[name], _seconds(run, calls[name]) / copies)
+        return {name: seconds / copies for name, seconds in _best_of_rounds(runs).items()}
+
+
+def _best_of_rounds(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Seconds per call of each of `runs` ({name: a call}), warmed up: the best of ROUNDS rounds in which the runs take
+    turns, each timed for about BUDGET_S (at least one call). A first probe of one call each sets the calls per round;
+    where every run gets one call, the probe is the first round (a round of a large model's copies is not repeated)."""
+    probe = {name: _seconds(run) for name, run in runs.items()}  # one call each, in turn
+    calls = {name: max(1, min(1000, int(BUDGET_S / max(seconds, 1e-7)))) for name, seconds in probe.items()}
+    if all(n == 1 for n in calls.values()):
+        times, rounds = dict(probe), ROUNDS - 1
+    else:
+        times, rounds = {name: math.inf for name in runs}, ROUNDS
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name] = min(times[name], _seconds(run, calls[name]))
     return times
 
 
@@ -169,8 +177,8 @@ def choose_faster(key: tuple, runs: dict[str, Callable[[], object]], forced: str
     """The name of the fastest of `runs` ({name: a call of one kernel on one product}), measured the first time
     `key` (what the product is: its shapes, format, ...) is met at this thread count, and kept for the process.
 
-    ``measure``'s way for the other kernel choices (int4's: PyTorch's int4 kernel or a dequantize-and-multiply):
-    ROUNDS rounds in which the runs take turns, each timed for about BUDGET_S, the best round of each kept.
+    ``measure``'s way for the other kernel choices (int4's: PyTorch's int4 kernel or a dequantize-and-multiply;
+    bfloat16's: F.linear or oneDNN packed): one warm-up call each, then ``_best_of_rounds``.
     forced: "auto" measures; a name of `runs` is returned unmeasured (ValueError for any other)."""
     if forced != "auto":
         if forced not in runs:
@@ -179,12 +187,9 @@ def choose_faster(key: tuple, runs: dict[str, Callable[[], object]], forced: str
     full_key = (*key, torch.get_num_threads())
     if full_key not in _chosen_among:
         with torch.no_grad():
-            probe = {name: _seconds(run) for name, run in runs.items()}  # warm-up and probe: one call each
-            calls = {name: max(1, min(1000, int(BUDGET_S / max(seconds, 1e-7)))) for name, seconds in probe.items()}
-            times = {name: math.inf for name in runs}
-            for _ in range(ROUNDS):
-                for name, run in runs.items():
-                    times[name] = min(times[name], _seconds(run, calls[name]))
+            for run in runs.values():
+                run()  # warm-up: first-call overheads
+            times = _best_of_rounds(runs)
         _chosen_among[full_key] = min(times, key=times.get)
     return _chosen_among[full_key]
 
@@ -246,20 +251,45 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+@functools.cache
+def bf16_packing_runs() -> bool:
+    """Whether this CPU can run ``PackedLinear``: oneDNN's op exists and reorders a bfloat16 weight here (it refuses
+    on a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT, or with oneDNN held below them by ONEDNN_MAX_CPU_ISA)."""
+    if not BF16_PACKED_AVAILABLE:
+        return False
+    try:
+        PackedLinear(nn.Linear(16, 16, dtype=torch.bfloat16))(torch.zeros(1, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
 def use_fastest_bf16_kernels(model: nn.Module) -> nn.Module:
-    """Make every bfloat16 nn.Linear of `model` a ``PackedLinear``, in place, where ``choose_faster`` measured it
-    faster than F.linear on a one-row product of its shape (a decode step's) at this thread count; returns the
-    model. ``COURSE_BF16_KERNEL`` ("auto", or one of BF16_KERNELS) forces the choice. For inference only."""
+    """Make every bfloat16 nn.Linear of `model` a ``PackedLinear``, in place, where ``choose_faster`` measured the packed
+    layers faster than F.linear on one-row products (a decode step's) at this thread count; returns the model.
+
+    One choice per weight shape (out, in, bias or not): the runs compared are one row through every layer of the
+    model of that shape in turn, as a step reads them (a loop over one weight would read it from a cache, and can rank
+    the kernels by a speed no step of a large model sees). ``COURSE_BF16_KERNEL`` ("auto", or one of BF16_KERNELS)
+    forces the choice. Where ``bf16_packing_runs`` is False, F.linear stays everywhere. For inference only."""
     forced = os.environ.get("COURSE_BF16_KERNEL", "auto")
+    if not bf16_packing_runs():
+        return model
+    shapes: dict[tuple, list] = {}  # (out, in, bias?) -> [(parent, name, layer)]
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is not nn.Linear or child.weight.dtype != torch.bfloat16 or not BF16_PACKED_AVAILABLE:
-                continue
-            packed, x = PackedLinear(child), torch.zeros(1, child.in_features, dtype=torch.bfloat16)
-            runs = {BF16_KERNELS[0]: lambda child=child: child(x), BF16_KERNELS[1]: lambda packed=packed: packed(x)}
-            key = ("bfloat16", child.out_features, child.in_features, child.bias is not None)
-            if choose_faster(key, runs, forced) == BF16_KERNELS[1]:
-                setattr(module, name, packed)
+            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:  # a FastLinear too
+                shapes.setdefault((child.out_features, child.in_features, child.bias is not None), []).append(
+                    (module, name, child))
+    for (out_features, in_features, bias), layers in shapes.items():
+        plain = [child for _, _, child in layers]
+        packed = [PackedLinear(child) for child in plain]
+        x = torch.zeros(1, in_features, dtype=torch.bfloat16)
+        runs = {BF16_KERNELS[0]: lambda plain=plain, x=x: [m(x) for m in plain],
+                BF16_KERNELS[1]: lambda packed=packed, x=x: [m(x) for m in packed]}
+        if choose_faster(("bfloat16", out_features, in_features, bias), runs, forced) == BF16_KERNELS[1]:
+            for (module, name, _), layer in zip(layers, packed):
+                setattr(module, name, layer)
     return model
 
 

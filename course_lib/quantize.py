@@ -9,7 +9,8 @@ layout of llama.cpp's Q4_1: weight ~ scale * q + minimum, q in 0..15).
 ``bytes_per_token``, ``quantize_int8``, ``dequantize_int8`` and ``int8_linear`` are the reference
 solutions of chapter 08's exercises (``tests/grading/test_solution_drift.py`` keeps the notebook's equal to them).
 ``Int8Linear`` (an ``nn.Linear`` with int8 weights) and ``quantize_model`` (every nn.Linear of a model made
-one, in place) are the reference of its build exercise; ``Int8KernelLinear`` runs PyTorch's int8 kernel,
+one, in place) are the reference of its build exercise; ``Int8KernelLinear`` rounds the activations to int8 too and
+runs PyTorch's int8-by-int8 product,
 ``quantize_int4`` is the reference of its int4 exercise, ``dequantize_int4`` the weight it stands for, and
 ``Int4Linear`` a layer on those int4 weights (PyTorch's CPU int4 kernel or a dequantize-and-multiply, whichever
 ``course_lib.kernels`` measured faster here); ``quantize_weights`` a quantized copy of a course_lib GPT,
@@ -20,6 +21,7 @@ Shapes: B batch, C = n_embd, L = n_layer, V vocabulary; a weight is (out, in), a
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import os
 
@@ -86,10 +88,42 @@ def int8_linear(x, q, scale, bias=None):
     return y if bias is None else y + bias.to(x.dtype)
 
 
-#: PyTorch's CPU kernel for int8 weights (bfloat16 activations, float32 accumulation), where it exists.
-_INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")
-#: That kernel reads a row 16 weights at a time, without a remainder loop: it needs in_features % 16 == 0.
-INT8_KERNEL_MULTIPLE = 16
+#: The two ways ``Int8KernelLinear`` sums its products of int8 levels, both exact: PyTorch's int8 kernel, where it sums
+#: exactly on this CPU, else a float64 product (integers below 2^53: exact too, but it reads the weight as float64).
+INT8_PRODUCTS = ("torch._int_mm", "float64 matmul")
+
+
+@functools.cache
+def int8_product() -> str:
+    """Which of INT8_PRODUCTS ``Int8KernelLinear`` runs here: "torch._int_mm" if it summed a probe exactly.
+
+    ``torch._int_mm`` runs oneDNN's int8 product, exact (int32 sums) on a CPU with AVX-512 VNNI; without it (AVX2, or
+    oneDNN held to AVX2 or SSE4.1 by ONEDNN_MAX_CPU_ISA) it adds pairs of products in 16 bits, which saturate: wrong
+    sums, measured. The probe: rows of +-127 against weights of +-127 (every pair of products at the most a pair can
+    be), and random levels, for 1 to 64 rows; compared with the exact int64 product."""
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 5, 16, 64):
+        x = torch.randint(-127, 128, (rows, 256), generator=g, dtype=torch.int8)
+        x[0] = 127 * (torch.randint(0, 2, (256,), generator=g) * 2 - 1)
+        q = torch.randint(-127, 128, (96, 256), generator=g, dtype=torch.int8)
+        q[:2] = x[0].abs() * torch.tensor([[1], [-1]], dtype=torch.int8)
+        q[2] = x[0]
+        if not torch.equal(torch._int_mm(x, q.t()).long(), x.long() @ q.long().t()):
+            return INT8_PRODUCTS[1]
+    return INT8_PRODUCTS[0]
+
+
+def int8_sums(levels, q):
+    """The exact sums levels @ q.T of int8 levels (M, in) and an int8 weight (out, in): (M, out), int32 from
+    ``torch._int_mm`` (the weight's transpose as a view: no copy), or float64 where ``int8_product`` chose that."""
+    if int8_product() == INT8_PRODUCTS[0]:
+        return torch._int_mm(levels, q.t())
+    return levels.double() @ q.t().double()
+
+
+#: The widest input ``Int8KernelLinear`` takes: its int32 sums of in products of two levels of at most 127 in size
+#: stay exact (127 * 127 * in < 2^31).
+INT8_KERNEL_MAX_IN = (2**31 - 1) // (127 * 127)
 
 
 class Int8Linear(nn.Module):
@@ -161,21 +195,40 @@ def quantize_model(model):
 
 
 class Int8KernelLinear(Int8Linear):
-    """``Int8Linear`` on PyTorch's CPU int8 kernel (``torch._weight_int8pack_mm``): the fast path of section 6.
+    """``Int8Linear`` whose activations are rounded to int8 too (W8A8, as llama.cpp's q8_0 dot product does), then
+    multiplied by the int8 weight in integers: the fast path of section 6.
 
-    The kernel reads the int8 weights as they are, converts the activations to bfloat16 and returns
-    bfloat16; the scale and the bias are then applied in float32. Elsewhere it runs ``int8_linear``, as it
-    does for an input width the kernel cannot take (not a multiple of 16).
+    Each row of x (a token's activations) is rounded as ``quantize_int8`` rounds a weight row: symmetric absmax, one
+    float32 scale per row, max |row| / 127, levels in [-127, 127] (a row whose scale is 0 gives outputs of 0, bias
+    aside). The int8 rows times the int8 weight's transpose sum exactly (``torch._int_mm``'s int32 sums, or a float64
+    product where that kernel is not exact: ``int8_product``), so the sums are the same on every CPU; then, in float32,
+    each sum times its row's scale and its output channel's scale, plus the bias. A row that holds a NaN or an infinity has no int8 levels: its outputs are all NaN. forward(x (..., in))
+    -> (..., out), in x's dtype. Besides Int8Linear's checks, ValueError if in exceeds INT8_KERNEL_MAX_IN (the int32
+    sums could overflow); on a device other than the CPU it runs ``int8_linear``.
     """
 
+    def __init__(self, q, scale, bias=None):
+        super().__init__(q, scale, bias)
+        if self.in_features > INT8_KERNEL_MAX_IN:
+            raise ValueError(f"q's in = {self.in_features} must be at most {INT8_KERNEL_MAX_IN}: the int32 sums "
+                             "could overflow")
+
     def forward(self, x):
-        if _INT8_KERNEL and x.device.type == "cpu" and self.in_features % INT8_KERNEL_MULTIPLE == 0:
-            unit_scales = torch.ones(self.out_features, dtype=torch.bfloat16)  # the kernel's own: ours come after
-            rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (B*T, in)
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.q, unit_scales).view(*x.shape[:-1], self.out_features)
-            y = y.to(x.dtype) * self.scale if self.bias is None else torch.addcmul(self.bias, y, self.scale)  # float32
-            return y.to(x.dtype)
-        return super().forward(x)
+        if x.device.type != "cpu":
+            return super().forward(x)
+        rows = x.reshape(-1, self.in_features).float()  # (M, in), M = the tokens of x
+        row_scale = rows.abs().amax(dim=1, keepdim=True) / 127  # (M, 1); NaN or inf if the row holds one
+        # a scale of 0 multiplies the sums by 0 whatever the levels, so its divisor only has to be > 0; a row holding
+        # NaN or an infinity gets levels 0 and a scale NaN or inf: its outputs NaN
+        levels = (rows / row_scale.clamp_min(_SMALLEST)).round_().clamp_(-127, 127).nan_to_num_(0).to(torch.int8)
+        sums = int8_sums(levels, self.q)
+        scales = row_scale * self.scale  # (M, out): a row's scale times a channel's, float32
+        y = sums * scales if self.bias is None else torch.addcmul(self.bias, sums, scales)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+#: The smallest positive float32.
+_SMALLEST = torch.finfo(torch.float32).smallest_normal * 2.0**-23
 
 
 #: The group sizes ``quantize_int4`` takes: groups of 32 to 128 inputs (llama.cpp's Q4 blocks hold 32, GPTQ's and

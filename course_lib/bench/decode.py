@@ -19,7 +19,8 @@ from ..gpt import GPT, GPTConfig, extend, gpt_logits, greedy_choice
 from ..kernels import (ONEDNN_AVAILABLE, chosen_among, chosen_kernels, onednn_linear, use_fastest_bf16_kernels,
                        use_fastest_kernels)
 from ..kv_cache import generate_cached
-from ..quantize import INT4_GROUP_SIZE, decode_weight_bytes, dequantize_int4, quantize_int4, quantize_weights
+from ..quantize import (INT4_GROUP_SIZE, decode_weight_bytes, dequantize_int4, int8_product, quantize_int4, quantize_int8,
+                        quantize_weights)
 from . import timing
 from .hf_adapters import hf_generate
 
@@ -33,6 +34,8 @@ DECODE_SHAPES = {
 UNCACHED_TOKENS = {"tiny": 64, "gpt2-small": 16}
 #: The shape and batch size whose rows get the memory-bandwidth bound
 BOUND_SHAPE, BOUND_BATCH = "gpt2-small", 1
+#: The share of its bound each weight format's cached row aims for at BOUND_SHAPE, BOUND_BATCH
+BOUND_TARGETS = {"float32": 0.8, "int8": 0.6, "bfloat16": 0.6}
 #: New tokens of a warm-up run (at most: fewer where the timed runs generate fewer)
 WARMUP_TOKENS = 8
 #: Timed repeats by default
@@ -138,17 +141,51 @@ def int4_reference_model(model, group_size: int = INT4_GROUP_SIZE):
     return reference
 
 
-#: A parting of int4's tokens from its float64 reference is called a near-tie when the reference's logits of the two
-#: tokens differ by less than this fraction of its largest |logit|: bfloat16 keeps 8 significant bits (2^-8 ~ 0.004).
+class W8A8Reference(torch.nn.Module):
+    """The float64 computation of ``Int8KernelLinear``'s rounding, for a reference model: the weight quantized by
+    ``quantize_int8``; each row of x rounded to int8 levels round(x / s), s = max |row| / 127 (a zero row: levels 0);
+    the products of levels summed in float64 (integers below 2^53: exact); times s and the channel's scale, plus the
+    bias. x (..., in) float64 -> (..., out)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        q, scale = quantize_int8(linear.weight)
+        self.register_buffer("q", q.double())
+        self.register_buffer("scale", scale.double())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().double())
+
+    def forward(self, x):
+        s = x.abs().amax(dim=-1, keepdim=True) / 127
+        levels = torch.round(x / torch.where(s > 0, s, 1.0)).clamp(-127, 127)
+        y = (levels @ self.q.t()) * s * self.scale
+        return y if self.bias is None else y + self.bias
+
+
+def int8_reference_model(model):
+    """A float64 copy of `model` whose every nn.Linear is a ``W8A8Reference``: what int8's greedy tokens are compared
+    with. The int8 model rounds its activations to int8 from float32 ones, this reference from float64 ones, so a
+    level can differ where an activation lies near the middle between two levels, and the tokens part where two logits
+    are within what that changes."""
+    reference = copy.deepcopy(model).double().eval()
+    for module in list(reference.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, name, W8A8Reference(child))
+    return reference
+
+
+#: A parting of a quantized model's tokens from its float64 reference is called a near-tie when the reference's logits
+#: of the two tokens differ by less than this fraction of its largest |logit|: bfloat16 keeps 8 significant bits (2^-8
+#: ~ 0.004), and an int8 level is 1/127 of its row's largest.
 NEAR_TIE = 1e-2
 
 
-def int4_parting(tokens, reference, prompt_len: int) -> dict | None:
-    """Where int4's greedy tokens (B, prompt_len + n) part from those of `reference` (``int4_reference_model``) and by
-    how much: None if they are equal, else {"token": the first new token that differs, "margin": at that step, the
-    reference's logit of its own choice minus its logit of int4's, over its largest |logit| (the largest over the rows
-    that differ)}. A margin under NEAR_TIE is a near-tie that the int4 kernel's bfloat16 rounding can flip; a larger one
-    is more than rounding explains."""
+def parting(tokens, reference, prompt_len: int) -> dict | None:
+    """Where a quantized model's greedy tokens (B, prompt_len + n) part from those of `reference`
+    (``int8_reference_model``, ``int4_reference_model``) and by how much: None if they are equal, else {"token": the
+    first new token that differs, "margin": at that step, the reference's logit of its own choice minus its logit of the
+    model's, over its largest |logit| (the largest over the rows that differ)}. A margin under NEAR_TIE is a near-tie
+    that the model's rounding can flip; a larger one is more than rounding explains."""
     expected = generate_cached(reference, tokens[:, :prompt_len], tokens.shape[1] - prompt_len)
     part = first_difference(tokens[:, prompt_len:], expected[:, prompt_len:])
     if part is None:
@@ -190,9 +227,11 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
     GPT-2-small shape at batch 1, the memory-bandwidth bound of each weight format: the measured read
     bandwidth (``read_bandwidth``, with one thread, two and `threads`, measured after each repeat's runs; the
     fastest of them, so that no run beats it) / the bytes of the weights a step reads. Tokens: ours float32 against
-    HF's (equal, the same float32 weights); int4's against a float64 model with int4's dequantized weights
-    (``int4_reference_model``), ``int4_parting``: where they part, by what logit margin (None: equal).
-    Returns {"rows": [...], "bound": {...} or None, ...}.
+    HF's (equal, the same float32 weights); int8's and int4's against a float64 model doing the same rounding
+    (``int8_reference_model``, ``int4_reference_model``), ``parting``: where they part, by what logit margin (None:
+    equal), each row's "partings" {"int8": ..., "int4": ...}. Returns {"rows": [...], "bound": {...} or None,
+    "kernels": the float32 kernels chosen, "kernel_choices": the int4 and bfloat16 kernels chosen (``chosen_among``),
+    ...}.
     """
     from ..hf import to_hf
 
@@ -205,7 +244,8 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
             ours, theirs = _seeded_pair(GPT, config, to_hf, seed)
             ours_int8 = quantize_weights(ours, "int8")
             ours_bf16 = use_fastest_bf16_kernels(quantize_weights(ours, "bfloat16"))  # oneDNN packed where faster here
-            ours_int4, int4_reference = quantize_weights(ours, "int4"), int4_reference_model(ours)
+            ours_int4 = quantize_weights(ours, "int4")
+            references = {"int8": int8_reference_model(ours), "int4": int4_reference_model(ours)}
             use_fastest_kernels(ours, rows=batch_sizes)  # float32: the faster kernel per weight, measured here
             n_uncached = min(uncached_tokens[shape], new_tokens)
             for B in batch_sizes:
@@ -228,12 +268,13 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
 
                 timed = _time_runs(runs, warmup, repeats, after_round=measure)
                 same = torch.equal(timed["ours, cached"].results[-1], timed["HF generate, use_cache=True"].results[-1])
-                int4_part = int4_parting(timed["ours int4, cached"].results[-1], int4_reference, prompt_len)
+                partings = {weights: parting(timed[f"ours {weights}, cached"].results[-1], reference, prompt_len)
+                            for weights, reference in references.items()}
                 for name, (_, n) in runs.items():
                     seconds = timed[name].median
                     rows.append({"shape": shape, "batch_size": B, "impl": name, "new_tokens": n, "seconds": seconds,
                                  "tokens_per_s": B * n / seconds, "times": timed[name].seconds, "same_tokens_as_hf": same,
-                                 "int4_parting": int4_part})
+                                 "partings": partings})
                 these = rows[-len(runs):]
                 for row in these:
                     cached = row["impl"].endswith((" cached", "True"))
@@ -250,7 +291,7 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
                         bound["formats"][weights] = {"weight_bytes": weight_bytes, "tokens_per_s": bandwidth / weight_bytes,
                                                      "fraction": row["tokens_per_s"] * weight_bytes / bandwidth}
     return {"rows": rows, "bound": bound, "threads": threads, "repeats": repeats, "warmup": warmup, "prompt_len": prompt_len,
-            "kernels": chosen_kernels(), "int4_kernels": chosen_among()}
+            "kernels": chosen_kernels(), "kernel_choices": chosen_among(), "int8_product": int8_product()}
 
 
 def _format_rows(rows: list) -> list[str]:
@@ -274,13 +315,15 @@ def format_decode(result: dict) -> str:
              f"median of {result['repeats']} runs after {result['warmup']} warm-up run(s); tokens/s = B x new tokens / seconds",
              *_format_rows(result["rows"])]
     lines.append("ours cached == HF cached, same tokens: " + _format_agreement(result["rows"]))
-    parts = {(r["shape"], r["batch_size"]): r.get("int4_parting") for r in result["rows"]}
-    lines.append("ours int4 == a float64 model with int4's dequantized weights, same tokens: " + ", ".join(
-        f"{s} B={b}: " + ("yes" if p is None else f"from token {p['token']} on, where the reference's two logits differ by "
-                          f"{p['margin']:.1e} of its largest (" + ("a near-tie: within the kernel's bfloat16 rounding)"
-                                                                   if p["margin"] < NEAR_TIE else "NOT a near-tie: more than "
-                                                                   "rounding explains)"))
-        for (s, b), p in parts.items()))
+    for weights, what in (("int8", "the same int8 rounding of weights and activations"),
+                          ("int4", "int4's dequantized weights")):
+        parts = {(r["shape"], r["batch_size"]): r.get("partings", {}).get(weights) for r in result["rows"]}
+        lines.append(f"ours {weights} == a float64 model with {what}, same tokens: " + ", ".join(
+            f"{s} B={b}: " + ("yes" if p is None else f"from token {p['token']} on, where the reference's two logits "
+                              f"differ by {p['margin']:.1e} of its largest (" + (
+                                  "a near-tie: within the model's rounding)" if p["margin"] < NEAR_TIE else
+                                  "NOT a near-tie: more than rounding explains)"))
+            for (s, b), p in parts.items()))
     lines.append("(vs HF: our cached rows / HF use_cache=True float32, ours uncached / HF use_cache=False; "
                  "targets: float32 >= 1.3x, int8 >= 2.5x at gpt2-small)")
     bound = result.get("bound")
@@ -291,12 +334,15 @@ def format_decode(result: dict) -> str:
                      "the size of the float32 weights, measured between the repeats) / weights read per step:")
         for weights, b in bound["formats"].items():
             lines.append(f"  {weights:8s} {b['weight_bytes'] / 1e6:6.1f} MB -> {b['tokens_per_s']:6.1f} tokens/s; "
-                         f"ours cached reaches {b['fraction']:.0%} of it" + (" (target >= 50%)" if weights == "float32" else "")
+                         f"ours cached reaches {b['fraction']:.0%} of it" + (f" (target >= {BOUND_TARGETS[weights]:.0%})"
+                                                                            if weights in BOUND_TARGETS else "")
                          + (" - ABOVE the bound: this machine read faster than read_bandwidth measured (a cache holding "
                             "these weights, or the bound measured at a busy moment)" if b["fraction"] > 1.1 else ""))
     lines.append(format_kernels(result.get("kernels", {})))
+    if "int8_product" in result:
+        lines.append(f"int8 sums (course_lib.quantize.int8_product, exact either way): {result['int8_product']}")
     for kind, what in (("int4", "groups of"), ("bfloat16", "bias")):
-        chosen = sorted({(key[1:4], name) for key, name in result.get("int4_kernels", {}).items() if key[0] == kind})
+        chosen = sorted({(key[1:4], name) for key, name in result.get("kernel_choices", {}).items() if key[0] == kind})
         if chosen:
             lines.append(f"{kind} kernels chosen (course_lib.kernels, measured): " +
                          "; ".join(f"({o}, {i}) {what} {g}: {name}" for (o, i, g), name in chosen))

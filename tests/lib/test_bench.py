@@ -51,6 +51,11 @@ def test_bench_decode_quick_on_the_tiny_shape_returns_and_prints_sane_rows(capsy
     table = format_decode(result)
     assert "ours, cached" in table and "ours int8, cached" in table and "HF generate, use_cache=False" in table and "vs HF" in table
     assert "ours int4, cached" in table and "ours int4 == a float64 model with int4's dequantized weights" in table
+    assert "ours int8 == a float64 model with the same int8 rounding of weights and activations" in table
+    assert all(set(row["partings"]) == {"int8", "int4"} for row in rows)
+    # the int4 and bfloat16 kernels chosen, each key (format, out, in, group size or bias, threads)
+    assert {key[0] for key in result["kernel_choices"]} <= {"int4", "bfloat16"} and "int4_kernels" not in result
+    assert f"int8 sums (course_lib.quantize.int8_product, exact either way): {result['int8_product']}" in table
 
 
 def test_bench_main_decode_quick_prints_the_table(capsys, monkeypatch):

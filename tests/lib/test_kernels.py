@@ -270,3 +270,42 @@ def test_bf16_models_keep_their_outputs_on_either_kernel(monkeypatch, forced):
         logits, expected = model(idx)[0].double(), reference(idx)[0]
     assert (logits - expected).abs().max() <= 0.05 * expected.abs().max()
     assert generate_cached(model, idx, 4).shape == (2, 9)
+
+
+@pytest.mark.skipif(not kernels.BF16_PACKED_AVAILABLE, reason="no oneDNN weight packing in this build")
+def test_bf16_kernels_are_chosen_once_per_shape_on_every_layer_of_that_shape(monkeypatch):
+    """One measurement per weight shape, whose runs take one row through every layer of that shape (read as a step
+    reads them, not one weight from a cache); the layers of a shape measured packed-faster all become PackedLinear, the
+    others stay as they were; FastLinear layers count (chapter 08's bfloat16 copy of its model once packed none)."""
+    asked = {}
+
+    def fake_choose_faster(key, runs, forced="auto"):
+        asked[key] = {name: len(run()) for name, run in runs.items()}  # the layers each run went through
+        return kernels.BF16_KERNELS[1] if key[1:3] == (32, 16) else kernels.BF16_KERNELS[0]
+
+    monkeypatch.setattr(kernels, "choose_faster", fake_choose_faster)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 32), nn.Linear(16, 32))
+    use_fastest_kernels(model)  # FastLinear layers (a bfloat16 copy of a float32 model that ran them keeps them)
+    model.to(torch.bfloat16)
+    kernels.use_fastest_bf16_kernels(model)
+    assert asked == {("bfloat16", 32, 16, True): {name: 3 for name in kernels.BF16_KERNELS},
+                     ("bfloat16", 16, 32, True): {name: 1 for name in kernels.BF16_KERNELS}}
+    assert [type(m).__name__ for m in model] == ["PackedLinear", "FastLinear", "PackedLinear", "PackedLinear"]
+
+
+def test_bf16_models_stay_on_f_linear_where_onednn_cannot_pack_bfloat16():
+    """With oneDNN held to SSE4.1 (as on a CPU without AVX-512 BW/VL/DQ), its bfloat16 reorder refuses: the probe says
+    so and every layer stays F.linear, and the model still decodes (chapter 08's other-CPU run once stopped here)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from course_lib import kernels; from course_lib.gpt import GPT, GPTConfig\n"
+            "from course_lib.kv_cache import generate_cached\n"
+            "m = GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=32)).eval().to(torch.bfloat16)\n"
+            "kernels.use_fastest_bf16_kernels(m)\n"
+            "print(kernels.bf16_packing_runs(), sum(isinstance(x, kernels.PackedLinear) for x in m.modules()),\n"
+            "      tuple(generate_cached(m, torch.zeros(1, 2, dtype=torch.long), 3).shape))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "ONEDNN_MAX_CPU_ISA": "SSE41"}).stdout.strip().split(maxsplit=2)
+    assert out == ["False", "0", "(1, 5)"]
