@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable
 
 import torch
@@ -233,6 +233,14 @@ def cached_llama_attention(attn: LlamaAttention, x, cache: KVCache, layer: int, 
     return attn.o_proj(y.transpose(1, 2).reshape(B, T, attn.n_head * attn.head_dim))
 
 
+@lru_cache(maxsize=8)
+def rope_table(n: int, head_dim: int, base: float, dtype: torch.dtype, device: torch.device):
+    """``rope_cos_sin`` of positions 0 .. n-1, (n, Dh/2) each, kept for the next call with the same arguments: a decode
+    step slices its positions' rows instead of computing the angles again (the same numbers, one slice)."""
+    with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, usable outside inference mode too
+        return rope_cos_sin(torch.arange(n, device=device), head_dim, base, dtype)
+
+
 @torch.no_grad()
 def llama_cached_forward(model: Llama, idx, cache: KVCache):
     """Run the model over new tokens idx (B, T) at positions cache.length .. cache.length + T - 1; logits (B, T, V).
@@ -243,17 +251,17 @@ def llama_cached_forward(model: Llama, idx, cache: KVCache):
     B, T = idx.shape
     if cache.batch_size != B:
         raise ValueError(f"idx has batch size {B} but the cache holds {cache.batch_size} rows")
-    past = cache.length
-    if past + T > min(cache.max_len, model.config.block_size):
-        raise ValueError(f"positions must be < {min(cache.max_len, model.config.block_size)} (the cache's max_len and the "
-                         f"block_size): {past} are cached and {T} more were given")
+    past, limit = cache.length, min(cache.max_len, model.config.block_size)
+    if past + T > limit:
+        raise ValueError(f"positions must be < {limit} (the cache's max_len and the block_size): {past} are cached and "
+                         f"{T} more were given")
     c = model.config
     if T == 1 and cache.window is None:
         allowed = None  # one new token: it may attend to every cached key and to itself
     else:
         allowed = attention_allowed(torch.arange(past, past + T, device=idx.device), cache.key_slots(T), None, cache.window)
     x = model.model.embed_tokens(idx)
-    cos, sin = rope_cos_sin(torch.arange(past, past + T, device=idx.device), c.head_dim, c.rope_base, x.dtype)
+    cos, sin = (table[past:past + T] for table in rope_table(limit, c.head_dim, c.rope_base, x.dtype, idx.device))
     x = llama_layers(model, x, lambda layer, attn, h: cached_llama_attention(attn, h, cache, layer, cos, sin, allowed))
     cache.advance(T)
     return model.lm_head(x)

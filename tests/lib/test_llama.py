@@ -156,6 +156,17 @@ def test_cached_decoding_equals_the_full_forward_and_greedy_tokens_equal_hugging
     assert torch.equal(generate_llama(ours, prompt, 30), expected)
 
 
+def test_cached_decoding_after_generate_equals_the_full_forward():
+    # generate_llama (inference mode) and a later cached forward (no_grad) of the same length share the RoPE rows
+    ours = Llama(small()).eval()
+    idx = torch.randint(0, 61, (1, 20), generator=torch.Generator().manual_seed(3))
+    generate_llama(ours, idx[:, :5], 15)
+    cache = new_cache(ours, 1, 20)
+    logits = [llama_cached_forward(ours, idx[:, :5], cache)] + [llama_cached_forward(ours, idx[:, t:t + 1], cache) for t in range(5, 20)]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat(logits, 1), ours(idx)[0], **TOL)
+
+
 def test_gqa_shrinks_the_cache_by_the_group_size():
     ours = Llama(small(n_kv_head=1))
     cache = new_cache(ours, 1, 48)
