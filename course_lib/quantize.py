@@ -97,9 +97,9 @@ INT8_PRODUCTS = ("torch._int_mm", "float64 matmul")
 def int8_product() -> str:
     """Which of INT8_PRODUCTS ``Int8KernelLinear`` runs here: "torch._int_mm" if it summed a probe exactly.
 
-    ``torch._int_mm`` runs oneDNN's int8 product, exact (int32 sums) on a CPU with AVX-512 VNNI; without it (AVX2, or
-    oneDNN held to AVX2 or SSE4.1 by ONEDNN_MAX_CPU_ISA) it adds pairs of products in 16 bits, which saturate: wrong
-    sums, measured. The probe: rows of +-127 against weights of +-127 (every pair of products at the most a pair can
+    ``torch._int_mm`` runs oneDNN's int8 product, exact (int32 sums) on a CPU with VNNI (AVX-512 VNNI, or AVX-VNNI on
+    an AVX2 CPU); without it (AVX2 or AVX-512 alone, or oneDNN held to AVX2, AVX512_CORE or SSE4.1 by
+    ONEDNN_MAX_CPU_ISA) it adds pairs of products in 16 bits, which saturate: wrong sums, measured. The probe: rows of +-127 against weights of +-127 (every pair of products at the most a pair can
     be), and random levels, for 1 to 64 rows; compared with the exact int64 product."""
     g = torch.Generator().manual_seed(0)
     for rows in (1, 2, 5, 16, 64):

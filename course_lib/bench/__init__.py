@@ -58,8 +58,8 @@ def _llama_rows(args) -> dict:
     width and depth, LLAMA_FOR_GPT_SHAPE)."""
     shapes = tuple(LLAMA_FOR_GPT_SHAPE[s] for s in args.shapes)
     if args.quick:
-        return bench_llama_decode(shapes=shapes, new_tokens=QUICK_TOKENS, threads=args.threads, warmup=0,
-                                  repeats=args.repeats or 1)
+        return bench_llama_decode(shapes=shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=QUICK_TOKENS,
+                                  threads=args.threads, warmup=0, repeats=args.repeats or 1)
     return bench_llama_decode(shapes=shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=min(args.tokens, LLAMA_MAX_TOKENS),
                               threads=args.threads, repeats=args.repeats or REPEATS["decode"])
 
@@ -103,7 +103,7 @@ def _decode(args) -> None:
         print(format_llama_decode(_llama_rows(args)))
         return
     if args.quick:
-        result = bench_decode(shapes=args.shapes, new_tokens=QUICK_TOKENS,
+        result = bench_decode(shapes=args.shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=QUICK_TOKENS,
                               uncached_tokens={s: QUICK_UNCACHED_TOKENS for s in DECODE_SHAPES},
                               threads=args.threads, warmup=0, repeats=args.repeats or 1)
     else:

@@ -69,6 +69,20 @@ def test_bench_main_decode_quick_prints_the_table(capsys, monkeypatch):
     assert "HF LlamaForCausalLM generate" in out and "llama-small" not in out  # --shapes tiny: the tiny Llama shape only
 
 
+
+def test_bench_main_decode_quick_keeps_the_batch_sizes_asked_for(monkeypatch):
+    """--quick shortens the runs; the batch sizes typed (--batch-sizes) are still the ones run, for both families
+    (the GPT table once ran 1 and 8 whatever was typed)."""
+    import course_lib.bench as bench
+
+    asked = {}
+    monkeypatch.setattr(bench, "bench_decode", lambda **kw: asked.setdefault("gpt", kw["batch_sizes"]))
+    monkeypatch.setattr(bench, "format_decode", lambda result: "")
+    monkeypatch.setattr(bench, "bench_llama_decode", lambda **kw: asked.setdefault("llama", kw["batch_sizes"]))
+    monkeypatch.setattr(bench, "format_llama_decode", lambda result: "")
+    assert main(["decode", "--quick", "--shapes", "tiny", "--batch-sizes", "2", "3"]) == 0
+    assert asked == {"gpt": (2, 3), "llama": (2, 3)}
+
 def test_bench_llama_decode_quick_on_the_tiny_shape_returns_sane_rows_and_the_same_tokens_as_hf():
     from course_lib.bench import bench_llama_decode, format_llama_decode
 

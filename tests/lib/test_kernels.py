@@ -19,6 +19,9 @@ from course_lib.kv_cache import generate_cached
 from course_lib.llama import Llama, LlamaConfig, generate_llama
 
 pytestmark = pytest.mark.skipif(not kernels.ONEDNN_AVAILABLE, reason="this PyTorch build has no oneDNN")
+#: Tests of PackedLinear at work: where oneDNN cannot pack bfloat16 here (a CPU without AVX-512 BW/VL/DQ, e.g. an
+#: AVX2 laptop, or ONEDNN_MAX_CPU_ISA below them) the F.linear fallback is what runs, and is tested below.
+needs_bf16_packing = pytest.mark.skipif(not kernels.bf16_packing_runs(), reason="oneDNN cannot pack bfloat16 on this CPU")
 
 
 @pytest.fixture(autouse=True)
@@ -250,7 +253,7 @@ def test_choose_faster_keeps_the_fastest_per_key_and_thread_count_and_can_be_for
     assert kernels.chosen_among() == {}
 
 
-@pytest.mark.skipif(not kernels.BF16_PACKED_AVAILABLE, reason="no oneDNN weight packing in this build")
+@needs_bf16_packing
 @pytest.mark.parametrize("forced", kernels.BF16_KERNELS)
 def test_bf16_models_keep_their_outputs_on_either_kernel(monkeypatch, forced):
     """Forced either way: a bfloat16 GPT's logits within bfloat16 rounding of float64 F.linear's on the same weights,
@@ -272,7 +275,7 @@ def test_bf16_models_keep_their_outputs_on_either_kernel(monkeypatch, forced):
     assert generate_cached(model, idx, 4).shape == (2, 9)
 
 
-@pytest.mark.skipif(not kernels.BF16_PACKED_AVAILABLE, reason="no oneDNN weight packing in this build")
+@needs_bf16_packing
 def test_bf16_kernels_are_chosen_once_per_shape_on_every_layer_of_that_shape(monkeypatch):
     """One measurement per weight shape, whose runs take one row through every layer of that shape (read as a step
     reads them, not one weight from a cache); the layers of a shape measured packed-faster all become PackedLinear, the

@@ -150,7 +150,7 @@ def test_int8_kernel_layer_takes_hostile_inputs():
 
 
 def test_int8_product_falls_back_where_int_mm_saturates(monkeypatch):
-    """A kernel that adds pairs of products in 16 bits, saturating (oneDNN's int8 product without AVX-512 VNNI), fails
+    """A kernel that adds pairs of products in 16 bits, saturating (oneDNN's int8 product without VNNI), fails
     the probe: the float64 product runs instead. The exact one passes it."""
 
     def saturating(x, w):  # x + 128 as uint8 times w, pairs summed in int16 (saturated), then 128 * sum(w) taken off
@@ -176,6 +176,38 @@ def test_int8_kernel_layer_is_exact_with_onednn_held_to_avx2():
                          env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}).stdout.split()
     assert out[0:2] == ["float64", "matmul"] and float(out[2]) < 1e-6
 
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("isa,flag,product", [("AVX2_VNNI", "avx_vnni", INT8_PRODUCTS[0]),
+                                              ("AVX512_CORE_VNNI", "avx512_vnni", INT8_PRODUCTS[0]),
+                                              ("AVX512_CORE", "avx512f", INT8_PRODUCTS[1]),
+                                              ("AVX2", "avx2", INT8_PRODUCTS[1])])
+def test_int8_product_probe_agrees_with_wider_products_per_isa(isa, flag, product):
+    """The probe's choice under each oneDNN ISA is the truth on products wider and taller than its own (100 rows of
+    1,024 random levels, and rows of +127 against +-127, times 512 outputs): torch._int_mm where it sums them exactly,
+    which VNNI does on AVX2 (AVX-VNNI) as on AVX-512, else the float64 product. Run where the CPU has the ISA."""
+    if flag not in _cpu_flags():
+        pytest.skip(f"this CPU has no {flag}")
+    code = ("import torch; from course_lib import quantize\n"
+            "g = torch.Generator().manual_seed(1); exact = True\n"
+            "x = torch.randint(-127, 128, (100, 1024), generator=g, dtype=torch.int8)\n"
+            "w = torch.randint(-127, 128, (512, 1024), generator=g, dtype=torch.int8)\n"
+            "for a in (x, torch.full_like(x, 127)):\n"
+            "    b = torch.where(torch.arange(512)[:, None] % 2 == 0, 127, -127).to(torch.int8).expand(512, 1024)\n"
+            "    for b in (w, b.contiguous()):\n"
+            "        exact &= torch.equal(torch._int_mm(a, b.t()).long(), a.long() @ b.long().t())\n"
+            "print(quantize.int8_product().replace(' ', '_'), exact)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "ONEDNN_MAX_CPU_ISA": isa}).stdout.split()
+    assert out == [product.replace(" ", "_"), str(product == INT8_PRODUCTS[0])]
 
 def test_quantize_model_replaces_every_linear_in_place():
     model = small_gpt()
