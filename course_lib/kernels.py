@@ -273,6 +273,8 @@ def use_fastest_bf16_kernels(model: nn.Module) -> nn.Module:
     the kernels by a speed no step of a large model sees). ``COURSE_BF16_KERNEL`` ("auto", or one of BF16_KERNELS)
     forces the choice. Where ``bf16_packing_runs`` is False, F.linear stays everywhere. For inference only."""
     forced = os.environ.get("COURSE_BF16_KERNEL", "auto")
+    if forced not in ("auto", *BF16_KERNELS):
+        raise ValueError(f"COURSE_BF16_KERNEL must be 'auto' or one of {list(BF16_KERNELS)}, got {forced!r}")
     if not bf16_packing_runs():
         return model
     shapes: dict[tuple, list] = {}  # (out, in, bias?) -> [(parent, name, layer)]

@@ -95,13 +95,14 @@ INT8_PRODUCTS = ("torch._int_mm", "float64 matmul")
 
 @functools.cache
 def int8_product() -> str:
-    """Which of INT8_PRODUCTS ``Int8KernelLinear`` runs here: "torch._int_mm" if it summed a probe exactly.
+    """Which of INT8_PRODUCTS ``Int8KernelLinear`` runs here: "torch._int_mm" where it sums int8 products exactly,
+    else "float64 matmul".
 
     ``torch._int_mm`` runs oneDNN's int8 product, exact (int32 sums) on a CPU with VNNI (AVX-512 VNNI, or AVX-VNNI on
     an AVX2 CPU); without it (AVX2 or AVX-512 alone, or oneDNN held to AVX2, AVX512_CORE or SSE4.1 by
-    ONEDNN_MAX_CPU_ISA) it adds pairs of products in 16 bits, which saturate: wrong sums, measured. The probe: rows
-    of +-127 against weights of +-127 (every pair of products at the most a pair can be), and random levels, for 1 to
-    64 rows; compared with the exact product in float64."""
+    ONEDNN_MAX_CPU_ISA) it adds pairs of products in 16 bits, which saturate: wrong sums, measured. Decided once per
+    process, on probes whose pairs of products reach the most a pair can be; a build whose ``torch._int_mm`` raises
+    gets the float64 product."""
     g = torch.Generator().manual_seed(0)
     for rows in (1, 2, 5, 16, 64):
         x = torch.randint(-127, 128, (rows, 256), generator=g, dtype=torch.int8)
@@ -111,22 +112,27 @@ def int8_product() -> str:
         q[2] = x[0]
         exact = x.double() @ q.double().t()  # every sum below 2^53: exact (an int64 product would be too, but ATen's
         # int64 matrix product leaves the CPU in a state that slows the SSE code of ATEN_CPU_CAPABILITY=default 20-fold)
-        if not torch.equal(torch._int_mm(x, q.t()).double(), exact):
+        try:
+            summed = torch._int_mm(x, q.t())
+        except RuntimeError:  # a build without the CPU kernel
+            return INT8_PRODUCTS[1]
+        if not torch.equal(summed.double(), exact):
             return INT8_PRODUCTS[1]
     return INT8_PRODUCTS[0]
 
 
 def int8_sums(levels, q):
     """The exact sums levels @ q.T of int8 levels (M, in) and an int8 weight (out, in): (M, out), int32 from
-    ``torch._int_mm`` (the weight's transpose as a view: no copy), or float64 where ``int8_product`` chose that."""
+    ``torch._int_mm`` (the weight's transpose as a view: no copy), or float64 where ``int8_product`` chose that: the
+    same integers either way."""
     if int8_product() == INT8_PRODUCTS[0]:
         return torch._int_mm(levels, q.t())
     return levels.double() @ q.t().double()
 
 
-#: The widest input ``Int8KernelLinear`` takes: its int32 sums of in products of two levels of at most 127 in size
-#: stay exact (127 * 127 * in < 2^31).
-INT8_KERNEL_MAX_IN = (2**31 - 1) // (127 * 127)
+#: The widest input ``Int8KernelLinear`` takes: its int32 sums of in products of an activation level (at most 127 in
+#: size) and a weight level (at most 128: int8 holds -128) stay exact (127 * 128 * in < 2^31).
+INT8_KERNEL_MAX_IN = (2**31 - 1) // (127 * 128)
 
 
 class Int8Linear(nn.Module):
@@ -205,9 +211,10 @@ class Int8KernelLinear(Int8Linear):
     float32 scale per row, max |row| / 127, levels in [-127, 127] (a row whose scale is 0 gives outputs of 0, bias
     aside). The int8 rows times the int8 weight's transpose sum exactly (``torch._int_mm``'s int32 sums, or a float64
     product where that kernel is not exact: ``int8_product``), so the sums are the same on every CPU; then, in float32,
-    each sum times its row's scale and its output channel's scale, plus the bias. A row that holds a NaN or an infinity has no int8 levels: its outputs are all NaN. forward(x (..., in))
-    -> (..., out), in x's dtype. Besides Int8Linear's checks, ValueError if in exceeds INT8_KERNEL_MAX_IN (the int32
-    sums could overflow); on a device other than the CPU it runs ``int8_linear``.
+    each sum times its row's scale and its output channel's scale, plus the bias. A row that holds a NaN or an
+    infinity has no int8 levels: its outputs are all NaN. forward(x (..., in)) -> (..., out), in x's dtype.
+    Besides Int8Linear's checks, ValueError if in exceeds INT8_KERNEL_MAX_IN (the int32 sums could overflow) or x's
+    last dimension is not in; on a device other than the CPU it runs ``int8_linear``.
     """
 
     def __init__(self, q, scale, bias=None):
@@ -217,6 +224,9 @@ class Int8KernelLinear(Int8Linear):
                              "could overflow")
 
     def forward(self, x):
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"x must be (..., in) with in = in_features = {self.in_features}, "
+                             f"got shape {tuple(x.shape)}")
         if x.device.type != "cpu":
             return super().forward(x)
         rows = x.reshape(-1, self.in_features).float()  # (M, in), M = the tokens of x
@@ -224,7 +234,7 @@ class Int8KernelLinear(Int8Linear):
         # a scale of 0 multiplies the sums by 0 whatever the levels, so its divisor only has to be > 0; a row holding
         # NaN or an infinity gets levels 0 and a scale NaN or inf: its outputs NaN
         levels = (rows / row_scale.clamp_min(_SMALLEST)).round_().clamp_(-127, 127).nan_to_num_(0).to(torch.int8)
-        sums = int8_sums(levels, self.q)
+        sums = int8_sums(levels, self.q).float()  # rounded to float32 alike, whichever product ran: the same outputs
         scales = row_scale * self.scale  # (M, out): a row's scale times a channel's, float32
         y = sums * scales if self.bias is None else torch.addcmul(self.bias, sums, scales)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -12,8 +12,9 @@ CLAIMS = {"below", "above", "between"}
 
 
 def asserts_nothing(source: str) -> bool:
-    """Whether a cell's code can fail only by crashing: no assert, raise, claim (``below``, ``above``, ``between``) or
-    ``checks.`` call. A cell that does not parse (IPython syntax) counts as asserting."""
+    """Whether a cell's code can fail only by crashing: no assert, raise, claim (``below``, ``above``, ``between``,
+    called by name or as an attribute), ``checks.`` call, or call of anything named ``assert...`` or ``check...``
+    (``torch.testing.assert_close``, ``check_gpt``). A cell that does not parse (IPython syntax) counts as asserting."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -23,7 +24,8 @@ def asserts_nothing(source: str) -> bool:
             return False
         if isinstance(node, ast.Call):
             function = node.func
-            if isinstance(function, ast.Name) and function.id in CLAIMS:
+            name = function.id if isinstance(function, ast.Name) else getattr(function, "attr", "")
+            if name in CLAIMS or name.startswith(("assert", "check")):
                 return False
             if isinstance(function, ast.Attribute) and isinstance(function.value, ast.Name) and function.value.id == "checks":
                 return False

@@ -298,10 +298,15 @@ def test_bf16_kernels_are_chosen_once_per_shape_on_every_layer_of_that_shape(mon
 
 def test_bf16_models_stay_on_f_linear_where_onednn_cannot_pack_bfloat16():
     """With oneDNN held to SSE4.1 (as on a CPU without AVX-512 BW/VL/DQ), its bfloat16 reorder refuses: the probe says
-    so and every layer stays F.linear, and the model still decodes (chapter 08's other-CPU run once stopped here)."""
+    so and every layer stays F.linear, and the model still decodes (chapter 08's other-CPU run once stopped here). On
+    an x86 CPU only: elsewhere ONEDNN_MAX_CPU_ISA=SSE41 means nothing."""
     import os
+    import platform
     import subprocess
     import sys
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("ONEDNN_MAX_CPU_ISA=SSE41 holds back x86 CPUs only")
 
     code = ("import torch; from course_lib import kernels; from course_lib.gpt import GPT, GPTConfig\n"
             "from course_lib.kv_cache import generate_cached\n"
@@ -312,3 +317,14 @@ def test_bf16_models_stay_on_f_linear_where_onednn_cannot_pack_bfloat16():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "ONEDNN_MAX_CPU_ISA": "SSE41"}).stdout.strip().split(maxsplit=2)
     assert out == ["False", "0", "(1, 5)"]
+
+
+def test_a_bad_course_bf16_kernel_is_refused_on_every_cpu(monkeypatch):
+    """COURSE_BF16_KERNEL is checked before anything is measured, on a CPU where oneDNN cannot pack bfloat16 too (the
+    probe is made to say so): the ValueError names the variable and its values."""
+    monkeypatch.setenv("COURSE_BF16_KERNEL", "fastest")
+    monkeypatch.setattr(kernels, "bf16_packing_runs", lambda: False)
+    model = nn.Sequential(nn.Linear(16, 16).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"COURSE_BF16_KERNEL must be 'auto' or one of \['F.linear', 'oneDNN packed'\], "
+                                         r"got 'fastest'"):
+        kernels.use_fastest_bf16_kernels(model)

@@ -100,9 +100,10 @@ def rows_between_levels(shape, seed: int):
 @pytest.mark.parametrize("bias", [True, False])
 def test_int8_kernel_layer_rounds_activations_as_the_float64_w8a8_oracle(monkeypatch, in_features, out_features, bias,
                                                                           product):
-    """Int8KernelLinear (W8A8) against the float64 oracle: rows whose rounding no float format decides, and plain
-    Gaussian rows (a fixed seed), 1, 3 and 8 rows, inputs (M, in) and (2, 3, in). The bfloat16 kernel it replaced
-    (weight-only int8, bfloat16 activations) fails the tolerance here. Both sums (int8_product's choice) alike."""
+    """Int8KernelLinear (W8A8) against the float64 oracle: rows whose rounding no float format decides (a Gaussian row
+    can sit closer to a rounding midpoint than float32's quotient can tell), 1, 3 and 8 rows, inputs (M, in) and
+    (2, 3, in). The bfloat16 kernel it replaced (weight-only int8, bfloat16 activations) fails the tolerance here. Both
+    sums (int8_product's choice) alike."""
     if product == INT8_PRODUCTS[0] and quantize.int8_product() != product:
         pytest.skip("torch._int_mm does not sum exactly on this CPU")
     monkeypatch.setattr(quantize, "int8_product", lambda: product)
@@ -112,7 +113,7 @@ def test_int8_kernel_layer_rounds_activations_as_the_float64_w8a8_oracle(monkeyp
     q, scale = quantize_int8(layer.weight)
     assert type(kernel) is Int8KernelLinear and torch.equal(kernel.q, q) and torch.equal(kernel.scale, scale)
     inputs = [rows_between_levels((rows, in_features), rows) for rows in (1, 3, 8)]
-    inputs += [rows_between_levels((2, 3, in_features), 9), torch.randn(8, in_features), torch.randn(2, 3, in_features)]
+    inputs += [rows_between_levels((2, 3, in_features), 9)]
     for x in inputs:
         expected = w8a8_float64(x, q, scale, layer.bias.detach() if bias else None)
         y = kernel(x)
@@ -120,6 +121,27 @@ def test_int8_kernel_layer_rounds_activations_as_the_float64_w8a8_oracle(monkeyp
         # exact integer sums; then float32 products of the two scales and the sum, and the bias added
         tolerance = 1e-6 * expected.abs().amax(dim=-1, keepdim=True) + (1e-6 * layer.bias.detach().abs() if bias else 0)
         assert ((y.double() - expected).abs() <= tolerance).all()
+
+
+def test_int8_kernel_layer_gives_the_same_outputs_whichever_product_sums():
+    """The float64 product (int8_product's fallback) and torch._int_mm give bitwise the same outputs, sums above 2^24
+    included (where float32 cannot hold every integer): the tokens of a model do not depend on the CPU's int8 kernel.
+    Rows of +-127 that agree in sign with a weight row make its sum 127 * 127 * 3072 = 49.5 M."""
+    if quantize.int8_product() != INT8_PRODUCTS[0]:
+        pytest.skip("torch._int_mm does not sum exactly on this CPU")
+    torch.manual_seed(11)
+    layer = nn.Linear(3072, 64)
+    kernel = Int8KernelLinear.from_linear(layer)
+    signs = torch.where(kernel.q[:4] >= 0, 1.0, -1.0)  # (4, 3072): each row agrees with one weight row's signs
+    x = torch.cat([signs * 2.5, torch.randn(4, 3072)])
+    assert (quantize.int8_sums((x[:4] / x[:4].abs().amax(1, keepdim=True) * 127).round().to(torch.int8), kernel.q).diagonal().abs()
+            > 2**24).all()
+    outputs = {}
+    for product in INT8_PRODUCTS:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(quantize, "int8_product", lambda product=product: product)
+            outputs[product] = kernel(x)
+    assert torch.equal(outputs[INT8_PRODUCTS[0]], outputs[INT8_PRODUCTS[1]])
 
 
 def test_int8_kernel_layer_takes_hostile_inputs():
@@ -144,7 +166,9 @@ def test_int8_kernel_layer_takes_hostile_inputs():
     assert kernel(torch.randn(0, 32)).shape == (0, 16) and kernel(torch.randn(2, 0, 32)).shape == (2, 0, 16)
     for dtype in (torch.float64, torch.bfloat16):
         assert kernel(torch.randn(2, 32, dtype=dtype)).dtype == dtype
-    assert INT8_KERNEL_MAX_IN * 127 * 127 < 2**31 <= (INT8_KERNEL_MAX_IN + 1) * 127 * 127
+    assert INT8_KERNEL_MAX_IN * 127 * 128 < 2**31 <= (INT8_KERNEL_MAX_IN + 1) * 127 * 128  # int8 weights hold -128
+    with pytest.raises(ValueError, match=r"x must be \(\.\.\., in\) with in = in_features = 32, got shape \(2, 24\)"):
+        kernel(torch.randn(2, 24))
     with pytest.raises(ValueError, match=f"q's in = {INT8_KERNEL_MAX_IN + 1} must be at most {INT8_KERNEL_MAX_IN}"):
         Int8KernelLinear(torch.zeros(1, INT8_KERNEL_MAX_IN + 1, dtype=torch.int8), torch.ones(1))
 
@@ -166,7 +190,10 @@ def test_int8_product_falls_back_where_int_mm_saturates(monkeypatch):
 
 def test_int8_kernel_layer_is_exact_with_onednn_held_to_avx2():
     """With oneDNN held to AVX2 (no VNNI: torch._int_mm's sums saturate there, measured), the layer falls back to the
-    float64 product and still matches the oracle's integer sums: run in a fresh process, as on such a CPU."""
+    float64 product and still matches the oracle's integer sums: run in a fresh process, as on such a CPU (an x86 one:
+    elsewhere ONEDNN_MAX_CPU_ISA=AVX2 means nothing)."""
+    if "avx2" not in _cpu_flags():
+        pytest.skip("this CPU has no AVX2")
     code = ("import torch; from course_lib import quantize; from torch import nn\n"
             "torch.manual_seed(0); layer = nn.Linear(256, 64, bias=False)\n"
             "k = quantize.Int8KernelLinear.from_linear(layer); x = torch.ones(1, 256)\n"
@@ -326,7 +353,7 @@ def test_int4_linear_is_f_linear_with_the_dequantized_weight(monkeypatch, kernel
 
 
 def test_int4_models_store_half_a_byte_per_weight_and_decode_their_reference_tokens(monkeypatch):
-    from course_lib.bench.decode import first_difference, int4_reference_model
+    from course_lib.bench.decode import NEAR_TIE, first_difference, int4_reference_model, parting
 
     monkeypatch.setenv("COURSE_INT4_KERNEL", "int4 kernel")
     config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=64)
@@ -341,7 +368,8 @@ def test_int4_models_store_half_a_byte_per_weight_and_decode_their_reference_tok
     assert decode_weight_bytes(int4) == weights // 2 + 2 * 2 * groups + 4 * vectors  # a bfloat16 pair per group
     idx = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(5))
     reference = int4_reference_model(model)
-    assert first_difference(generate_cached(int4, idx, 8), generate_cached(reference, idx, 8)) is None
+    part = parting(generate_cached(int4, idx, 8), reference, 4)  # the kernel's bfloat16 can flip a near-tie only
+    assert part is None or part["margin"] < NEAR_TIE, part
     assert first_difference(torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 4]])) == 2
 
 
@@ -376,10 +404,11 @@ def test_parting_measures_the_reference_logit_margin_and_the_bench_names_a_parti
 
 def test_int8_models_decode_the_tokens_of_their_float64_w8a8_reference():
     """quantize_weights' int8 model (int8 weights and activations, int32 sums) and the bench's float64 reference
-    (``int8_reference_model``: the same rounding in float64) write the same greedy tokens; the reference's layer is
+    (``int8_reference_model``: the same rounding in float64) write the same greedy tokens but at a near-tie (the
+    bench's rule: float32 and float64 can round an activation to neighbouring levels); the reference's layer is
     the test's float64 oracle of the rounding, and differs from a weight-only int8 model's logits by more than float
     rounding (it rounds the activations)."""
-    from course_lib.bench.decode import W8A8Reference, first_difference, int8_reference_model
+    from course_lib.bench.decode import NEAR_TIE, W8A8Reference, int8_reference_model, parting
 
     config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=64)
     model = small_gpt(4, config)
@@ -392,7 +421,8 @@ def test_int8_models_decode_the_tokens_of_their_float64_w8a8_reference():
     with torch.no_grad():
         assert torch.allclose(layers[2](x), w8a8_float64(x, q, scale, linear.bias.detach()), rtol=1e-12, atol=1e-12)
     idx = torch.randint(0, config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(5))
-    assert first_difference(generate_cached(int8, idx, 8), generate_cached(reference, idx, 8)) is None
+    part = parting(generate_cached(int8, idx, 8), reference, 4)  # float32 and float64 can round a level apart
+    assert part is None or part["margin"] < NEAR_TIE, part
     with torch.no_grad():
         w8a8, weight_only = reference(idx)[0], quantize_model(copy.deepcopy(model)).double()(idx)[0]
     assert (w8a8 - weight_only).abs().max() > 1e-4 * weight_only.abs().max()

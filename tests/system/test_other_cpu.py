@@ -27,7 +27,8 @@ def test_only_the_measurements_that_end_a_notebook_and_assert_nothing_are_left_o
     assert trailing("x = 1", "import time\nprint(time.perf_counter())") == []  # its output is compared
     assert trailing("x = 1", "import time\nprint(time.perf_counter())", tags={1: ["nbval-ignore-output"]}) == [1]
     for check in ("assert x > 0", "raise ValueError(x)", "print(below(x, 2))", "print(above(x, 0))",
-                  "print(between(x, 0, 2))", "checks.check_gpt(GPT)"):
+                  "print(between(x, 0, 2))", "checks.check_gpt(GPT)", "print(claims.below(x, 2))",
+                  "torch.testing.assert_close(x, 1)", "check_gpt(GPT)"):
         assert trailing("x = 1", TIMING, f"{TIMING}\n{check}") == [], check  # it asserts: run as on another CPU too
         assert trailing("x = 1", f"{TIMING}\n{check}", TIMING) == [2], check  # and so does every cell before it
     assert trailing("x = 1", "# NBVAL_IGNORE_OUTPUT\n%time x + 1") == []  # not Python: counted as asserting
