@@ -73,6 +73,7 @@ class Choice(NamedTuple):
 
 _chosen: dict[Choice, str] = {}  # -> kernel name
 _chosen_among: dict[tuple, str] = {}  # ``choose_faster``'s: (*key, threads) -> name
+_forgotten = 0  # how many times ``forget_choices`` ran: part of the signature a module's kept kernel holds under
 
 
 def _forced() -> str:
@@ -156,10 +157,30 @@ def choose(weight, bias, x, cycle_bytes: int = COLD_BYTES) -> str:
     return _chosen[key]
 
 
+def _signature(module: nn.Linear, weight, bias, x) -> tuple:
+    """What ``choose``'s answer for this product depends on, but COURSE_LINEAR_KERNEL: the tensors' shapes, dtypes,
+    devices and gradient needs, gradient mode, autocast, threads, the bytes cycled, ``forget_choices``. A tuple built
+    in about a microsecond (reading the environment would take another), where ``choose`` takes several."""
+    return (x.shape, x.dtype, x.device, x.requires_grad, weight.shape, weight.dtype, weight.device,
+            weight.requires_grad, None if bias is None else (bias.dtype, bias.device, bias.requires_grad),
+            torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_num_threads(),
+            getattr(module, "cycle_bytes", COLD_BYTES), _forgotten)
+
+
 def linear(module: nn.Linear, x):
-    """``module(x)`` through the faster kernel for its shape on this machine: (..., in) -> (..., out)."""
-    kernel = choose(module.weight, module.bias, x, getattr(module, "cycle_bytes", COLD_BYTES))
-    return KERNELS[kernel](x, module.weight, module.bias)
+    """``module(x)`` through the faster kernel for its shape on this machine: (..., in) -> (..., out).
+
+    The module keeps its last product's kernel under that product's ``_signature`` (a decode step's products repeat
+    theirs), and asks ``choose`` again when the signature differs: a weight replaced or changed in shape, dtype or
+    device, another number of rows, gradients, threads, ``forget_choices``. A COURSE_LINEAR_KERNEL set while the
+    process runs holds for the modules from the next ``forget_choices``."""
+    weight, bias = module.weight, module.bias
+    signature = _signature(module, weight, bias, x)
+    kept = module.__dict__.get("_kernel_kept")
+    if kept is None or kept[0] != signature:
+        kernel = choose(weight, bias, x, getattr(module, "cycle_bytes", COLD_BYTES))
+        kept = module.__dict__["_kernel_kept"] = (signature, KERNELS[kernel])
+    return kept[1](x, weight, bias)
 
 
 def chosen_kernels() -> dict[Choice, str]:
@@ -168,9 +189,11 @@ def chosen_kernels() -> dict[Choice, str]:
 
 
 def forget_choices() -> None:
-    """Measure again from the next call (after the machine's load or thread count changed, say)."""
+    """Measure again from the next call (after the machine's load or thread count, or COURSE_LINEAR_KERNEL, changed)."""
+    global _forgotten
     _chosen.clear()
     _chosen_among.clear()
+    _forgotten += 1  # what ``linear``'s modules kept is stale
 
 
 def choose_faster(key: tuple, runs: dict[str, Callable[[], object]], forced: str = "auto") -> str:

@@ -328,3 +328,103 @@ def test_a_bad_course_bf16_kernel_is_refused_on_every_cpu(monkeypatch):
     with pytest.raises(ValueError, match=r"COURSE_BF16_KERNEL must be 'auto' or one of \['F.linear', 'oneDNN packed'\], "
                                          r"got 'fastest'"):
         kernels.use_fastest_bf16_kernels(model)
+
+
+@pytest.fixture
+def onednn_wins_and_kernels_recorded(monkeypatch):
+    """``measure`` says oneDNN is faster (counting its calls), and each kernel records that it ran: returns (the
+    kernel names run, the measurements made)."""
+    ran, measured = [], []
+    monkeypatch.setattr(kernels, "measure", lambda weight, bias, x, cycle_bytes: measured.append(tuple(weight.shape))
+                        or {"F.linear": 2.0, "oneDNN": 1.0})
+    monkeypatch.setattr(kernels, "KERNELS", {name: (lambda x, weight, bias=None, name=name, kernel=kernel:
+                                                    ran.append(name) or kernel(x, weight, bias))
+                                             for name, kernel in kernels.KERNELS.items()})
+    return ran, measured
+
+
+def test_a_module_asks_for_its_kernel_once_while_its_products_repeat(monkeypatch, onednn_wins_and_kernels_recorded):
+    """A decode step's products repeat their shapes: ``choose`` (several microseconds a call) is asked once per module
+    and then not again, while the kernel it chose runs every call."""
+    ran, _ = onednn_wins_and_kernels_recorded
+    asked = []
+    real_choose = kernels.choose
+    monkeypatch.setattr(kernels, "choose", lambda *args: asked.append(1) or real_choose(*args))
+    layer = use_fastest_kernels(nn.Sequential(nn.Linear(16, 8)))[0]
+    asked.clear()
+    with torch.no_grad():
+        for _ in range(5):
+            layer(torch.randn(1, 1, 16))
+    assert asked == [1] and ran == ["oneDNN"] * 5
+
+
+def _replace_weight(layer, monkeypatch):
+    layer.weight, layer.bias = nn.Parameter(torch.randn(24, 16)), nn.Parameter(torch.randn(24))  # other objects, shapes
+
+
+def _reshape_weight_in_place(layer, monkeypatch):
+    layer.weight.data, layer.bias.data = torch.randn(24, 16), torch.randn(24)  # the same objects, other shapes
+
+
+def _forced_f_linear_then_forgotten(layer, monkeypatch):
+    monkeypatch.setenv("COURSE_LINEAR_KERNEL", "F.linear")
+    kernels.forget_choices()
+
+
+#: {change: (what it does to a layer of 8 x 16 that ran one row on oneDNN (layer, monkeypatch), the input next, the kernel it must run,
+#:           whether a new measurement is due)}
+STALE_CASES = {
+    "rows past MEASURED_ROWS": (lambda layer, _: None, lambda: torch.randn(kernels.MEASURED_ROWS + 1, 16), "F.linear", False),
+    "another rows bucket": (lambda layer, _: None, lambda: torch.randn(3, 16), "oneDNN", True),
+    "bfloat16 in place": (lambda layer, _: layer.to(torch.bfloat16), lambda: torch.randn(1, 16, dtype=torch.bfloat16),
+                          "F.linear", False),
+    "float64 input": (lambda layer, _: layer.double(), lambda: torch.randn(1, 16, dtype=torch.float64), "F.linear", False),
+    "weight replaced": (_replace_weight, lambda: torch.randn(1, 16), "oneDNN", True),
+    "weight reshaped in place": (_reshape_weight_in_place, lambda: torch.randn(1, 16), "oneDNN", True),
+    "forced, then forget_choices": (_forced_f_linear_then_forgotten, lambda: torch.randn(1, 16), "F.linear", False),
+    "forget_choices": (lambda layer, _: kernels.forget_choices(), lambda: torch.randn(1, 16), "oneDNN", True),
+    "another cycle": (lambda layer, _: setattr(layer, "cycle_bytes", 12345), lambda: torch.randn(1, 16), "oneDNN", True),
+}
+
+
+@pytest.mark.parametrize("case", STALE_CASES)
+def test_a_kept_kernel_is_not_reused_once_what_decides_it_changed(monkeypatch, onednn_wins_and_kernels_recorded, case):
+    """The kernel a module keeps holds for products like its last one only: after each change, the kernel ``choose``'s
+    rule gives now runs (measured anew where its key is new), and the output is F.linear's on the weights as they are."""
+    ran, measured = onednn_wins_and_kernels_recorded
+    change, make_x, expected, remeasured = STALE_CASES[case]
+    torch.manual_seed(0)
+    layer = use_fastest_kernels(nn.Sequential(nn.Linear(16, 8)))[0]
+    with torch.no_grad():
+        layer(torch.randn(1, 16))
+        assert ran == ["oneDNN"] and len(measured) == 1
+        change(layer, monkeypatch)
+        x = make_x()
+        got = layer(x)
+    assert ran[1:] == [expected] and len(measured) == 1 + remeasured
+    assert torch.allclose(got.double(), F.linear(x.double(), layer.weight.double(), layer.bias.double()), atol=1e-2)
+
+
+def test_a_kept_kernel_reads_the_weight_as_it_is_now_and_follows_gradients_threads_and_devices(
+        onednn_wins_and_kernels_recorded):
+    """A weight changed in place keeps its kernel (the rule looks at shapes, not values) and its new values are what
+    is read; with gradients on, F.linear runs (and the gradient is F.linear's); another thread count measures anew; on
+    another device (meta here, the CPU's only other) F.linear runs."""
+    ran, measured = onednn_wins_and_kernels_recorded
+    torch.manual_seed(0)
+    layer = use_fastest_kernels(nn.Sequential(nn.Linear(16, 8)))[0]
+    x = torch.randn(1, 16)
+    with torch.no_grad():
+        layer(x)
+        layer.weight.mul_(2)
+        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert ran == ["oneDNN"] * 2 and len(measured) == 1
+    layer(x).sum().backward()  # gradients on: training runs F.linear
+    assert ran[-1] == "F.linear" and torch.allclose(layer.weight.grad, x.expand(8, 16))
+    with torch.no_grad(), kernels.threads(2):
+        layer(x)
+    assert ran[-1] == "oneDNN" and len(measured) == 2
+    layer.to("meta")
+    with torch.no_grad():
+        assert layer(x.to("meta")).shape == (1, 8)
+    assert ran[-1] == "F.linear"
