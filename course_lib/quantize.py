@@ -229,15 +229,21 @@ class Int8KernelLinear(Int8Linear):
                              f"got shape {tuple(x.shape)}")
         if x.device.type != "cpu":
             return super().forward(x)
-        rows = x.reshape(-1, self.in_features).float()  # (M, in), M = the tokens of x
+        rows = x.reshape(-1, self.in_features)  # (M, in), M = the tokens of x
+        if rows.dtype != torch.float32:  # (a call even where it changes nothing: a step makes 49 of these)
+            rows = rows.float()
         row_scale = rows.abs().amax(dim=1, keepdim=True) / 127  # (M, 1); NaN or inf if the row holds one
         # a scale of 0 multiplies the sums by 0 whatever the levels, so its divisor only has to be > 0; a row holding
-        # NaN or an infinity gets levels 0 and a scale NaN or inf: its outputs NaN
+        # NaN or an infinity gets levels 0 and a scale NaN or inf: its outputs NaN. The clamp acts where the scale is
+        # subnormal (rounded to few bits, it can be far below max |row| / 127)
         levels = (rows / row_scale.clamp_min(_SMALLEST)).round_().clamp_(-127, 127).nan_to_num_(0).to(torch.int8)
-        sums = int8_sums(levels, self.q).float()  # rounded to float32 alike, whichever product ran: the same outputs
+        sums = int8_sums(levels, self.q)
+        if sums.dtype != torch.int32:  # float64's sums to float32 here; int32's inside the product below: each
+            sums = sums.float()  # integer rounded to float32 alike, whichever product ran: the same outputs
         scales = row_scale * self.scale  # (M, out): a row's scale times a channel's, float32
         y = sums * scales if self.bias is None else torch.addcmul(self.bias, sums, scales)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 #: The smallest positive float32.

@@ -144,6 +144,42 @@ def test_int8_kernel_layer_gives_the_same_outputs_whichever_product_sums():
     assert torch.equal(outputs[INT8_PRODUCTS[0]], outputs[INT8_PRODUCTS[1]])
 
 
+@pytest.mark.parametrize("product", INT8_PRODUCTS)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_int8_kernel_layer_rounds_in_float32_as_its_contract_says(monkeypatch, product, bias, dtype):
+    """Bitwise, the float32 steps the docstring names, written out one operation at a time: each row's scale
+    max |row| / 127, its levels round(row / scale) in [-127, 127] (0 where the scale is 0 or the row not finite), the
+    exact sums rounded to float32, times (row scale x channel scale), plus the bias (as torch.addcmul adds it: one
+    rounding, not two), then x's dtype. Rows of every
+    kind: Gaussian, sums above 2^24, a zero row, rows holding NaN or an infinity, a subnormal row, on 1 and 7 rows
+    and a (2, 3, in) batch. A fused or skipped step that changed one output bit fails here."""
+    if product == INT8_PRODUCTS[0] and quantize.int8_product() != product:
+        pytest.skip("torch._int_mm does not sum exactly on this CPU")
+    monkeypatch.setattr(quantize, "int8_product", lambda: product)
+    torch.manual_seed(12)
+    layer = nn.Linear(3072, 40, bias=bias)
+    kernel = Int8KernelLinear.from_linear(layer)
+    x = torch.randn(7, 3072)
+    x[0] = torch.where(kernel.q[0] >= 0, 2.5, -2.5)  # agrees with weight row 0's signs: a sum above 2^24
+    x[1] = 0
+    x[2, 9], x[3, 1], x[4, 2] = float("nan"), float("inf"), -float("inf")
+    x[5] = x[5] * 2.0**-140  # subnormal entries
+    for rows in (x[:1], x, torch.randn(2, 3, 3072)):
+        rows = rows.to(dtype)
+        flat = rows.reshape(-1, 3072).float()
+        row_scale = flat.abs().amax(dim=1, keepdim=True) / 127
+        levels = torch.where(row_scale > 0, flat / row_scale, torch.zeros_like(flat)).round().clamp(-127, 127)
+        levels = torch.where(levels.isnan(), 0.0, levels).to(torch.int8)
+        sums = (levels.double() @ kernel.q.double().t()).float()
+        scales = row_scale * kernel.scale  # (M, out), float32
+        expected = torch.addcmul(kernel.bias, sums, scales) if bias else sums * scales  # addcmul: bias + sums x scales
+        expected = expected.reshape(*rows.shape[:-1], 40).to(dtype)
+        got = kernel(rows)
+        assert got.dtype == dtype and torch.equal(got.isnan(), expected.isnan())
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(expected))
+
+
 def test_int8_kernel_layer_takes_hostile_inputs():
     """A zero row gives the bias (no 0 / 0); a row holding NaN or an infinity gives NaN throughout, the other rows
     unchanged; no rows give no rows; float64 and bfloat16 inputs come back in their dtype; an input too wide for exact
