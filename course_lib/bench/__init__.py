@@ -19,8 +19,8 @@ import argparse
 import sys
 
 from .decode import (DECODE_SHAPES, LLAMA_DECODE_SHAPES, LLAMA_FOR_GPT_SHAPE, LLAMA_MAX_TOKENS, READ_WIDTHS,
-                     UNCACHED_TOKENS, bench_decode, bench_llama_decode, format_decode, format_kernels,
-                     format_llama_decode, greedy_uncached, read_bandwidth, read_bandwidths)
+                     UNCACHED_TOKENS, bench_decode, bench_decode_threads, bench_llama_decode, format_decode,
+                     format_decode_threads, format_kernels, format_llama_decode, greedy_uncached, read_bandwidth, read_bandwidths)
 from .hf_adapters import TRANSFORMERS_VERSION, hf_generate, hf_replay, hf_serve
 from .serve import (SERVE_MODELS, SERVE_REQUESTS, SERVE_SYSTEMS, SERVE_TARGETS, SWEEP_BUDGETS, SWEEP_RATES,
                     WALL_RATES, WALL_SYSTEMS, bench_serve, bench_serve_load, bench_serve_speed, bench_serve_wall,
@@ -35,8 +35,8 @@ from .train import bench_train, format_train
 __all__ = [
     "DECODE_SHAPES", "LLAMA_DECODE_SHAPES", "LLAMA_FOR_GPT_SHAPE", "READ_WIDTHS", "SERVE_MODELS", "SERVE_REQUESTS",
     "SERVE_SYSTEMS", "SERVE_TARGETS", "SWEEP_BUDGETS", "SWEEP_RATES", "TRANSFORMERS_VERSION", "UNCACHED_TOKENS",
-    "WALL_RATES", "WALL_SYSTEMS", "Runs", "alternate", "bench_decode", "bench_engine", "bench_index", "bench_step", "format_structured", "bench_llama_decode", "bench_serve",
-    "bench_serve_http", "bench_serve_load", "bench_serve_speed", "bench_serve_wall", "bench_train", "format_decode",
+    "WALL_RATES", "WALL_SYSTEMS", "Runs", "alternate", "bench_decode", "bench_decode_threads", "bench_engine", "bench_index", "bench_step", "format_structured", "bench_llama_decode", "bench_serve",
+    "bench_serve_http", "bench_serve_load", "bench_serve_speed", "bench_serve_wall", "bench_train", "format_decode", "format_decode_threads",
     "format_kernels", "format_llama_decode", "format_serve", "format_serve_http", "format_serve_load",
     "format_serve_speed", "format_serve_wall", "format_train", "greedy_uncached", "hf_generate", "hf_replay",
     "hf_serve", "main", "poisson_arrivals", "read_bandwidth", "read_bandwidths", "serve_model", "serve_ratios",
@@ -47,6 +47,8 @@ __all__ = [
 #: tokens per request of the engine's decode-step target; one run, no warm-up
 QUICK_TOKENS, QUICK_UNCACHED_TOKENS, QUICK_REQUESTS, QUICK_SPEED_TOKENS = 32, 8, 8, 8
 QUICK_RATIO_SECONDS = 2.0  # --quick: each of the engine's own speed ratios timed for about this long
+#: New tokens of ``--thread-counts``' rows at most (each row runs once per thread count)
+THREADS_TOKENS = 64
 #: Timed repeats by default
 REPEATS = {"train": 7, "decode": 5, "serve": 3, "structured": 20}
 #: Torch threads by default (serve: 1, see its --threads help)
@@ -97,22 +99,31 @@ def _serve(args) -> None:
 
 
 def _decode(args) -> None:
-    """``course bench decode``: the GPT table, the Llama table, or both (--family)."""
+    """``course bench decode``: the GPT table, the Llama table, or both (--family); then, with --thread-counts, the GPT
+    cached rows at each thread count."""
     args.shapes = args.shapes or list(DECODE_SHAPES)
-    if args.family == "llama":
-        print(format_llama_decode(_llama_rows(args)))
-        return
-    if args.quick:
-        result = bench_decode(shapes=args.shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=QUICK_TOKENS,
-                              uncached_tokens={s: QUICK_UNCACHED_TOKENS for s in DECODE_SHAPES},
-                              threads=args.threads, warmup=0, repeats=args.repeats or 1)
-    else:
-        result = bench_decode(shapes=args.shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=args.tokens,
-                              threads=args.threads, repeats=args.repeats or REPEATS["decode"])
-    print(format_decode(result))
-    if args.family == "all":
-        print()
-        print(format_llama_decode(_llama_rows(args)))
+    printed = []
+
+    def show(table: str) -> None:  # each table as soon as it is measured, a blank line between two
+        print(("\n" if printed else "") + table, flush=True)
+        printed.append(table)
+
+    if args.family != "llama":
+        if args.quick:
+            result = bench_decode(shapes=args.shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=QUICK_TOKENS,
+                                  uncached_tokens={s: QUICK_UNCACHED_TOKENS for s in DECODE_SHAPES},
+                                  threads=args.threads, warmup=0, repeats=args.repeats or 1)
+        else:
+            result = bench_decode(shapes=args.shapes, batch_sizes=tuple(args.batch_sizes), new_tokens=args.tokens,
+                                  threads=args.threads, repeats=args.repeats or REPEATS["decode"])
+        show(format_decode(result))
+    if args.family != "gpt":
+        show(format_llama_decode(_llama_rows(args)))
+    if args.thread_counts:
+        quick = dict(new_tokens=QUICK_TOKENS, warmup=0, repeats=args.repeats or 1) if args.quick else \
+            dict(new_tokens=min(args.tokens, THREADS_TOKENS), repeats=args.repeats or REPEATS["decode"])
+        show(format_decode_threads(bench_decode_threads(
+            shapes=args.shapes, batch_sizes=tuple(args.batch_sizes), thread_counts=tuple(args.thread_counts), **quick)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"structured: bpe-gpt's vocabulary only, 1 run, 4 requests in the engine; "
                              f"serve: {QUICK_REQUESTS} requests, 1 run, no warm-up, the engine's speed ratios timed for "
                              f"{QUICK_RATIO_SECONDS:g} s each (a smoke run)")
+    parser.add_argument("--thread-counts", type=int, nargs="+", default=None,
+                        help="decode: then the cached rows again at each of these thread counts, timed side by side, "
+                             "and what each buys over the first (e.g. 1 2: what a second thread buys; default: not run; "
+                             f"at most {THREADS_TOKENS} new tokens)")
     parser.add_argument("--family", choices=["all", "gpt", "llama"], default="all",
                         help="decode: GPT-2-style rows (chapters 05 and 08), Llama-style rows (chapter 11), or both (default)")
     args = parser.parse_args(argv)

@@ -5,6 +5,7 @@ int8, bfloat16 and int4 weights (``course_lib.quantize``), our uncached decoding
 Face's ``generate`` with ``use_cache`` True and False; beside them the memory-bandwidth bound of each weight format
 (``read_bandwidth``, which chapter 08 uses too). ``bench_llama_decode``: chapter 11's Llama-style model
 (``course_lib.llama.generate_llama``) against Hugging Face's ``LlamaForCausalLM`` with the same weights.
+``bench_decode_threads`` (``--thread-counts``): the cached rows at several thread counts side by side, what each buys.
 """
 from __future__ import annotations
 
@@ -292,6 +293,77 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
                                                      "fraction": row["tokens_per_s"] * weight_bytes / bandwidth}
     return {"rows": rows, "bound": bound, "threads": threads, "repeats": repeats, "warmup": warmup, "prompt_len": prompt_len,
             "kernels": chosen_kernels(), "kernel_choices": chosen_among(), "int8_product": int8_product()}
+
+
+def bench_decode_threads(shapes=("gpt2-small",), batch_sizes=(1,), thread_counts=(1, 2), new_tokens: int = 64,
+                         prompt_len: int = 16, warmup: int = 1, repeats: int = REPEATS, seed: int = 0) -> dict:
+    """What more threads buy: the cached rows of ``bench_decode`` (ours with float32, int8, bfloat16 and int4 weights,
+    Hugging Face's generate, float32), each run at each of `thread_counts`, all timed alternately in one loop (side by
+    side: background load hits every count alike).
+
+    The float32 kernels are measured at every thread count before the timed runs (``use_fastest_kernels``); the
+    bfloat16 packing and the int4 kernels are chosen once, at the largest count (as ``bench_decode`` chooses them at
+    its). Returns {"rows": [{"shape", "batch_size", "impl", "threads", "new_tokens", "seconds" (median),
+    "tokens_per_s", "gain": tokens/s over the same row's at thread_counts[0]}], "thread_counts", ...}. ValueError
+    for a thread count below 1 or repeated.
+    """
+    from ..hf import to_hf
+
+    _check_arguments(shapes, DECODE_SHAPES, repeats, warmup, new_tokens)
+    counts = tuple(thread_counts)
+    if not counts or any(not isinstance(n, int) or n < 1 for n in counts) or len(set(counts)) != len(counts):
+        raise ValueError(f"thread_counts must be distinct integers >= 1, got {thread_counts!r}")
+    rows = []
+    for shape in shapes:
+        config = GPTConfig(**DECODE_SHAPES[shape])
+        with timing.threads(max(counts)):
+            ours, theirs = _seeded_pair(GPT, config, to_hf, seed)
+            models = {"ours, cached": ours, "ours int8, cached": quantize_weights(ours, "int8"),
+                      "ours bf16, cached": use_fastest_bf16_kernels(quantize_weights(ours, "bfloat16")),
+                      "ours int4, cached": quantize_weights(ours, "int4")}
+        for n in counts:
+            with timing.threads(n):
+                use_fastest_kernels(ours, rows=batch_sizes)
+        for B in batch_sizes:
+            prompt = _prompt(config.vocab_size, B, prompt_len, seed)
+            runs = {}
+            for n in counts:
+                for name, model in models.items():
+                    runs[name, n] = (lambda k, model=model, n=n: _with_threads(n, generate_cached, model, prompt, k),
+                                     new_tokens)
+                runs["HF generate, use_cache=True", n] = (
+                    lambda k, n=n: _with_threads(n, hf_generate, theirs, prompt, k, True), new_tokens)
+            timed = _time_runs(runs, warmup, repeats)
+            for (name, n), runs_ in timed.items():
+                rows.append({"shape": shape, "batch_size": B, "impl": name, "threads": n, "new_tokens": new_tokens,
+                             "seconds": runs_.median, "tokens_per_s": B * new_tokens / runs_.median})
+            for row in rows[-len(runs):]:
+                first = next(r for r in rows[-len(runs):] if r["impl"] == row["impl"] and r["threads"] == counts[0])
+                row["gain"] = row["tokens_per_s"] / first["tokens_per_s"]
+    return {"rows": rows, "thread_counts": counts, "repeats": repeats, "warmup": warmup, "prompt_len": prompt_len}
+
+
+def _with_threads(n: int, run, *args):
+    """run(*args) on n torch threads."""
+    with timing.threads(n):
+        return run(*args)
+
+
+def format_decode_threads(result: dict) -> str:
+    """The table of ``bench_decode_threads``: tokens/s per thread count, and each count's gain over the first."""
+    counts = result["thread_counts"]
+    lines = [f"what more threads buy: the cached rows at {', '.join(map(str, counts))} threads, timed side by side, "
+             f"median of {result['repeats']} runs after {result['warmup']} warm-up run(s) "
+             "(measure on a quiet machine: on a busy one a second thread waits for a descheduled one)",
+             f"{'shape':11s} {'B':>2s}  {'implementation':29s} " + " ".join(f"{f'{n} thr tok/s':>12s}" for n in counts)
+             + "".join(f" {f'{n} / {counts[0]}':>7s}" for n in counts[1:])]
+    by_row: dict[tuple, dict[int, dict]] = {}
+    for row in result["rows"]:
+        by_row.setdefault((row["shape"], row["batch_size"], row["impl"]), {})[row["threads"]] = row
+    for (shape, B, impl), at in by_row.items():
+        lines.append(f"{shape:11s} {B:>2d}  {impl:29s} " + " ".join(f"{at[n]['tokens_per_s']:>12.1f}" for n in counts)
+                     + "".join(f" {at[n]['gain']:>6.2f}x" for n in counts[1:]))
+    return "\n".join(lines)
 
 
 def _format_rows(rows: list) -> list[str]:

@@ -70,6 +70,60 @@ def test_bench_main_decode_quick_prints_the_table(capsys, monkeypatch):
 
 
 
+def test_bench_decode_threads_times_every_row_at_every_count_side_by_side(monkeypatch):
+    """Each cached row (ours float32, int8, bfloat16, int4; HF) runs at each thread count it reports, the counts taking
+    turns within every round (one loop: background load hits both); the first count's gain is 1; the caller's thread
+    count is restored; bad counts are a ValueError naming thread_counts."""
+    import pytest
+
+    from course_lib.bench import decode, format_decode_threads
+
+    seen = []  # (model, threads) of every generation, in order
+
+    def spy(run):
+        def wrapped(model, *args):
+            seen.append((id(model), torch.get_num_threads()))
+            return run(model, *args)
+        return wrapped
+
+    monkeypatch.setattr(decode, "generate_cached", spy(decode.generate_cached))
+    monkeypatch.setattr(decode, "hf_generate", spy(decode.hf_generate))
+    threads = torch.get_num_threads()
+    result = decode.bench_decode_threads(shapes=("tiny",), batch_sizes=(1,), thread_counts=(1, 2), new_tokens=3,
+                                         warmup=0, repeats=2)
+    assert torch.get_num_threads() == threads
+    impls = ["ours, cached", "ours int8, cached", "ours bf16, cached", "ours int4, cached", "HF generate, use_cache=True"]
+    assert sorted((r["impl"], r["threads"]) for r in result["rows"]) == sorted((i, n) for i in impls for n in (1, 2))
+    assert all(r["tokens_per_s"] > 0 for r in result["rows"])
+    assert all(r["gain"] == 1.0 for r in result["rows"] if r["threads"] == 1)
+    assert len(seen) == 2 * len(impls) * 2  # 2 rounds of 5 rows at 2 counts
+    first_round = seen[:len(seen) // 2]
+    assert [n for _, n in first_round] == [1] * len(impls) + [2] * len(impls)  # both counts in every round
+    assert len({model for model, _ in first_round}) == len(impls)
+    table = format_decode_threads(result)
+    assert "2 / 1" in table and all(impl in table for impl in impls)
+    for bad in ((), (0, 2), (2, 2)):
+        with pytest.raises(ValueError, match="thread_counts must be distinct integers >= 1"):
+            decode.bench_decode_threads(shapes=("tiny",), thread_counts=bad)
+
+
+def test_bench_main_decode_prints_what_more_threads_buy_only_when_asked(capsys, monkeypatch):
+    """--thread-counts adds the table of the cached rows at each count; without it, that table is not measured (the
+    default run takes no longer)."""
+    import course_lib.bench as bench
+
+    monkeypatch.setattr(bench, "bench_decode", lambda **kw: {})
+    monkeypatch.setattr(bench, "format_decode", lambda result: "the GPT table")
+    asked = []
+    monkeypatch.setattr(bench, "bench_decode_threads", lambda **kw: asked.append(kw) or {"kw": kw})
+    monkeypatch.setattr(bench, "format_decode_threads", lambda result: f"threads table {result['kw']['thread_counts']}")
+    assert main(["decode", "--quick", "--shapes", "tiny", "--family", "gpt"]) == 0
+    assert asked == [] and "threads table" not in capsys.readouterr().out
+    assert main(["decode", "--quick", "--shapes", "tiny", "--family", "gpt", "--thread-counts", "1", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "the GPT table" in out and "threads table (1, 2)" in out and asked[0]["shapes"] == ["tiny"]
+
+
 def test_bench_main_decode_quick_keeps_the_batch_sizes_asked_for(monkeypatch):
     """--quick shortens the runs; the batch sizes typed (--batch-sizes) are still the ones run, for both families
     (the GPT table once ran 1 and 8 whatever was typed)."""
