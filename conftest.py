@@ -1,5 +1,5 @@
-"""Session-wide pytest settings, whatever is run (tests/ or solutions/): nbval as on another CPU (--other-cpu), and
-the order in which xdist's workers get the files, measured by the last full run (tests/schedule.py,
+"""Session-wide pytest settings, whatever is run (tests/ or solutions/): nbval as on another CPU (--other-cpu), one
+round of the timings that end a notebook run as is (TRAILING_TIMING_ENV), and the order in which xdist's workers get the files, measured by the last full run (tests/schedule.py,
 --record-durations). The tests' fixtures are in tests/conftest.py."""
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ OTHER_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ON
 #: rounds outran another's by a wide margin (2 alternating rounds still show it; 1 round did not: a burst of load made
 #: chapter 08's picked kernels 1.8 x F.linear).
 OTHER_CPU_TIMING_ENV = {"COURSE_TIMING_ROUNDS": "2"}
+#: The measurements that end a notebook (tests/other_cpu.py), run as is only, time one round: nothing reads what they
+#: time (nbval ignores their output, they assert nothing, no cell after them reads it); run as is, they check that they
+#: run. Their stored outputs come from `course execute`, which times every round.
+TRAILING_TIMING_ENV = {"COURSE_TIMING_ROUNDS": "1"}
 
 
 def pytest_addoption(parser):
@@ -54,6 +58,20 @@ def pytest_collect_file(file_path, parent):
             path = file_path.as_posix()
         return OtherCpuNotebook.from_parent(parent, path=file_path, nodeid=f"{path}::{OTHER_CPU}")
     return None
+
+
+@pytest.hookimpl(trylast=True)  # after the notebook's own set-up, which starts its kernel
+def pytest_runtest_setup(item):
+    """Run as is, a notebook's kernel gets TRAILING_TIMING_ENV just before the first of the measurements that end it."""
+    notebook = getattr(item, "parent", None)
+    if not isinstance(notebook, IPyNbFile) or isinstance(notebook, OtherCpuNotebook):
+        return
+    trailing = trailing_measurements(notebook.nb.cells)
+    if trailing and item.cell is trailing[0]:
+        message = notebook.kernel.execute_cell_input(f"__import__('os').environ.update({TRAILING_TIMING_ENV!r})",
+                                                     allow_stdin=False)
+        notebook.kernel.await_reply(message, timeout=60)
+        notebook.kernel.await_idle(message, timeout=60)
 
 
 class OtherCpuNotebook(IPyNbFile):
