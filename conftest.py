@@ -1,6 +1,7 @@
 """Session-wide pytest settings, whatever is run (tests/ or solutions/): nbval as on another CPU (--other-cpu), one
-round of the timings that end a notebook run as is (TRAILING_TIMING_ENV), and the order in which xdist's workers get the files, measured by the last full run (tests/schedule.py,
---record-durations). The tests' fixtures are in tests/conftest.py."""
+round of the timings that end a notebook run as is (TRAILING_TIMING_ENV), and the order in which xdist's workers get
+the files, measured by the last full run (tests/schedule.py, --record-durations). The tests' fixtures are in
+tests/conftest.py."""
 from __future__ import annotations
 
 import os

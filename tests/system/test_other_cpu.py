@@ -62,8 +62,8 @@ def test_the_timings_take_one_round_in_the_measurements_that_end_a_notebook_as_i
     """conftest.py: COURSE_TIMING_ROUNDS (course_lib/bench/timing.py) is 1 from the first measurement that ends a
     notebook run as is, unset in the cells before it, and 2 in every cell run as on another CPU. Each cell writes down
     what its kernel sees, in a file named by the run (MKL_CBWR is set as on another CPU only)."""
-    record = ("# NBVAL_IGNORE_OUTPUT\nimport os\n"
-              "open(os.environ.get('MKL_CBWR', 'as-is') + '-{}.txt', 'w').write(str(os.environ.get('COURSE_TIMING_ROUNDS')))")
+    record = ("# NBVAL_IGNORE_OUTPUT\nimport os\nrounds = str(os.environ.get('COURSE_TIMING_ROUNDS'))\n"
+              "open(os.environ.get('MKL_CBWR', 'as-is') + '-{}.txt', 'w').write(rounds)")
     notebook = new_notebook(cells=[new_code_cell("x = 1"), new_code_cell(record.format("before") + "\nassert x == 1"),
                                    new_code_cell(record.format("trailing"))])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
