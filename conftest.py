@@ -1,6 +1,7 @@
-"""Session-wide pytest settings, whatever is run (tests/ or solutions/): nbval as on another CPU (--other-cpu), and
-the order in which xdist's workers get the files, measured by the last full run (tests/schedule.py,
---record-durations). The tests' fixtures are in tests/conftest.py."""
+"""Session-wide pytest settings, whatever is run (tests/ or solutions/): nbval as on another CPU (--other-cpu), one
+round of the timings that end a notebook run as is (TRAILING_TIMING_ENV), and the order in which xdist's workers get
+the files, measured by the last full run (tests/schedule.py, --record-durations). The tests' fixtures are in
+tests/conftest.py."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,16 @@ from tests.schedule import OTHER_CPU, DurationRecorder, LongestFirstPlugin, Skip
 #: started with these: no stored output may show a number that the CPU's rounding decides. Those tests' ids read
 #: ``solutions/NN-name/name.ipynb::other-cpu::Cell N``.
 OTHER_CPU_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+#: And at most 2 rounds of every alternating timing (COURSE_TIMING_ROUNDS, course_lib/bench/timing.py): there, what is
+#: timed is the generic kernels, nbval compares no timing (tests/nbval_sanitize.cfg), and a timing is read only by
+#: asserts that it beat no bound (slower rounds cannot break them) or that one contender's best or median of the
+#: rounds outran another's by a wide margin (2 alternating rounds still show it; 1 round did not: a burst of load made
+#: chapter 08's picked kernels 1.8 x F.linear).
+OTHER_CPU_TIMING_ENV = {"COURSE_TIMING_ROUNDS": "2"}
+#: The measurements that end a notebook (tests/other_cpu.py), run as is only, time one round: nothing reads what they
+#: time (nbval ignores their output, they assert nothing, no cell after them reads it); run as is, they check that they
+#: run. Their stored outputs come from `course execute`, which times every round.
+TRAILING_TIMING_ENV = {"COURSE_TIMING_ROUNDS": "1"}
 
 
 def pytest_addoption(parser):
@@ -50,6 +61,20 @@ def pytest_collect_file(file_path, parent):
     return None
 
 
+@pytest.hookimpl(trylast=True)  # after the notebook's own set-up, which starts its kernel
+def pytest_runtest_setup(item):
+    """Run as is, a notebook's kernel gets TRAILING_TIMING_ENV just before the first of the measurements that end it."""
+    notebook = getattr(item, "parent", None)
+    if not isinstance(notebook, IPyNbFile) or isinstance(notebook, OtherCpuNotebook):
+        return
+    trailing = trailing_measurements(notebook.nb.cells)
+    if trailing and item.cell is trailing[0]:
+        message = notebook.kernel.execute_cell_input(f"__import__('os').environ.update({TRAILING_TIMING_ENV!r})",
+                                                     allow_stdin=False)
+        notebook.kernel.await_reply(message, timeout=60)
+        notebook.kernel.await_idle(message, timeout=60)
+
+
 class OtherCpuNotebook(IPyNbFile):
     """nbval's notebook, its kernel started with OTHER_CPU_ENV (the test process's own variables are restored).
 
@@ -67,8 +92,9 @@ class OtherCpuNotebook(IPyNbFile):
         return items
 
     def setup(self):
-        saved = {name: os.environ.get(name) for name in OTHER_CPU_ENV}
-        os.environ.update(OTHER_CPU_ENV)
+        environment = {**OTHER_CPU_ENV, **OTHER_CPU_TIMING_ENV}
+        saved = {name: os.environ.get(name) for name in environment}
+        os.environ.update(environment)
         try:
             super().setup()
         finally:

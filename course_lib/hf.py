@@ -75,9 +75,16 @@ def _converted(state: dict) -> dict:
 def to_hf(model: GPT, activation: str = "gelu_new"):
     """A GPT2LMHeadModel (eval mode) with the weights of our model; its logits equal ours."""
     transformers = _transformers()
-    hf_model = transformers.GPT2LMHeadModel(hf_config(model.config, activation))
+    from transformers.initialization import no_init_weights  # what from_pretrained builds a model under
+
+    with no_init_weights():  # every tensor is overwritten below: no random initialisation to draw first
+        hf_model = transformers.GPT2LMHeadModel(hf_config(model.config, activation))
+    hf_model.tie_weights()  # skipped with the initialisation
     ours = _converted(model.state_dict())
     theirs = hf_model.state_dict()
+    unset = sorted(name for name, _ in hf_model.named_buffers() if name not in theirs)
+    if unset:
+        raise RuntimeError(f"buffers outside the state dict would keep no initial value: {unset[:3]}")
     _copy_into(theirs, ours, "GPT-2")
     if hf_model.lm_head.weight.data_ptr() != hf_model.transformer.wte.weight.data_ptr():
         raise RuntimeError("the converted model's lm_head is not tied to its token embedding")

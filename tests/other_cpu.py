@@ -1,6 +1,7 @@
 """Which cells of a notebook the run as on another CPU (conftest.py, --other-cpu) leaves out: the measurements that
 end it. Such a cell has nothing to check there: nbval ignores its output, it asserts nothing, and no later cell reads
-what it computed (none runs after it); the run as is still runs it, asserting that it runs."""
+what it computed (none runs after it); the run as is still runs it, asserting that it runs (one round of its timings,
+conftest.py's TRAILING_TIMING_ENV)."""
 from __future__ import annotations
 
 import ast

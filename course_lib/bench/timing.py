@@ -1,9 +1,16 @@
 """Timing helpers of ``course bench``: contenders timed alternately after a warm-up, and a sleep to a point of a replay's
-clock. ``threads`` (torch's thread count for a block) is the library's one, ``course_lib.kernels.threads``."""
+clock. ``threads`` (torch's thread count for a block) is the library's one, ``course_lib.kernels.threads``.
+
+Set ``COURSE_TIMING_ROUNDS`` to a whole number N >= 1 to cap every ``alternate`` at N rounds, for a run that reads its
+timings only through asserts that hold of N rounds as of more: nbval's run as on another CPU sets 2 (conftest.py).
+Unset: as many rounds as each caller asks. (The kernel choices of ``course_lib.kernels`` keep their rounds: which
+kernel wins decides what later timings run.)"""
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
+import sys
 import time
 from typing import Callable, Hashable, Iterable
 
@@ -23,6 +30,16 @@ class Runs:
         return statistics.median(self.seconds)
 
 
+def timing_rounds(rounds: int) -> int:
+    """`rounds`, or COURSE_TIMING_ROUNDS if that is set and fewer (the module's docstring)."""
+    cap = os.environ.get("COURSE_TIMING_ROUNDS")
+    if cap is None:
+        return rounds
+    if not cap.isdigit() or int(cap) < 1:
+        raise ValueError(f"COURSE_TIMING_ROUNDS must be a whole number >= 1, got {cap!r}")
+    return min(rounds, int(cap))
+
+
 def alternate(contenders: dict[Hashable, Callable[[], object]], repeats: int, warmup: int = 0,
               warm: dict[Hashable, Callable[[], object]] | None = None,
               order: Callable[[int], Iterable[Hashable]] | None = None,
@@ -34,6 +51,7 @@ def alternate(contenders: dict[Hashable, Callable[[], object]], repeats: int, wa
     `seconds` (short contenders get more rounds; a ratio of a few short rounds is noise): each calls every contender once,
     timed, in the order ``order(round)`` (default: as given), then ``after_round()`` (a measurement that must see the
     same machine as the round, say). Returns {contender: Runs}; ``Runs.median`` is its median seconds per call.
+    Where COURSE_TIMING_ROUNDS is set, at most that many rounds, whatever `repeats` and `seconds` ask.
     """
     check_positive("repeats", repeats)
     if warmup < 0:
@@ -42,8 +60,9 @@ def alternate(contenders: dict[Hashable, Callable[[], object]], repeats: int, wa
         for _ in range(warmup):
             call()
     runs = {name: Runs([], []) for name in contenders}
+    most = timing_rounds(sys.maxsize)  # COURSE_TIMING_ROUNDS, if set
     first, k = time.perf_counter(), 0
-    while k < repeats or time.perf_counter() - first < seconds:
+    while (k < repeats or time.perf_counter() - first < seconds) and k < most:
         for name in (contenders if order is None else order(k)):
             start = time.perf_counter()
             result = contenders[name]()

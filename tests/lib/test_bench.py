@@ -7,6 +7,7 @@ import time
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import pytest
 import torch
 
 from course_lib.bench import bench_train, main
@@ -332,6 +333,22 @@ def test_alternate_runs_more_rounds_than_repeats_until_its_rounds_have_taken_the
     rounds = len(runs["a"].seconds)
     assert rounds == len(runs["b"].seconds) and 2 <= rounds <= 16, rounds  # a round takes at least 20 ms: at most 15 + 1
     assert len(alternate({"a": lambda: None}, repeats=3, seconds=0.0)["a"].seconds) == 3
+
+
+def test_course_timing_rounds_caps_alternates_rounds_whatever_repeats_and_seconds_ask(monkeypatch):
+    """The knob the run as on another CPU sets (conftest.py): at most COURSE_TIMING_ROUNDS rounds, the warm-up kept."""
+    from course_lib.bench import alternate
+
+    monkeypatch.setenv("COURSE_TIMING_ROUNDS", "2")
+    calls = []
+    runs = alternate({"a": lambda: calls.append("a")}, repeats=5, warmup=1)
+    assert calls == ["a"] * 3 and len(runs["a"].seconds) == 2  # one warm-up call, then 2 of the 5 rounds asked
+    assert len(alternate({"a": lambda: time.sleep(0.01)}, repeats=1, seconds=0.3)["a"].seconds) == 2  # not ~30
+    assert len(alternate({"a": lambda: None}, repeats=1)["a"].seconds) == 1  # fewer asked: as asked
+    for bad in ("0", "-1", "two", "1.5", ""):
+        monkeypatch.setenv("COURSE_TIMING_ROUNDS", bad)
+        with pytest.raises(ValueError, match=f"COURSE_TIMING_ROUNDS must be a whole number >= 1, got '{bad}'"):
+            alternate({"a": lambda: None}, repeats=1)
 
 
 def test_the_hugging_face_adapters_name_the_transformers_version_the_project_pins():

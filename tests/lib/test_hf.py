@@ -33,6 +33,18 @@ def pair():
     return ours, to_hf(ours)
 
 
+def test_to_hf_draws_no_random_initialisation_and_holds_every_tensor_of_ours(pair):
+    """Every tensor of the converted model is copied from ours, so to_hf builds it uninitialised: torch's global random
+    state is left as it was (drawing GPT-2's initialisation first took 6 s of chapter 08's run as on another CPU)."""
+    ours, _ = pair
+    state = torch.get_rng_state()
+    theirs = to_hf(ours)
+    assert torch.equal(torch.get_rng_state(), state)
+    converted = from_hf(theirs).state_dict()
+    assert all(torch.equal(converted[name], value) for name, value in ours.state_dict().items())
+    assert theirs.lm_head.weight is theirs.transformer.wte.weight
+
+
 def test_to_hf_logits_match_and_parameter_counts_agree(pair, generator):
     ours, theirs = pair
     idx = torch.randint(0, 31, (3, 24), generator=generator)

@@ -55,3 +55,23 @@ def test_as_on_another_cpu_a_trailing_measurement_is_skipped_saying_why_and_an_a
     result.assert_outcomes(passed=4, failed=1, skipped=1)
     result.stdout.fnmatch_lines(["*FAILED probe.ipynb::other-cpu::Cell 1*",
                                  "*SKIPPED*a measurement that ends the notebook (ignored output, no assertion): run as is only*"])
+
+
+def test_the_timings_take_one_round_in_the_measurements_that_end_a_notebook_as_is_and_two_as_on_another_cpu(pytester,
+                                                                                                           monkeypatch):
+    """conftest.py: COURSE_TIMING_ROUNDS (course_lib/bench/timing.py) is 1 from the first measurement that ends a
+    notebook run as is, unset in the cells before it, and 2 in every cell run as on another CPU. Each cell writes down
+    what its kernel sees, in a file named by the run (MKL_CBWR is set as on another CPU only)."""
+    record = ("# NBVAL_IGNORE_OUTPUT\nimport os\nrounds = str(os.environ.get('COURSE_TIMING_ROUNDS'))\n"
+              "open(os.environ.get('MKL_CBWR', 'as-is') + '-{}.txt', 'w').write(rounds)")
+    notebook = new_notebook(cells=[new_code_cell("x = 1"), new_code_cell(record.format("before") + "\nassert x == 1"),
+                                   new_code_cell(record.format("trailing"))])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, pytester.path / "probe.ipynb")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the subprocess loads the course's conftest.py as a plugin
+    monkeypatch.delenv("COURSE_TIMING_ROUNDS", raising=False)
+    result = pytester.runpytest_subprocess("-p", "no:xdist", "-p", "no:cacheprovider", "-p", "conftest", "--nbval",
+                                           "--other-cpu", "probe.ipynb")
+    result.assert_outcomes(passed=5, skipped=1)  # the measurement that ends it runs as is only
+    seen = {path.stem: path.read_text() for path in pytester.path.glob("*.txt")}
+    assert seen == {"as-is-before": "None", "as-is-trailing": "1", "COMPATIBLE-before": "2"}
