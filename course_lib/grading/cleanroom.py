@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import builtins
 import functools
+import importlib
 import inspect
 import json
 import math
@@ -59,8 +60,25 @@ def forbidden_use(source: str) -> str:
     return ""
 
 
+#: imported by torch on first use (an optimizer step, importing transformers), not by the clean room: it takes 0.9 s
+LAZY_IMPORT = "torch._dynamo"
+
+
+def rewrapped_by_torch(old, new) -> bool:
+    """Whether ``new`` is torch's own ``_disable_dynamo`` wrapper around ``old`` (calling it calls ``old``): importing
+    ``LAZY_IMPORT`` re-binds ``torch.manual_seed`` so, whoever's code triggers the import."""
+    from torch import _compile
+
+    code = getattr(new, "__code__", None)
+    if code is None or code is not _compile._disable_dynamo(rewrapped_by_torch).__code__:
+        return False
+    cells = dict(zip(code.co_freevars, new.__closure__ or ()))
+    return new.__globals__ is vars(_compile) and "fn" in cells and cells["fn"].cell_contents is old
+
+
 class Integrity:
-    """Remembers the identity of every attribute of some modules and classes; reports changes."""
+    """Remembers the identity of every attribute of some modules and classes; reports changes (torch re-binding its
+    own attribute on a lazy import is not one: ``rewrapped_by_torch``)."""
 
     def __init__(self, namespaces: list):
         self._namespaces = [(ns, dict(vars(ns))) for ns in namespaces]
@@ -70,7 +88,7 @@ class Integrity:
         for ns, before in self._namespaces:
             now = vars(ns)
             for key, value in before.items():
-                if key not in now or now[key] is not value:
+                if key not in now or now[key] is not value and not rewrapped_by_torch(value, now[key]):
                     changed.append(f"{getattr(ns, '__name__', ns)}.{key}")
         return changed
 
@@ -82,7 +100,6 @@ def tampering(changed: list[str]) -> str:
 def _watched(namespace: dict) -> list:
     import numpy
     import torch
-    import torch._dynamo  # noqa: F401 - imported lazily by the first optimizer step, it re-binds torch attributes
 
     import course_lib.checks
 
@@ -174,6 +191,8 @@ def _run_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: di
                 changed = integrity.changes()
                 verdict["passed"] = not changed
                 verdict["message"] = tampering(changed) if changed else ""
+        if LAZY_IMPORT in sys.modules:
+            send({"imported": LAZY_IMPORT})  # the parent imports it too: later exercises do not import it again
         send(verdict)
 
 
@@ -189,8 +208,9 @@ def _describe_exit(status: int) -> str:
     return f"your code ended the process running the tests (exit code {os.WEXITSTATUS(status)})"
 
 
-def _watch(pid: int, fd: int, exercise: dict, timeout: float):
-    """Yield the child's verdicts; stop it if a test runs past ``timeout``; turn its death into error verdicts."""
+def _watch(pid: int, fd: int, exercise: dict, timeout: float, imported: set[str]):
+    """Yield the child's verdicts; stop it if a test runs past ``timeout``; turn its death into error verdicts.
+    ``imported`` gets ``LAZY_IMPORT`` if the child says it imported it."""
     expected = [t["grade_id"] for t in exercise["tests"]]
     done: set[str] = set()
     running, deadline, buffer = None, time.monotonic() + timeout, b""
@@ -217,6 +237,8 @@ def _watch(pid: int, fd: int, exercise: dict, timeout: float):
                     continue
                 if "start" in message:
                     running, deadline = message["start"], time.monotonic() + timeout
+                elif message.get("imported") == LAZY_IMPORT:
+                    imported.add(LAZY_IMPORT)
                 elif message.get("grade_id") in expected and message["grade_id"] not in done:
                     done.add(message["grade_id"])
                     running = None
@@ -285,13 +307,16 @@ def run(job: dict, out) -> None:
     for chapter in job["chapters"]:
         setup: dict = {"__name__": "__main__"}
         exec(compile(chapter["setup"], "<set-up cell>", "exec"), setup)  # trusted: the course's own cell
-        _watched(setup)  # its imports (torch._dynamo is slow) happen once here, not in every child
+        _watched(setup)  # its imports happen once here, not in every child
         for exercise in chapter["exercises"]:
             if not exercise["tests"]:
                 continue
             pid, fd = _fork_exercise(setup, chapter["solutions"], exercise, limits, out.fileno())
-            for verdict in _watch(pid, fd, exercise, limits["timeout"]):
+            imported: set[str] = set()
+            for verdict in _watch(pid, fd, exercise, limits["timeout"], imported):
                 report(chapter["chapter"], verdict)
+            if imported:  # only ever LAZY_IMPORT, whatever the child wrote
+                importlib.import_module(LAZY_IMPORT)
     out.write(f"{nonce} {json.dumps({'done': True})}\n")
     out.flush()
 
