@@ -158,7 +158,7 @@ c.JupyterHub.load_roles = [{{"name": "course-test", "services": ["course-test"],
                     return
             except requests.ConnectionError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise RuntimeError(f"jupyterhub did not answer within 120 s:\n{self.log.read_text()[-5000:]}")
 
     def stop(self) -> None:
@@ -195,7 +195,7 @@ c.JupyterHub.load_roles = [{{"name": "course-test", "services": ["course-test"],
                 return UserServer(self, name, self.user_token(name))
             if not server.get("pending") and time.monotonic() > started + 10:  # neither starting nor started
                 raise RuntimeError(f"{name}'s server failed to start:\n{self.log.read_text()[-5000:]}")
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise RuntimeError(f"{name}'s server did not start within {timeout} s:\n{self.log.read_text()[-5000:]}")
 
 

@@ -55,6 +55,11 @@ OPTIMIZER_STEP = ("import torch\n"
                   "    model(torch.ones(1, 2)).sum().backward()\n"
                   "    opt.step()\n"
                   "    return 2 * x\n")
+SEED_PATCH = "import functools\nimport torch\ndef {name}(x):\n    torch.manual_seed = {new}\n    return {result}\n"
+WRAPPED, REWRAPPED = "functools.wraps(torch.manual_seed)(lambda seed: None)", "torch._compile._disable_dynamo(lambda seed: None)"
+#: a clean room of one chapter, as `course check NN` runs: torch._dynamo is not imported up front (as in a run of several
+#: chapters), so torch imports it while the tests run
+ONE_CHAPTER = Limits(timeout=19)
 #: The submissions the clean room grades: name -> (notebook, limits). Each is one chapter of one clean room run per
 #: limits, as a learner's chapters share one clean room when graded: Python and torch start once per run, not per test.
 GRADED = {
@@ -68,6 +73,12 @@ GRADED = {
     "memory_hog": (submitted(double="import torch\ndef double(x):\n    torch.ones(3 * 2**30, dtype=torch.uint8)\n"
                                     "    return 2 * x\n"), Limits(timeout=20, memory_gib=2)),
     "optimizer_step": (submitted(double=OPTIMIZER_STEP), DEFAULT),
+    # torch.manual_seed replaced by what looks like torch's own lazy re-binding of it: a wrapper of the original, and
+    # torch's own wrapper of another function; alone, an optimizer step (torch imports torch._dynamo), then a wrapper
+    "seed_wrapped": (submitted(double=SEED_PATCH.format(name="double", new=WRAPPED, result="2 * x")), DEFAULT),
+    "seed_rewrapped": (submitted(double=SEED_PATCH.format(name="double", new=REWRAPPED, result="2 * x")), DEFAULT),
+    "alone": (submitted(double=OPTIMIZER_STEP, quad=SEED_PATCH.format(name="quad", new=WRAPPED, result="4 * x")),
+              ONE_CHAPTER),
     "patch_when_called": (submitted(double="import torch\ndef double(x):\n    torch.allclose = lambda *a, **k: True\n"
                                            "    return 2 * x\n"), DEFAULT),
 }
@@ -197,9 +208,18 @@ def test_memory_past_the_cap_is_an_error_that_says_so(verdicts):
 
 
 def test_the_clean_room_accepts_a_solution_that_takes_an_optimizer_step(verdicts):
-    """torch imports torch._dynamo lazily at the first optimizer step, which re-binds torch attributes:
-    that must not be mistaken for the learner patching torch."""
-    assert all(v.passed for v in verdicts["optimizer_step"].values())
+    """torch imports torch._dynamo lazily at the first optimizer step, which re-binds torch.manual_seed:
+    that must not be mistaken for the learner patching torch (imported up front or not: ONE_CHAPTER)."""
+    assert all(v.passed for v in verdicts["optimizer_step"].values()) and verdicts["alone"]["double-visible"].passed
+
+
+@pytest.mark.parametrize("student,patched,kept", [("seed_wrapped", "double-visible", "quad-visible"),
+                                                  ("seed_rewrapped", "double-visible", "quad-visible"),
+                                                  ("alone", "quad-visible", "double-visible")])
+def test_replacing_torch_manual_seed_as_torch_would_is_still_caught(verdicts, student, patched, kept):
+    found = verdicts[student]
+    assert not found[patched].passed and "torch.manual_seed" in found[patched].message
+    assert found[kept].passed
 
 
 def test_monkeypatching_when_called_is_caught(verdicts):

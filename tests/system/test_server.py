@@ -60,15 +60,20 @@ def client(server):
         yield c
 
 
-def slow_down(monkeypatch, engine, seconds: float) -> None:
-    """Each engine step takes `seconds` more: a request then surely still runs while the test does what it tells."""
-    step = engine.step
+def slow_down(monkeypatch, engine, seconds: float):
+    """Each engine step takes `seconds` more: a request then surely still runs while the test does what it tells.
+    Returns ``resume()``: full speed again, once what had to happen while the request ran has happened."""
+    step, delay = engine.step, {"seconds": seconds}
 
     def slow_step():
-        time.sleep(seconds)
+        time.sleep(delay["seconds"])
         return step()
 
+    def resume():
+        delay["seconds"] = 0
+
     monkeypatch.setattr(engine, "step", slow_step)
+    return resume
 
 
 def alone(model, tokenizer, prompt: str, n: int) -> str:
@@ -248,7 +253,7 @@ BAD = [  # (changes to a good body, the field the error names, HTTP status)
 
 def test_each_bad_request_gets_an_error_naming_its_field_while_a_running_request_finishes(server, model, tokenizer,
                                                                                          monkeypatch):
-    slow_down(monkeypatch, server.engine_loop.engine, 0.02)  # the long request runs 1.8 s or more
+    resume = slow_down(monkeypatch, server.engine_loop.engine, 0.02)  # the long request runs 1.8 s or more
     good = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 8, "temperature": 0}
     out = {}
 
@@ -271,6 +276,7 @@ def test_each_bad_request_gets_an_error_naming_its_field_while_a_running_request
         response = http.post("/completions", json=[good])
         assert response.status_code == 400 and "JSON object" in response.json()["error"]["message"]
         assert server.engine_loop.engine.running  # all answered while the long request still runs
+        resume()
         assert http.post("/completions", json=good).json()["choices"][0]["text"] == alone(model, tokenizer, PROMPTS[6], 8)
     with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0) as c:  # the official client raises
         with pytest.raises(openai.BadRequestError) as caught:
@@ -595,7 +601,7 @@ HOSTILE = [a_body_over_the_limit, a_prompt_far_too_long_for_the_context, a_token
 @pytest.mark.parametrize("hostile", HOSTILE, ids=[case.__name__ for case in HOSTILE])
 def test_a_hostile_request_is_answered_at_once_and_another_clients_stream_goes_on(hostile, server, model, tokenizer,
                                                                                 monkeypatch):
-    slow_down(monkeypatch, server.engine_loop.engine, 0.01)  # the other client's stream runs 1.1 s or more
+    resume = slow_down(monkeypatch, server.engine_loop.engine, 0.01)  # the other client's stream runs 1.1 s or more
     out = {}
 
     def running():
@@ -608,6 +614,7 @@ def test_a_hostile_request_is_answered_at_once_and_another_clients_stream_goes_o
         wait_until(lambda: server.engine_loop.engine.running, what="the other client's stream runs")
         hostile(server, model, tokenizer)
     finally:
+        resume()
         thread.join(60)
     assert out["text"] == alone(model, tokenizer, PROMPTS[7], 110)
     wait_until(lambda: engine_idle(server), what="every request leaves the engine")
@@ -799,7 +806,7 @@ def test_a_prompt_being_tokenized_holds_up_no_other_client_and_one_far_too_long_
 
 def test_shutdown_drains_the_running_requests(model, tokenizer, monkeypatch):
     server = Server(MODEL, num_blocks=64, block_size=8).start()
-    slow_down(monkeypatch, server.engine_loop.engine, 0.02)  # 60 tokens take 1.2 s or more
+    resume = slow_down(monkeypatch, server.engine_loop.engine, 0.02)  # 60 tokens take 1.2 s or more
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "stream": True}
     stopper = threading.Thread(target=server.stop)
     with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=30) as response:
@@ -816,6 +823,7 @@ def test_shutdown_drains_the_running_requests(model, tokenizer, monkeypatch):
 
         wait_until(refused, seconds=5, what="the server stops accepting connections")
         assert server.engine_loop.engine.running  # ... while the request still runs
+        resume()
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]"
     text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in [first, *rest[:-1]])
