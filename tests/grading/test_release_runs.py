@@ -20,7 +20,10 @@ CHAPTERS = sorted(p.name for p in (ROOT / "notebooks").iterdir() if p.is_dir() a
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
-def test_the_release_runs_with_nothing_filled_in_and_only_graded_cells_fail(chapter, tmp_path):
+def test_the_release_runs_with_nothing_filled_in_and_only_graded_cells_fail(chapter, tmp_path, monkeypatch):
+    # the kernel times each alternating measurement in 2 rounds, as the run as on another CPU does (conftest.py): here
+    # too its timings are read only by claims with wide margins
+    monkeypatch.setenv("COURSE_TIMING_ROUNDS", "2")
     folder = tmp_path / chapter
     shutil.copytree(ROOT / "notebooks" / chapter, folder)
     for path in sorted(folder.glob("*.ipynb")):
