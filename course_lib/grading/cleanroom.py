@@ -61,35 +61,45 @@ def forbidden_use(source: str) -> str:
 
 
 #: imported by torch on first use (an optimizer step, importing transformers' models) and then re-binding
-#: ``torch.manual_seed`` (``rewrapped_by_torch``); importing it takes 0.9 s
+#: ``torch.manual_seed``, the one watched attribute it re-binds (``TorchRewrap``); importing it takes 0.9 s
 LAZY_IMPORT = "torch._dynamo"
 
 
-def rewrapped_by_torch(old, new) -> bool:
-    """Whether ``new`` is torch's own ``_disable_dynamo`` wrapper around ``old`` (calling it calls ``old``): importing
-    ``LAZY_IMPORT`` re-binds ``torch.manual_seed`` so, whoever's code triggers the import."""
-    from torch import _compile
+class TorchRewrap:
+    """Recognises torch's own re-binding of ``torch.manual_seed`` when it imports ``LAZY_IMPORT``: a function running
+    the code of torch's ``_disable_dynamo`` wrapper, in its module, around the original. What that code and module
+    are is read when this is made, before any learner code runs (learner code could replace ``_disable_dynamo``)."""
 
-    code = getattr(new, "__code__", None)
-    if code is None or code is not _compile._disable_dynamo(rewrapped_by_torch).__code__:
-        return False
-    cells = dict(zip(code.co_freevars, new.__closure__ or ()))
-    return new.__globals__ is vars(_compile) and "fn" in cells and cells["fn"].cell_contents is old
+    def __init__(self):
+        from torch import _compile
+
+        self._code = _compile._disable_dynamo(TorchRewrap).__code__  # the wrapper's code, whatever it wraps
+        self._globals = vars(_compile)
+
+    def __call__(self, namespace, key: str, old, new) -> bool:
+        """Whether ``namespace.key``'s change from ``old`` to ``new`` is torch's own re-binding."""
+        import torch
+
+        if namespace is not torch or key != "manual_seed" or getattr(new, "__code__", None) is not self._code:
+            return False
+        cells = dict(zip(self._code.co_freevars, new.__closure__ or ()))
+        return new.__globals__ is self._globals and "fn" in cells and cells["fn"].cell_contents is old
 
 
 class Integrity:
     """Remembers the identity of every attribute of some modules and classes; reports changes (torch re-binding its
-    own attribute on a lazy import is not one: ``rewrapped_by_torch``)."""
+    own attribute on a lazy import is not one: ``TorchRewrap``)."""
 
     def __init__(self, namespaces: list):
         self._namespaces = [(ns, dict(vars(ns))) for ns in namespaces]
+        self._rewrapped_by_torch = TorchRewrap()
 
     def changes(self) -> list[str]:
         changed = []
         for ns, before in self._namespaces:
             now = vars(ns)
             for key, value in before.items():
-                if key not in now or now[key] is not value and not rewrapped_by_torch(value, now[key]):
+                if key not in now or now[key] is not value and not self._rewrapped_by_torch(ns, key, value, now[key]):
                     changed.append(f"{getattr(ns, '__name__', ns)}.{key}")
         return changed
 

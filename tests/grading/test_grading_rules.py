@@ -57,6 +57,18 @@ OPTIMIZER_STEP = ("import torch\n"
                   "    return 2 * x\n")
 SEED_PATCH = "import functools\nimport torch\ndef {name}(x):\n    torch.manual_seed = {new}\n    return {result}\n"
 WRAPPED, REWRAPPED = "functools.wraps(torch.manual_seed)(lambda seed: None)", "torch._compile._disable_dynamo(lambda seed: None)"
+FORGED_REWRAP = ("import types\nimport torch\nfrom torch import _compile\n"
+                 "def forge(fn, *args, **kwargs):\n"
+                 "    def outer(fn):\n"
+                 "        def inner(*a, **k):\n"
+                 "            return True or fn\n"
+                 "        return inner\n"
+                 "    code = outer(None).__code__\n"
+                 "    return types.FunctionType(code, vars(_compile), 'inner', None, (types.CellType(fn),))\n"
+                 "def double(x):\n"
+                 "    _compile._disable_dynamo = forge\n"
+                 "    torch.allclose = forge(torch.allclose)\n"
+                 "    return 2 * x\n")
 #: a clean room of one chapter, as `course check NN` runs: torch._dynamo is not imported up front (as in a run of several
 #: chapters), so torch imports it while the tests run
 ONE_CHAPTER = Limits(timeout=19)
@@ -79,6 +91,9 @@ GRADED = {
     "seed_rewrapped": (submitted(double=SEED_PATCH.format(name="double", new=REWRAPPED, result="2 * x")), DEFAULT),
     "alone": (submitted(double=OPTIMIZER_STEP, quad=SEED_PATCH.format(name="quad", new=WRAPPED, result="4 * x")),
               ONE_CHAPTER),
+    # torch's wrapper forged: _disable_dynamo replaced by a factory of functions that look like torch's re-binding
+    # (its module, its closure cell "fn" holding the original) and return True, then wrapped around torch.allclose
+    "forged_rewrap": (submitted(double=FORGED_REWRAP), DEFAULT),
     "patch_when_called": (submitted(double="import torch\ndef double(x):\n    torch.allclose = lambda *a, **k: True\n"
                                            "    return 2 * x\n"), DEFAULT),
 }
@@ -220,6 +235,14 @@ def test_replacing_torch_manual_seed_as_torch_would_is_still_caught(verdicts, st
     found = verdicts[student]
     assert not found[patched].passed and "torch.manual_seed" in found[patched].message
     assert found[kept].passed
+
+
+def test_a_forged_torch_wrapper_around_another_function_is_caught(verdicts):
+    """Only torch.manual_seed may be re-bound by torch, and only by the wrapper code torch had before learner code ran:
+    a submission that replaces torch's wrapper factory and wraps torch.allclose in a look-alike is caught."""
+    found = verdicts["forged_rewrap"]
+    assert not found["double-visible"].passed and "torch.allclose" in found["double-visible"].message
+    assert found["quad-visible"].passed
 
 
 def test_monkeypatching_when_called_is_caught(verdicts):
