@@ -471,14 +471,12 @@ def test_torch_compile_of_a_fast_linear_compiles_and_gives_f_linears_outputs(mon
     """``torch.compile`` traces F.linear: Inductor could not lower oneDNN's op as ``onednn_linear`` calls it (it
     raised a LoweringException where the kernel chosen, or forced, was oneDNN)."""
     monkeypatch.setenv("COURSE_LINEAR_KERNEL", "oneDNN")
-    kernels.forget_choices()
     torch.manual_seed(0)
     layer = use_fastest_kernels(nn.Sequential(nn.Linear(32, 8)))[0]
     x = torch.randn(2, 32)
     with torch.no_grad():
         got = torch.compile(layer)(x)
     assert torch.allclose(got, F.linear(x, layer.weight, layer.bias), atol=1e-5)
-    kernels.forget_choices()
 
 
 def test_a_module_saved_by_another_process_asks_choose_in_this_one(tmp_path):
