@@ -17,8 +17,9 @@ alone; it runs whatever its model's linear layers do.
 Set ``COURSE_LINEAR_KERNEL`` to ``F.linear`` or ``oneDNN`` to force one kernel (``auto``, the default,
 measures). Everything that is not a float32 product on the CPU of 1 to ``MEASURED_ROWS`` rows, with no
 gradient to track (backward or forward), no autocast, no ``torch.func`` transform and no ``torch.compile`` (training,
-other dtypes, other devices, a prefill of many tokens), runs ``F.linear``. Which kernel a product runs is measured, so two runs may round differently (within float32
-rounding): compare outputs with a tolerance, and tokens only where the winning logit leads by a margin.
+other dtypes, other devices, a prefill of many tokens), runs ``F.linear``. Which kernel a product runs is measured,
+so two runs may round differently (within float32 rounding): compare outputs with a tolerance, and tokens only where
+the winning logit leads by a margin.
 
 The thread count is chosen the same way, by measuring (chapter 12's engine asks before each pass): ``ThreadChoice``
 times one thread against the caller's on a probe and keeps the answer until it goes stale. ``threads(n)`` is the
