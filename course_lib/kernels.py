@@ -146,10 +146,11 @@ def _transformed() -> bool:
 
 
 def _eligible(weight, bias, x) -> bool:
-    """A float32 product on the CPU, with no gradient to track (oneDNN's op has no backward), no autocast and no
-    ``_transformed`` state."""
+    """A float32 product of dense tensors on the CPU (oneDNN's op takes no sparse ones), with no gradient to track
+    (oneDNN's op has no backward), no autocast and no ``_transformed`` state."""
     tensors = (weight, x) if bias is None else (weight, bias, x)
-    return (ONEDNN_AVAILABLE and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    return (ONEDNN_AVAILABLE and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.layout == torch.strided
+                                     for t in tensors)
             and weight.dim() == 2 and x.dim() >= 2 and x.numel() > 0
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and not torch.is_autocast_enabled("cpu") and not _transformed())
@@ -174,11 +175,12 @@ def choose(weight, bias, x, cycle_bytes: int = COLD_BYTES) -> str:
 
 def _signature(module: nn.Linear, weight, bias, x) -> tuple:
     """What ``choose``'s answer for this product depends on, but COURSE_LINEAR_KERNEL: the tensors' shapes, dtypes,
-    devices and gradient needs, gradient mode, autocast, forward gradients and transforms (``_transformed``), threads,
+    devices, layouts and gradient needs, gradient mode, autocast, forward gradients and transforms (``_transformed``), threads,
     the bytes cycled, ``forget_choices`` and the process (``_era``). A tuple built in about a microsecond (reading the
     environment would take another), where ``choose`` takes several."""
-    return (x.shape, x.dtype, x.device, x.requires_grad, weight.shape, weight.dtype, weight.device,
-            weight.requires_grad, None if bias is None else (bias.dtype, bias.device, bias.requires_grad),
+    return (x.shape, x.dtype, x.device, x.layout, x.requires_grad, weight.shape, weight.dtype, weight.device,
+            weight.layout, weight.requires_grad,
+            None if bias is None else (bias.dtype, bias.device, bias.layout, bias.requires_grad),
             torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), _transformed(), torch.get_num_threads(),
             getattr(module, "cycle_bytes", COLD_BYTES), _era)
 

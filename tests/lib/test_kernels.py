@@ -504,3 +504,24 @@ def test_a_module_saved_by_another_process_asks_choose_in_this_one(tmp_path):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "COURSE_LINEAR_KERNEL": kernel}).stdout.split()
     assert out == ["F.linear", "0", "True"]
+
+
+def test_sparse_inputs_through_a_module_that_kept_onednn_run_f_linear(onednn_wins_and_kernels_recorded):
+    """nn.Linear takes a sparse x (COO or CSR); so does a FastLinear that kept oneDNN for dense rows of the same shape:
+    F.linear runs, and its output is F.linear's on the dense x (oneDNN's op raised NotImplementedError for the
+    SparseCPU and SparseCsrCPU backends, whether kept or chosen)."""
+    ran, _ = onednn_wins_and_kernels_recorded
+    torch.manual_seed(0)
+    layer = use_fastest_kernels(nn.Sequential(nn.Linear(16, 8)))[0]
+    x = torch.randn(2, 16)
+    x[0, ::2] = 0
+    with torch.no_grad():
+        layer(x)
+        assert ran == ["oneDNN"]
+        for sparse in (x.to_sparse(), x.to_sparse_csr()):
+            got = layer(sparse)
+            assert ran[-1] == "F.linear"
+            assert torch.allclose(got.to_dense().double(), F.linear(x.double(), layer.weight.double(),
+                                                                    layer.bias.double()), atol=1e-5)
+        layer(x)
+    assert ran[-1] == "oneDNN"
