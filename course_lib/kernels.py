@@ -16,9 +16,10 @@ alone; it runs whatever its model's linear layers do.
 
 Set ``COURSE_LINEAR_KERNEL`` to ``F.linear`` or ``oneDNN`` to force one kernel (``auto``, the default,
 measures). Everything that is not a float32 product on the CPU of 1 to ``MEASURED_ROWS`` rows, with no
-gradient to track and no autocast (training, other dtypes, other devices, a prefill of many tokens), runs
-``F.linear``. Which kernel a product runs is measured, so two runs may round differently (within float32
-rounding): compare outputs with a tolerance, and tokens only where the winning logit leads by a margin.
+gradient to track (backward or forward), no autocast, no ``torch.func`` transform and no ``torch.compile`` (training,
+other dtypes, other devices, a prefill of many tokens), runs ``F.linear``. Which kernel a product runs is measured,
+so two runs may round differently (within float32 rounding): compare outputs with a tolerance, and tokens only where
+the winning logit leads by a margin.
 
 The thread count is chosen the same way, by measuring (chapter 12's engine asks before each pass): ``ThreadChoice``
 times one thread against the caller's on a probe and keeps the answer until it goes stale. ``threads(n)`` is the
@@ -37,6 +38,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad
 
 from .validation import check_positive
 
@@ -73,7 +75,10 @@ class Choice(NamedTuple):
 
 _chosen: dict[Choice, str] = {}  # -> kernel name
 _chosen_among: dict[tuple, str] = {}  # ``choose_faster``'s: (*key, threads) -> name
-_forgotten = 0  # how many times ``forget_choices`` ran: part of the signature a module's kept kernel holds under
+#: This process's choices until the next ``forget_choices`` (which makes a new one): part of the signature a module's
+#: kept kernel holds under. An object, not a count: a module pickled or deep-copied keeps a copy, equal to no era, so a
+#: module saved by another process (another machine, another COURSE_LINEAR_KERNEL) asks ``choose`` again
+_era = object()
 
 
 def _forced() -> str:
@@ -131,13 +136,24 @@ def _best_of_rounds(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
     return times
 
 
+def _transformed() -> bool:
+    """Whether forward-mode gradients (a ``torch.autograd.forward_ad`` dual level, ``torch.func.jvp``), another
+    ``torch.func`` transform (vmap, grad) or ``torch.compile``'s tracing is active: oneDNN's op has no forward
+    derivative (it drops the tangent, silently), no batching rule, and Inductor cannot lower it as ``onednn_linear``
+    calls it."""
+    return (forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
+            or torch.compiler.is_compiling())
+
+
 def _eligible(weight, bias, x) -> bool:
-    """A float32 product on the CPU, with no gradient to track (oneDNN's op has no backward) and no autocast."""
+    """A float32 product of dense tensors on the CPU (oneDNN's op takes no sparse ones), with no gradient to track
+    (oneDNN's op has no backward), no autocast and no ``_transformed`` state."""
     tensors = (weight, x) if bias is None else (weight, bias, x)
-    return (ONEDNN_AVAILABLE and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    return (ONEDNN_AVAILABLE and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.layout == torch.strided
+                                     for t in tensors)
             and weight.dim() == 2 and x.dim() >= 2 and x.numel() > 0
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            and not torch.is_autocast_enabled("cpu"))
+            and not torch.is_autocast_enabled("cpu") and not _transformed())
 
 
 def choose(weight, bias, x, cycle_bytes: int = COLD_BYTES) -> str:
@@ -159,12 +175,14 @@ def choose(weight, bias, x, cycle_bytes: int = COLD_BYTES) -> str:
 
 def _signature(module: nn.Linear, weight, bias, x) -> tuple:
     """What ``choose``'s answer for this product depends on, but COURSE_LINEAR_KERNEL: the tensors' shapes, dtypes,
-    devices and gradient needs, gradient mode, autocast, threads, the bytes cycled, ``forget_choices``. A tuple built
-    in about a microsecond (reading the environment would take another), where ``choose`` takes several."""
-    return (x.shape, x.dtype, x.device, x.requires_grad, weight.shape, weight.dtype, weight.device,
-            weight.requires_grad, None if bias is None else (bias.dtype, bias.device, bias.requires_grad),
-            torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_num_threads(),
-            getattr(module, "cycle_bytes", COLD_BYTES), _forgotten)
+    devices, layouts and gradient needs, gradient mode, autocast, forward gradients and transforms (``_transformed``),
+    threads, the bytes cycled, ``forget_choices`` and the process (``_era``). A tuple built in about 3 us (a busy
+    2-core machine, one thread), where ``choose`` takes about 8 (it reads the environment)."""
+    return (x.shape, x.dtype, x.device, x.layout, x.requires_grad, weight.shape, weight.dtype, weight.device,
+            weight.layout, weight.requires_grad,
+            None if bias is None else (bias.dtype, bias.device, bias.layout, bias.requires_grad),
+            torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), _transformed(), torch.get_num_threads(),
+            getattr(module, "cycle_bytes", COLD_BYTES), _era)
 
 
 def linear(module: nn.Linear, x):
@@ -172,8 +190,9 @@ def linear(module: nn.Linear, x):
 
     The module keeps its last product's kernel under that product's ``_signature`` (a decode step's products repeat
     theirs), and asks ``choose`` again when the signature differs: a weight replaced or changed in shape, dtype or
-    device, another number of rows, gradients, threads, ``forget_choices``. A COURSE_LINEAR_KERNEL set while the
-    process runs holds for the modules from the next ``forget_choices``."""
+    device, another number of rows, gradients (forward ones too), threads, ``forget_choices``, another process (a module
+    unpickled). A COURSE_LINEAR_KERNEL set while the process runs holds for the modules from the next
+    ``forget_choices``."""
     weight, bias = module.weight, module.bias
     signature = _signature(module, weight, bias, x)
     kept = module.__dict__.get("_kernel_kept")
@@ -190,10 +209,10 @@ def chosen_kernels() -> dict[Choice, str]:
 
 def forget_choices() -> None:
     """Measure again from the next call (after the machine's load or thread count, or COURSE_LINEAR_KERNEL, changed)."""
-    global _forgotten
+    global _era
     _chosen.clear()
     _chosen_among.clear()
-    _forgotten += 1  # what ``linear``'s modules kept is stale
+    _era = object()  # what ``linear``'s modules kept is stale
 
 
 def choose_faster(key: tuple, runs: dict[str, Callable[[], object]], forced: str = "auto") -> str:

@@ -238,12 +238,16 @@ class Int8KernelLinear(Int8Linear):
         # subnormal (rounded to few bits, it can be far below max |row| / 127)
         levels = (rows / row_scale.clamp_min(_SMALLEST)).round_().clamp_(-127, 127).nan_to_num_(0).to(torch.int8)
         sums = int8_sums(levels, self.q)
-        if sums.dtype != torch.int32:  # float64's sums to float32 here; int32's inside the product below: each
-            sums = sums.float()  # integer rounded to float32 alike, whichever product ran: the same outputs
         scales = row_scale * self.scale  # (M, out): a row's scale times a channel's, float32
+        if sums.dtype != torch.int32 or scales.dtype != torch.float32 or (
+                self.bias is not None and self.bias.dtype != torch.float32):
+            # float64's sums to float32 here; int32's inside the float32 product below: each integer rounded to
+            # float32 alike, whichever product ran: the same outputs (buffers made float64, by .double(), would take
+            # int32's sums whole)
+            sums = sums.float()
         y = sums * scales if self.bias is None else torch.addcmul(self.bias, sums, scales)
         y = y.view(*x.shape[:-1], self.out_features)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)  # x's dtype, whatever the buffers' (.double()'s: float64)
 
 
 #: The smallest positive float32.

@@ -19,8 +19,9 @@ import argparse
 import sys
 
 from .decode import (DECODE_SHAPES, LLAMA_DECODE_SHAPES, LLAMA_FOR_GPT_SHAPE, LLAMA_MAX_TOKENS, READ_WIDTHS,
-                     UNCACHED_TOKENS, bench_decode, bench_decode_threads, bench_llama_decode, format_decode,
-                     format_decode_threads, format_kernels, format_llama_decode, greedy_uncached, read_bandwidth, read_bandwidths)
+                     UNCACHED_TOKENS, bench_decode, bench_decode_threads, bench_llama_decode, check_thread_counts,
+                     format_decode, format_decode_threads, format_kernels, format_llama_decode, greedy_uncached,
+                     read_bandwidth, read_bandwidths)
 from .hf_adapters import TRANSFORMERS_VERSION, hf_generate, hf_replay, hf_serve
 from .serve import (SERVE_MODELS, SERVE_REQUESTS, SERVE_SYSTEMS, SERVE_TARGETS, SWEEP_BUDGETS, SWEEP_RATES,
                     WALL_RATES, WALL_SYSTEMS, bench_serve, bench_serve_load, bench_serve_speed, bench_serve_wall,
@@ -180,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     allowed = {"decode": DECODE_SHAPES, "serve": SERVE_MODELS}.get(args.what, ())
     if args.shapes and any(s not in allowed for s in args.shapes):
         parser.error(f"--shapes for {args.what} must be among {list(allowed)}, got {args.shapes}")
+    if args.thread_counts is not None:  # refused before the other tables run, not minutes later
+        try:
+            check_thread_counts(args.thread_counts)
+        except ValueError as error:
+            parser.error(f"--{error}".replace("thread_counts", "thread-counts", 1))
     if args.what == "serve":
         _serve(args)
         return 0

@@ -310,9 +310,7 @@ def bench_decode_threads(shapes=("gpt2-small",), batch_sizes=(1,), thread_counts
     from ..hf import to_hf
 
     _check_arguments(shapes, DECODE_SHAPES, repeats, warmup, new_tokens)
-    counts = tuple(thread_counts)
-    if not counts or any(not isinstance(n, int) or n < 1 for n in counts) or len(set(counts)) != len(counts):
-        raise ValueError(f"thread_counts must be distinct integers >= 1, got {thread_counts!r}")
+    counts = check_thread_counts(thread_counts)
     rows = []
     for shape in shapes:
         config = GPTConfig(**DECODE_SHAPES[shape])
@@ -341,6 +339,15 @@ def bench_decode_threads(shapes=("gpt2-small",), batch_sizes=(1,), thread_counts
                 first = next(r for r in rows[-len(runs):] if r["impl"] == row["impl"] and r["threads"] == counts[0])
                 row["gain"] = row["tokens_per_s"] / first["tokens_per_s"]
     return {"rows": rows, "thread_counts": counts, "repeats": repeats, "warmup": warmup, "prompt_len": prompt_len}
+
+
+def check_thread_counts(thread_counts) -> tuple:
+    """`thread_counts` as a tuple; ValueError naming thread_counts unless they are distinct integers >= 1 (at least
+    one)."""
+    counts = tuple(thread_counts)
+    if not counts or any(not isinstance(n, int) or n < 1 for n in counts) or len(set(counts)) != len(counts):
+        raise ValueError(f"thread_counts must be distinct integers >= 1, got {thread_counts!r}")
+    return counts
 
 
 def _with_threads(n: int, run, *args):

@@ -125,6 +125,23 @@ def test_bench_main_decode_prints_what_more_threads_buy_only_when_asked(capsys, 
     assert "the GPT table" in out and "threads table (1, 2)" in out and asked[0]["shapes"] == ["tiny"]
 
 
+@pytest.mark.parametrize("counts", [["0", "2"], ["-1"], ["2", "2"]])
+def test_bench_main_decode_refuses_bad_thread_counts_before_running_anything(capsys, monkeypatch, counts):
+    """Bad --thread-counts are refused at once, naming the option, before any table is measured (they were refused
+    only by bench_decode_threads, after the GPT and Llama tables had run: minutes of a full run)."""
+    import course_lib.bench as bench
+
+    ran = []
+    for name in ("bench_decode", "bench_llama_decode", "bench_decode_threads"):
+        monkeypatch.setattr(bench, name, lambda name=name, **kw: ran.append(name) or {})
+    for name in ("format_decode", "format_llama_decode", "format_decode_threads"):
+        monkeypatch.setattr(bench, name, lambda result: "a table")
+    with pytest.raises(SystemExit) as exit_:
+        main(["decode", "--quick", "--shapes", "tiny", "--thread-counts", *counts])
+    assert exit_.value.code == 2 and ran == []
+    assert "--thread-counts must be distinct integers >= 1" in capsys.readouterr().err
+
+
 def test_bench_main_decode_quick_keeps_the_batch_sizes_asked_for(monkeypatch):
     """--quick shortens the runs; the batch sizes typed (--batch-sizes) are still the ones run, for both families
     (the GPT table once ran 1 and 8 whatever was typed)."""

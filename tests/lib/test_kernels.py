@@ -428,3 +428,100 @@ def test_a_kept_kernel_reads_the_weight_as_it_is_now_and_follows_gradients_threa
     with torch.no_grad():
         assert layer(x.to("meta")).shape == (1, 8)
     assert ran[-1] == "F.linear"
+
+
+#: (tangent of y = layer(x), under no_grad) of each way to ask for forward-mode gradients: a ``forward_ad`` dual level,
+#: ``torch.func.jvp``, and per-example tangents under ``torch.func.vmap``
+FORWARD_GRADIENTS = {
+    "forward_ad": lambda layer, x, t: _dual_tangent(layer, x, t),
+    "torch.func.jvp": lambda layer, x, t: torch.func.jvp(layer, (x,), (t,))[1],
+    "vmap of jvp": lambda layer, x, t: torch.func.vmap(lambda xi, ti: torch.func.jvp(layer, (xi,), (ti,))[1])(
+        x[:, None], t[:, None])[:, 0],
+}
+
+
+def _dual_tangent(layer, x, t):
+    import torch.autograd.forward_ad as forward_ad
+
+    with forward_ad.dual_level():
+        return forward_ad.unpack_dual(layer(forward_ad.make_dual(x, t))).tangent
+
+
+@pytest.mark.parametrize("way", FORWARD_GRADIENTS)
+def test_forward_gradients_through_a_module_that_kept_onednn_are_f_linears(onednn_wins_and_kernels_recorded, way):
+    """Forward-mode gradients need no ``requires_grad`` and flow under no_grad: a module that kept oneDNN (measured
+    faster) runs F.linear for them, and the tangent is W t (oneDNN's op has no forward derivative: its tangent was
+    dropped, None or zeros, while the module's kept kernel or ``choose`` ran it)."""
+    ran, _ = onednn_wins_and_kernels_recorded
+    torch.manual_seed(0)
+    layer = use_fastest_kernels(nn.Sequential(nn.Linear(16, 8)))[0]
+    x, t = torch.randn(2, 16), torch.randn(2, 16)
+    with torch.no_grad():
+        layer(x)
+        assert ran == ["oneDNN"]
+        tangent = FORWARD_GRADIENTS[way](layer, x, t)
+    assert tangent is not None and "oneDNN" not in ran[1:]
+    assert torch.allclose(tangent.double(), t.double() @ layer.weight.double().t(), atol=1e-5)
+    with torch.no_grad():
+        layer(x)
+    assert ran[-1] == "oneDNN"  # outside the transform, the kept kernel again
+
+
+def test_torch_compile_of_a_fast_linear_compiles_and_gives_f_linears_outputs(monkeypatch):
+    """``torch.compile`` traces F.linear: Inductor could not lower oneDNN's op as ``onednn_linear`` calls it (it
+    raised a LoweringException where the kernel chosen, or forced, was oneDNN)."""
+    monkeypatch.setenv("COURSE_LINEAR_KERNEL", "oneDNN")
+    torch.manual_seed(0)
+    layer = use_fastest_kernels(nn.Sequential(nn.Linear(32, 8)))[0]
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        got = torch.compile(layer)(x)
+    assert torch.allclose(got, F.linear(x, layer.weight, layer.bias), atol=1e-5)
+
+
+def test_a_module_saved_by_another_process_asks_choose_in_this_one(tmp_path):
+    """A module that kept oneDNN (forced there), saved whole by one process and loaded by another where F.linear is
+    forced, runs F.linear: what a module kept holds in the process that chose it (the unpickled module ran the other
+    process's kernel, as one saved on another machine would). Both processes fresh, as a notebook and a script."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "layer.pt"
+    save = ("import torch; from torch import nn; from course_lib.kernels import use_fastest_kernels\n"
+            "layer = use_fastest_kernels(nn.Sequential(nn.Linear(16, 8)))[0]\n"
+            "with torch.no_grad(): layer(torch.randn(1, 16))\n"
+            f"torch.save(layer, {str(path)!r})")
+    load = ("import torch; from course_lib import kernels\n"
+            "ran = []; onednn = kernels.onednn_linear\n"
+            "kernels.onednn_linear = kernels.KERNELS['oneDNN'] = lambda *args: ran.append(1) or onednn(*args)\n"
+            f"layer = torch.load({str(path)!r}, weights_only=False)\n"
+            "x = torch.randn(1, 16)\n"
+            "with torch.no_grad(): y = layer(x)\n"
+            "y_64 = x.double() @ layer.weight.double().t() + layer.bias.double()\n"
+            "print(kernels.choose(layer.weight, layer.bias, x), len(ran), bool(torch.allclose(y.double(), y_64)))")
+    for code, kernel in ((save, "oneDNN"), (load, "F.linear")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "COURSE_LINEAR_KERNEL": kernel}).stdout.split()
+    assert out == ["F.linear", "0", "True"]
+
+
+def test_sparse_inputs_through_a_module_that_kept_onednn_run_f_linear(onednn_wins_and_kernels_recorded):
+    """nn.Linear takes a sparse x (COO or CSR); so does a FastLinear that kept oneDNN for dense rows of the same shape:
+    F.linear runs, and its output is F.linear's on the dense x (oneDNN's op raised NotImplementedError for the
+    SparseCPU and SparseCsrCPU backends, whether kept or chosen)."""
+    ran, _ = onednn_wins_and_kernels_recorded
+    torch.manual_seed(0)
+    layer = use_fastest_kernels(nn.Sequential(nn.Linear(16, 8)))[0]
+    x = torch.randn(2, 16)
+    x[0, ::2] = 0
+    with torch.no_grad():
+        layer(x)
+        assert ran == ["oneDNN"]
+        for sparse in (x.to_sparse(), x.to_sparse_csr()):
+            got = layer(sparse)
+            assert ran[-1] == "F.linear"
+            assert torch.allclose(got.to_dense().double(), F.linear(x.double(), layer.weight.double(),
+                                                                    layer.bias.double()), atol=1e-5)
+        layer(x)
+    assert ran[-1] == "oneDNN"

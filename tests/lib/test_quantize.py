@@ -144,6 +144,37 @@ def test_int8_kernel_layer_gives_the_same_outputs_whichever_product_sums():
     assert torch.equal(outputs[INT8_PRODUCTS[0]], outputs[INT8_PRODUCTS[1]])
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_kernel_layer_made_float64_keeps_the_inputs_dtype_and_its_outputs_whichever_product_sums(bias):
+    """A layer whose buffers ``.double()`` made float64 (as a model is compared in float64) still answers in x's dtype
+    (it once gave float32 inputs float64 outputs), and its two products still agree bitwise (int32 sums once went whole
+    into the float64 product and float64 sums rounded to float32: the outputs depended on the CPU's int8 kernel); the
+    outputs stay within float32 rounding of the float64 oracle. Positive rows times positive weights: every sum is
+    above 2^24, half of them odd (float32 cannot hold them)."""
+    torch.manual_seed(13)
+    layer = nn.Linear(4096, 32, bias=bias)
+    with torch.no_grad():
+        layer.weight.uniform_(0.01, 1.0)
+    kernel = Int8KernelLinear.from_linear(layer)
+    x = torch.rand(3, 4096) + 0.5
+    q, scale = quantize_int8(layer.weight)
+    oracle = w8a8_float64(x, q, scale, layer.bias.detach() if bias else None)
+    assert (oracle.abs() / (x.abs().amax(1, keepdim=True).double() / 127 * scale.double()) > 2**24).all()
+    kernel.double()
+    outputs = {}
+    for product in INT8_PRODUCTS:
+        if product == INT8_PRODUCTS[0] and quantize.int8_product() != product:
+            continue  # torch._int_mm does not sum exactly on this CPU
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(quantize, "int8_product", lambda product=product: product)
+            for dtype in (torch.float32, torch.bfloat16):
+                outputs[product, dtype] = kernel(x.to(dtype))
+                assert outputs[product, dtype].dtype == dtype
+    assert torch.allclose(outputs[INT8_PRODUCTS[1], torch.float32].double(), oracle, rtol=1e-6, atol=0)
+    if quantize.int8_product() == INT8_PRODUCTS[0]:
+        assert torch.equal(outputs[INT8_PRODUCTS[0], torch.float32], outputs[INT8_PRODUCTS[1], torch.float32])
+
+
 @pytest.mark.parametrize("product", INT8_PRODUCTS)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
