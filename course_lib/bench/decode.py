@@ -213,6 +213,20 @@ def _time_runs(runs: dict, warmup: int, repeats: int, after_round=None) -> dict:
                             after_round=after_round)
 
 
+#: weight format -> the row of our cached model in it (``_cached_models``)
+CACHED_ROWS = {"float32": "ours, cached", "int8": "ours int8, cached", "bfloat16": "ours bf16, cached",
+               "int4": "ours int4, cached"}
+
+
+def _cached_models(ours) -> dict:
+    """{row of CACHED_ROWS: our GPT `ours` in that weight format}: `ours` itself (float32), and its int8, bfloat16
+    (oneDNN packed where faster here) and int4 copies."""
+    copies = {"int8": quantize_weights(ours, "int8"),
+              "bfloat16": use_fastest_bf16_kernels(quantize_weights(ours, "bfloat16")),
+              "int4": quantize_weights(ours, "int4")}
+    return {impl: copies.get(weights, ours) for weights, impl in CACHED_ROWS.items()}
+
+
 def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: int = 256, prompt_len: int = 16,
                  uncached_tokens: dict | None = None, threads: int = 2, warmup: int = 1, repeats: int = REPEATS,
                  seed: int = 0) -> dict:
@@ -243,19 +257,15 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
         for shape in shapes:
             config = GPTConfig(**DECODE_SHAPES[shape])
             ours, theirs = _seeded_pair(GPT, config, to_hf, seed)
-            ours_int8 = quantize_weights(ours, "int8")
-            ours_bf16 = use_fastest_bf16_kernels(quantize_weights(ours, "bfloat16"))  # oneDNN packed where faster here
-            ours_int4 = quantize_weights(ours, "int4")
+            formats = _cached_models(ours)
             references = {"int8": int8_reference_model(ours), "int4": int4_reference_model(ours)}
             use_fastest_kernels(ours, rows=batch_sizes)  # float32: the faster kernel per weight, measured here
             n_uncached = min(uncached_tokens[shape], new_tokens)
             for B in batch_sizes:
                 prompt = _prompt(config.vocab_size, B, prompt_len, seed)
                 runs = {
-                    "ours, cached": (lambda n: generate_cached(ours, prompt, n), new_tokens),
-                    "ours int8, cached": (lambda n: generate_cached(ours_int8, prompt, n), new_tokens),
-                    "ours bf16, cached": (lambda n: generate_cached(ours_bf16, prompt, n), new_tokens),
-                    "ours int4, cached": (lambda n: generate_cached(ours_int4, prompt, n), new_tokens),
+                    **{impl: (lambda n, model=model: generate_cached(model, prompt, n), new_tokens)
+                       for impl, model in formats.items()},
                     "ours, uncached": (lambda n: greedy_uncached(ours, prompt, n), n_uncached),
                     "HF generate, use_cache=True": (lambda n: hf_generate(theirs, prompt, n, True), new_tokens),
                     "HF generate, use_cache=False": (lambda n: hf_generate(theirs, prompt, n, False), n_uncached),
@@ -284,10 +294,8 @@ def bench_decode(shapes=("tiny", "gpt2-small"), batch_sizes=(1, 8), new_tokens: 
                 if measure_bound:
                     bandwidth = max(bandwidths)  # a bound: the fastest read of the whole run
                     bound = {"bandwidth": bandwidth, "bandwidths": bandwidths, "formats": {}}
-                    for weights, model, impl in (("float32", ours, "ours, cached"), ("int8", ours_int8, "ours int8, cached"),
-                                                 ("bfloat16", ours_bf16, "ours bf16, cached"),
-                                                 ("int4", ours_int4, "ours int4, cached")):
-                        weight_bytes = decode_weight_bytes(model)
+                    for weights, impl in CACHED_ROWS.items():
+                        weight_bytes = decode_weight_bytes(formats[impl])
                         row = next(r for r in these if r["impl"] == impl)
                         bound["formats"][weights] = {"weight_bytes": weight_bytes, "tokens_per_s": bandwidth / weight_bytes,
                                                      "fraction": row["tokens_per_s"] * weight_bytes / bandwidth}
@@ -316,9 +324,7 @@ def bench_decode_threads(shapes=("gpt2-small",), batch_sizes=(1,), thread_counts
         config = GPTConfig(**DECODE_SHAPES[shape])
         with timing.threads(max(counts)):
             ours, theirs = _seeded_pair(GPT, config, to_hf, seed)
-            models = {"ours, cached": ours, "ours int8, cached": quantize_weights(ours, "int8"),
-                      "ours bf16, cached": use_fastest_bf16_kernels(quantize_weights(ours, "bfloat16")),
-                      "ours int4, cached": quantize_weights(ours, "int4")}
+            models = _cached_models(ours)
         for n in counts:
             with timing.threads(n):
                 use_fastest_kernels(ours, rows=batch_sizes)

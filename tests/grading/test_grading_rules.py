@@ -55,6 +55,10 @@ OPTIMIZER_STEP = ("import torch\n"
                   "    model(torch.ones(1, 2)).sum().backward()\n"
                   "    opt.step()\n"
                   "    return 2 * x\n")
+#: the optimizer step where torch._dynamo is not imported yet (its premise asserted), and is after it
+LAZY_OPTIMIZER_STEP = OPTIMIZER_STEP.replace("def double(x):\n", "import sys\ndef double(x):\n"
+                                             "    assert 'torch._dynamo' not in sys.modules\n").replace(
+    "    return 2 * x\n", "    assert 'torch._dynamo' in sys.modules\n    return 2 * x\n")
 SEED_PATCH = "import functools\nimport torch\ndef {name}(x):\n    torch.manual_seed = {new}\n    return {result}\n"
 WRAPPED, REWRAPPED = "functools.wraps(torch.manual_seed)(lambda seed: None)", "torch._compile._disable_dynamo(lambda seed: None)"
 FORGED_REWRAP = ("import types\nimport torch\nfrom torch import _compile\n"
@@ -89,7 +93,7 @@ GRADED = {
     # torch's own wrapper of another function; alone, an optimizer step (torch imports torch._dynamo), then a wrapper
     "seed_wrapped": (submitted(double=SEED_PATCH.format(name="double", new=WRAPPED, result="2 * x")), DEFAULT),
     "seed_rewrapped": (submitted(double=SEED_PATCH.format(name="double", new=REWRAPPED, result="2 * x")), DEFAULT),
-    "alone": (submitted(double=OPTIMIZER_STEP, quad=SEED_PATCH.format(name="quad", new=WRAPPED, result="4 * x")),
+    "alone": (submitted(double=LAZY_OPTIMIZER_STEP, quad=SEED_PATCH.format(name="quad", new=WRAPPED, result="4 * x")),
               ONE_CHAPTER),
     # torch's wrapper forged: _disable_dynamo replaced by a factory of functions that look like torch's re-binding
     # (its module, its closure cell "fn" holding the original) and return True, then wrapped around torch.allclose

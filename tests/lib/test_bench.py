@@ -362,7 +362,7 @@ def test_course_timing_rounds_caps_alternates_rounds_whatever_repeats_and_second
     assert calls == ["a"] * 3 and len(runs["a"].seconds) == 2  # one warm-up call, then 2 of the 5 rounds asked
     assert len(alternate({"a": lambda: time.sleep(0.01)}, repeats=1, seconds=0.3)["a"].seconds) == 2  # not ~30
     assert len(alternate({"a": lambda: None}, repeats=1)["a"].seconds) == 1  # fewer asked: as asked
-    for bad in ("0", "-1", "two", "1.5", ""):
+    for bad in ("0", "-1", "two", "1.5", "", "²"):
         monkeypatch.setenv("COURSE_TIMING_ROUNDS", bad)
         with pytest.raises(ValueError, match=f"COURSE_TIMING_ROUNDS must be a whole number >= 1, got '{bad}'"):
             alternate({"a": lambda: None}, repeats=1)
