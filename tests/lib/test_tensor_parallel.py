@@ -91,6 +91,9 @@ def test_a_crashed_rank_is_named():
 
 def interrupted_on_rank_1(rank, world_size):
     if rank == 1:
+        # Python raises KeyboardInterrupt on SIGINT unless it started with SIGINT ignored, as a run started in the
+        # background by a shell without job control does (`cmd &`): the handler a kernel's children have, set here
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.kill(os.getpid(), signal.SIGINT)  # the learner's stop, as Jupyter's interrupt reaches a kernel's children
         time.sleep(5)
     x = torch.ones(3)
