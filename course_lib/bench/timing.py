@@ -9,9 +9,9 @@ kernel wins decides what later timings run.)"""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
-import sys
 import time
 from typing import Callable, Hashable, Iterable
 
@@ -31,14 +31,15 @@ class Runs:
         return statistics.median(self.seconds)
 
 
-def timing_rounds(rounds: int) -> int:
-    """`rounds`, or COURSE_TIMING_ROUNDS if that is set and fewer (the module's docstring)."""
+def rounds_cap() -> float:
+    """The most rounds an ``alternate`` may time: COURSE_TIMING_ROUNDS, or no cap (inf) where it is unset (the
+    module's docstring)."""
     cap = os.environ.get("COURSE_TIMING_ROUNDS")
     if cap is None:
-        return rounds
+        return math.inf
     if not (cap.isascii() and cap.isdigit()) or int(cap) < 1:
         raise ValueError(f"COURSE_TIMING_ROUNDS must be a whole number >= 1, got {cap!r}")
-    return min(rounds, int(cap))
+    return int(cap)
 
 
 def alternate(contenders: dict[Hashable, Callable[[], object]], repeats: int, warmup: int = 0,
@@ -61,7 +62,7 @@ def alternate(contenders: dict[Hashable, Callable[[], object]], repeats: int, wa
         for _ in range(warmup):
             call()
     runs = {name: Runs([], []) for name in contenders}
-    most = timing_rounds(sys.maxsize)  # COURSE_TIMING_ROUNDS, if set
+    most = rounds_cap()
     first, k = time.perf_counter(), 0
     while (k < repeats or time.perf_counter() - first < seconds) and k < most:
         for name in (contenders if order is None else order(k)):
