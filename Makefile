@@ -15,9 +15,13 @@ setup: $(VENV)/.installed
 # Installed without their dependencies: xgrammar (chapter 15's comparison) declares triton, a GPU compiler it does not
 # import on CPU; what it does import is pinned in pyproject.toml (torch, transformers, numpy), comes with a pin (pydantic, with openai) or is here.
 NO_DEPS = xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+# pip itself first, pinned: the venv's own pip (23.2 with Python 3.11.7) spends about 30 s of one core resolving this
+# project's dependencies, pip 26.3 about 12 s (measured from a fresh HOME: the whole install 79 s -> 67 s).
+PIP = pip==26.3
 PIP_INSTALL = $(BIN)/python -m pip install --quiet --disable-pip-version-check
 $(VENV)/.installed: pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) $(PIP)
 	$(PIP_INSTALL) -e .
 	$(PIP_INSTALL) --no-deps $(NO_DEPS)
 	@touch $@
