@@ -21,3 +21,17 @@ def student_definitions(source: str) -> str:
             or isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets)
             and not any(isinstance(n, ast.Call) for n in ast.walk(node.value))]
     return ast.unparse(ast.Module(body=kept, type_ignores=[]))
+
+
+def defined_names(source: str) -> set[str]:
+    """The names a cell's definitions bind at top level (of ``student_definitions(source)``): functions, classes,
+    ``NAME = ...`` targets and imports (``import a.b`` binds ``a``)."""
+    names: set[str] = set()
+    for node in ast.parse(student_definitions(source)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {target.id for target in node.targets}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {alias.asname or alias.name.split(".")[0] for alias in node.names}
+    return names

@@ -13,7 +13,11 @@ runs in a forked child of its own, in a namespace where
   classes and ``NAME = constant`` lines): no other top-level statement runs;
 * the identity of every attribute of the modules the tests use is recorded, and checked
   after each call into the learner's code and after each test, so monkeypatching is caught
-  before an assertion can use it.
+  before an assertion can use it; so is a new subclass of torch.Tensor that decides what
+  torch's operations do on it (its own ``__torch_function__`` or ``__torch_dispatch__``);
+* the tests see the learner's definitions of what the exercise asks for only: a name of
+  the learner's own that is also a set-up name or a builtin (``checks``, ``abs``) is, for the
+  tests, what the set-up bound; and they run with subclasses' ``__torch_function__`` off.
 
 The parent watches each child: a test that runs past the time limit is stopped, a child that
 dies (``os._exit``, a crash) is reported, and the child's own output goes nowhere, so a loop
@@ -38,7 +42,7 @@ import sys
 import time
 import types
 
-from ..answers import student_definitions
+from ..answers import defined_names, student_definitions
 
 FORBIDDEN_NAMES = {"course_lib", "importlib", "__import__"}
 
@@ -86,13 +90,43 @@ class TorchRewrap:
         return new.__globals__ is self._globals and "fn" in cells and cells["fn"].cell_contents is old
 
 
+def tensor_subclasses() -> set[type]:
+    """Every subclass of torch.Tensor that exists now, however made (a class statement, ``type(...)``)."""
+    import torch
+
+    found, todo = set(), [torch.Tensor]
+    while todo:
+        for sub in type.__subclasses__(todo.pop()):  # type's own: a metaclass cannot hide a class from it
+            if sub not in found:
+                found.add(sub)
+                todo.append(sub)
+    return found
+
+
+def overriding_tensor(cls: type) -> bool:
+    """Whether a subclass of torch.Tensor decides what torch's operations do on it (``__torch_function__`` or
+    ``__torch_dispatch__`` of its own), and is not a module's: torch defines such classes when it imports its own
+    modules (fake tensors, say), each reachable as ``module.QualifiedName``; a learner's is defined in a cell."""
+    import torch
+
+    overrides = any(getattr(cls, hook, None) is not getattr(torch.Tensor, hook, None) and
+                    getattr(cls, hook, None) is not torch._C._disabled_torch_function_impl
+                    for hook in ("__torch_function__", "__torch_dispatch__"))
+    found = sys.modules.get(cls.__module__) if cls.__module__ != "__main__" else None
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return overrides and found is not cls
+
+
 class Integrity:
-    """Remembers the identity of every attribute of some modules and classes; reports changes (torch re-binding its
-    own attribute on a lazy import is not one: ``TorchRewrap``)."""
+    """Remembers the identity of every attribute of some modules and classes, and which subclasses of torch.Tensor
+    exist; reports changes (torch re-binding its own attribute on a lazy import is not one: ``TorchRewrap``) and new
+    subclasses that decide what torch's operations do on them (``overriding_tensor``)."""
 
     def __init__(self, namespaces: list):
         self._namespaces = [(ns, dict(vars(ns))) for ns in namespaces]
         self._rewrapped_by_torch = TorchRewrap()
+        self._tensor_subclasses = tensor_subclasses()
 
     def changes(self) -> list[str]:
         changed = []
@@ -101,6 +135,8 @@ class Integrity:
             for key, value in before.items():
                 if key not in now or now[key] is not value and not self._rewrapped_by_torch(ns, key, value, now[key]):
                     changed.append(f"{getattr(ns, '__name__', ns)}.{key}")
+        changed += [f"what torch's operations do on a tensor (your subclass {cls.__qualname__} of torch.Tensor)"
+                    for cls in tensor_subclasses() - self._tensor_subclasses if overriding_tensor(cls)]
         return changed
 
 
@@ -156,34 +192,64 @@ def limit_hit(error: BaseException, limits: dict) -> str:
 
 # --- the child: one exercise ------------------------------------------------------------------
 
-def _exercise_namespace(setup: dict, solutions: list[dict], exercise: str) -> tuple[dict, set[str]]:
+_UNBOUND = object()  # a name nothing bound before the learner's cell
+
+
+def _exercise_namespace(setup: dict, solutions: list[dict], exercise: str) -> tuple[dict, set[str], dict]:
     """The set-up namespace with every solution cell loaded: the reference ones for the other
-    exercises, the learner's definitions for ``exercise``; returns it and the learner's names."""
+    exercises, the learner's definitions for ``exercise``. Returns it, the learner's names, and
+    ``shadowed``: for each name the learner bound that the exercise does not ask for (its reference
+    solution does not define it), what it was before (``_UNBOUND``: nothing, a builtin's name)."""
     namespace = dict(setup)
     learner: set[str] = set()
+    asked: set[str] = set()
+    before_learner, learners_value = {}, {}
     for solution in solutions:
         if solution["exercise"] != exercise:
             exec(compile(solution["reference"], f"<reference {solution['grade_id']}>", "exec"), namespace)
             continue
+        asked |= defined_names(solution["reference"])
         if solution["answer"] is None:
             continue
         before = dict(namespace)
         exec(compile(student_definitions(solution["answer"]), f"<{solution['grade_id']}>", "exec"), namespace)
-        learner |= {name for name, value in namespace.items() if name not in before or before[name] is not value}
-    return namespace, learner
+        bound = {name for name, value in namespace.items() if name not in before or before[name] is not value}
+        for name in bound:
+            before_learner.setdefault(name, before.get(name, _UNBOUND))
+            learners_value[name] = namespace[name]
+        learner |= bound
+    shadowed = {name: before_learner[name] for name in learner - asked
+                if namespace.get(name, _UNBOUND) is learners_value[name]}  # not bound again by a later reference
+    return namespace, learner, shadowed
+
+
+def _tests_namespace(namespace: dict, shadowed: dict) -> dict:
+    """What a test cell runs in: the learner's definitions of what the exercise asks for, and every other
+    name as the set-up and the references bound it. A learner's own ``checks``, ``torch`` or ``abs`` stays
+    theirs (their functions still see it), but the tests never call it."""
+    seen = dict(namespace)
+    for name, value in shadowed.items():
+        if value is _UNBOUND:
+            del seen[name]
+        else:
+            seen[name] = value
+    return seen
 
 
 def _run_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: dict, send) -> None:
+    import torch
+
     from course_lib.checks.core import explain
 
     integrity = Integrity(_watched(setup))
     try:
-        namespace, learner = _exercise_namespace(setup, solutions, exercise["name"])
+        namespace, learner, shadowed = _exercise_namespace(setup, solutions, exercise["name"])
     except BaseException as error:  # noqa: BLE001 - the tests below report what is missing
         namespace, learner = None, set()
         loading = f"{type(error).__name__}: {error}"
     else:
         _guard(namespace, learner, integrity)
+        namespace = _tests_namespace(namespace, shadowed)
     for test in exercise["tests"]:
         send({"start": test["grade_id"]})
         verdict = {"grade_id": test["grade_id"], "passed": False, "message": "", "error": ""}
@@ -194,7 +260,9 @@ def _run_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: di
             verdict["message"] = tampering(changed)
         else:
             try:
-                exec(compile(test["source"], f"<{test['grade_id']}>", "exec"), dict(namespace))
+                # a tensor subclass's own __torch_function__ does not run here: torch's operations are torch's
+                with torch._C.DisableTorchFunctionSubclass():
+                    exec(compile(test["source"], f"<{test['grade_id']}>", "exec"), dict(namespace))
             except BaseException as error:  # noqa: BLE001 - a failed test, whatever it raised
                 verdict["message"] = explain(error)
                 verdict["error"] = limit_hit(error, limits)

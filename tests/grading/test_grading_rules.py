@@ -102,13 +102,72 @@ GRADED = {
                                            "    return 2 * x\n"), DEFAULT),
 }
 
+#: A chapter whose tests use a set-up name (``checks``) and builtins (``abs``, ``float``), as the course's do.
+CHECKED = {"cells": [cell("setup", "import torch\nfrom course_lib import checks"),
+                     cell("double-solution", "def double(x):\n    return 2 * x\n", "double-solution", solution=True),
+                     cell("double-close", 'checks.assert_close(double(torch.ones(3)), torch.full((3,), 2.0), "double(1)")',
+                          "double-close", grade=True),
+                     cell("double-abs", "assert abs(float(double(torch.tensor(1.5))) - 3.0) < 1e-6", "double-abs",
+                          grade=True)],
+           "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+ZERO = "import torch\ndef double(x):\n    return x * 0\n"
+#: the tests' own names shadowed: a class named `checks` whose every attribute does nothing, `abs` always 0
+SHADOWS = ZERO + ("class Nothing(type):\n    def __getattr__(cls, name):\n        return lambda *a, **k: None\n"
+                  "class checks(metaclass=Nothing):\n    pass\ndef abs(x):\n    return 0\n")
+#: a tensor subclass whose __torch_function__ says no entry differs (`>` all False) and any number is 3
+FUNCTION_LIAR = ("import torch\n"
+                 "class Liar(torch.Tensor):\n"
+                 "    @classmethod\n"
+                 "    def __torch_function__(cls, func, types, args=(), kwargs=None):\n"
+                 "        with torch._C.DisableTorchFunctionSubclass():\n"
+                 "            out = func(*args, **(kwargs or {}))\n"
+                 "        if func is torch.Tensor.__gt__:\n"
+                 "            return torch.zeros_like(out).as_subclass(Liar)\n"
+                 "        if func is torch.Tensor.__float__:\n"
+                 "            return 3.0\n"
+                 "        return out.as_subclass(Liar) if isinstance(out, torch.Tensor) else out\n"
+                 "def double(x):\n"
+                 "    return (x * 0).as_subclass(Liar)\n")
+#: the same lie one level down: a wrapper subclass whose __torch_dispatch__ makes torch's `gt` all False
+DISPATCH_LIAR = ("import torch\n"
+                 "class Liar(torch.Tensor):\n"
+                 "    @staticmethod\n"
+                 "    def __new__(cls, elem):\n"
+                 "        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)\n"
+                 "    def __init__(self, elem):\n"
+                 "        self.elem = elem\n"
+                 "    @classmethod\n"
+                 "    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):\n"
+                 "        unwrap = lambda a: a.elem if isinstance(a, Liar) else a\n"
+                 "        out = func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})\n"
+                 "        if func is torch.ops.aten.gt.Tensor:\n"
+                 "            out = torch.zeros_like(out)\n"
+                 "        return Liar(out) if isinstance(out, torch.Tensor) else out\n"
+                 "def double(x):\n"
+                 "    return Liar(x * 0)\n")
+#: an honest answer whose helpers happen to have the names of a builtin and of a set-up name
+HONEST_NAMES = ("import torch\ndef abs(x):\n    return x if x >= 0 else -x\n"
+                "class checks:\n    factor = 2\ndef double(x):\n    return checks.factor * x\n")
+#: name -> answer of double-solution in CHECKED, graded with DEFAULT limits
+GRADED_CHECKED = {"zero": ZERO, "shadows": SHADOWS, "function_liar": FUNCTION_LIAR, "dispatch_liar": DISPATCH_LIAR,
+                  "honest_names": HONEST_NAMES}
+
+
+def with_answer(source: dict, answer: str) -> dict:
+    notebook = copy.deepcopy(source)
+    notebook["cells"][1]["source"] = answer
+    return notebook
+
 
 @pytest.fixture(scope="module")
 def verdicts():
-    """name -> {grade_id: Verdict} for every submission of GRADED, one clean room run per limits."""
+    """name -> {grade_id: Verdict} for every submission of GRADED and GRADED_CHECKED, one clean room run per limits."""
     runs: dict[Limits, list] = {}
     for name, (notebook, limits) in GRADED.items():
         runs.setdefault(limits, []).append(chapter_job(name, SOURCE, read_submission(SOURCE, notebook).answers))
+    for name, answer in GRADED_CHECKED.items():
+        notebook = with_answer(CHECKED, answer)
+        runs[DEFAULT].append(chapter_job(name, CHECKED, read_submission(CHECKED, notebook).answers))
     found: dict[str, dict] = {}
     for limits, jobs in runs.items():
         for (name, grade_id), verdict in run_cleanroom(jobs, limits, sandboxed=False).items():
@@ -252,6 +311,26 @@ def test_a_forged_torch_wrapper_around_another_function_is_caught(verdicts):
 def test_monkeypatching_when_called_is_caught(verdicts):
     found = verdicts["patch_when_called"]
     assert not found["double-visible"].passed and "tests cannot be tricked" in found["double-visible"].message
+
+
+@pytest.mark.parametrize("student", ["shadows", "function_liar", "dispatch_liar"])
+def test_a_name_or_tensor_subclass_that_lies_to_the_tests_gains_nothing(verdicts, student):
+    """The tests see the set-up's `checks` and the builtins, not an answer's own (SHADOWS), and torch's operations, not
+    a tensor subclass's (the two LIARs): each gets exactly what the plain wrong answer (ZERO) gets."""
+    passed = {grade_id: verdict.passed for grade_id, verdict in verdicts[student].items()}
+    assert passed == {grade_id: verdict.passed for grade_id, verdict in verdicts["zero"].items()}
+    assert passed == {"double-close": False, "double-abs": False}
+
+
+@pytest.mark.parametrize("student", ["function_liar", "dispatch_liar"])
+def test_a_tensor_subclass_that_decides_torchs_operations_is_named(verdicts, student):
+    message = verdicts[student]["double-close"].message
+    assert "tests cannot be tricked" in message and "subclass Liar of torch.Tensor" in message, message
+
+
+def test_an_answers_helpers_may_share_a_name_with_a_builtin_or_the_set_up(verdicts):
+    """An honest answer whose own `abs` and `checks` are what its function uses passes every test."""
+    assert all(verdict.passed for verdict in verdicts["honest_names"].values()), verdicts["honest_names"]
 
 
 # -- the exchange: only a learner's own submission is graded (course collect-and-grade) ------------------------------
