@@ -56,7 +56,12 @@ $(PROXY): docs/hub/package.json docs/hub/package-lock.json
 # tests/other_cpu.py). The workers get the longest units of work first, as the last run measured them: each
 # run rewrites tests/durations.json (tests/schedule.py; commit it when it changed); the 25 slowest tests are listed at the end.
 # Waiting OpenMP threads sleep rather than spin while two test processes share the cores (see tests/conftest.py).
+# The course's own modules byte-compiled first: every process of a run imports them (notebook kernels, clean rooms,
+# servers), and where Python may not write bytecode (PYTHONDONTWRITEBYTECODE=1, a read-only sandbox) each would
+# compile them again (about 0.3 s of CPU for the whole of course_lib).
+BYTECODE = $(BIN)/python -m compileall -q course_lib tests > /dev/null
 test: setup system-packages hub ## the whole suite: library tests, nbval on solutions/ (as is and as on another CPU), round trips, browser
+	@$(BYTECODE)
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --other-cpu --durations=25 --record-durations
 
 # Daily work: the tests under tests/ whose unit of work (a file, mostly) took at most QUICK seconds in the recorded run
@@ -64,6 +69,7 @@ test: setup system-packages hub ## the whole suite: library tests, nbval on solu
 # no grading round trip, no hub. The summary lists what it left out; `make test` runs everything.
 QUICK ?= 10
 quick: setup                   ## the tests/ units that took at most QUICK=10 s in the last full run (a few minutes)
+	@$(BYTECODE)
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --skip-slower-than $(QUICK) tests
 
 # The timed chapters' stored notebooks on a busy machine: two processes keep both cores busy (ended however nbval ends)
