@@ -184,19 +184,26 @@ c.JupyterHub.load_roles = [{{"name": "course-test", "services": ["course-test"],
         response.raise_for_status()
         return response.json()["token"]
 
-    def start_server(self, name: str, timeout: float = 180) -> "UserServer":
-        response = self.api("POST", f"/users/{name}/server")
-        if response.status_code not in (201, 202, 400):
-            raise RuntimeError(f"starting {name}'s server: {response.status_code} {response.text}")
-        started = time.monotonic()
+    def start_servers(self, names: list[str], timeout: float = 180) -> dict[str, "UserServer"]:
+        """Each user's server, all spawned at once (as a class logging in together); name -> its UserServer once
+        every one answers. One at a time, each spawn's start-up waited alone on the hub's back-off polling."""
+        for name in names:
+            response = self.api("POST", f"/users/{name}/server")
+            if response.status_code not in (201, 202, 400):
+                raise RuntimeError(f"starting {name}'s server: {response.status_code} {response.text}")
+        started, servers = time.monotonic(), {}
         while time.monotonic() < started + timeout:
-            server = self.api("GET", f"/users/{name}").json().get("servers", {}).get("", {})
-            if server.get("ready"):
-                return UserServer(self, name, self.user_token(name))
-            if not server.get("pending") and time.monotonic() > started + 10:  # neither starting nor started
-                raise RuntimeError(f"{name}'s server failed to start:\n{self.log.read_text()[-5000:]}")
+            for name in [name for name in names if name not in servers]:
+                server = self.api("GET", f"/users/{name}").json().get("servers", {}).get("", {})
+                if server.get("ready"):
+                    servers[name] = UserServer(self, name, self.user_token(name))
+                elif not server.get("pending") and time.monotonic() > started + 10:  # neither starting nor started
+                    raise RuntimeError(f"{name}'s server failed to start:\n{self.log.read_text()[-5000:]}")
+            if len(servers) == len(names):
+                return servers
             time.sleep(0.1)
-        raise RuntimeError(f"{name}'s server did not start within {timeout} s:\n{self.log.read_text()[-5000:]}")
+        late = [name for name in names if name not in servers]
+        raise RuntimeError(f"the servers of {late} did not start within {timeout} s:\n{self.log.read_text()[-5000:]}")
 
 
 class UserServer:

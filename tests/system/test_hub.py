@@ -139,7 +139,7 @@ def cycle():
 
 
 def drive(hub: hubtest.Hub, instructor: str, learners: dict[str, str], seen: dict) -> None:
-    servers = {name: hub.start_server(name) for name in [instructor, *learners.values()]}
+    servers = hub.start_servers([instructor, *learners.values()])
     teach = servers[instructor]
 
     # the instructor sets up a course folder (docs/hub/instructor_nbgrader_config.py) and releases chapter 01
