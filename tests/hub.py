@@ -212,6 +212,7 @@ class UserServer:
     def __init__(self, hub: Hub, name: str, token: str):
         self.hub, self.name, self.token = hub, name, token
         self.url = f"{hub.url}/user/{name}"
+        self.kernel: str | None = None  # the id of this user's kernel, once ``run`` started it
 
     def request(self, method: str, path: str, **kwargs) -> requests.Response:
         return requests.request(method, f"{self.url}{path}", timeout=300,
@@ -238,12 +239,17 @@ class UserServer:
 
     # a kernel: what the user would type in a notebook or a terminal
     def run(self, code: str, timeout: float = 600) -> str:
-        """Execute ``code`` in a new kernel of this user's; returns its output; raises on an error."""
-        kernel = self.json("POST", "/api/kernels", json={"name": "python3"})
-        try:
-            return asyncio.run(self._execute(kernel["id"], code, timeout))
-        finally:
-            self.request("DELETE", f"/api/kernels/{kernel['id']}")
+        """Execute ``code`` in this user's kernel (started on the first call, as a notebook kept open); returns its
+        output; raises on an error."""
+        if self.kernel is None:
+            self.kernel = self.json("POST", "/api/kernels", json={"name": "python3"})["id"]
+        return asyncio.run(self._execute(self.kernel, code, timeout))
+
+    def close(self) -> None:
+        """Shut this user's kernel down, as closing the notebook does."""
+        if self.kernel is not None:
+            self.request("DELETE", f"/api/kernels/{self.kernel}")
+            self.kernel = None
 
     async def _execute(self, kernel_id: str, code: str, timeout: float) -> str:
         from tornado.httpclient import HTTPRequest

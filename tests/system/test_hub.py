@@ -193,6 +193,8 @@ def drive(hub: hubtest.Hub, instructor: str, learners: dict[str, str], seen: dic
     feedback = hub.exchange / "attention-to-decoding" / "feedback"
     seen["probe_after"] = intruder.run(f"import os\ntry:\n    print(os.listdir({str(feedback)!r}))\n"
                                        "except PermissionError:\n    print('cannot list feedback')\n")
+    for server in servers.values():
+        server.close()
 
 
 def score(seen, role) -> tuple[float, float, str]:
