@@ -9,6 +9,7 @@ API, nbgrader's assignment handlers, and a kernel for commands the user would ty
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import pwd
@@ -186,9 +187,11 @@ c.JupyterHub.load_roles = [{{"name": "course-test", "services": ["course-test"],
 
     def start_servers(self, names: list[str], timeout: float = 180) -> dict[str, "UserServer"]:
         """Each user's server, all spawned at once (as a class logging in together); name -> its UserServer once
-        every one answers. One at a time, each spawn's start-up waited alone on the hub's back-off polling."""
-        for name in names:
-            response = self.api("POST", f"/users/{name}/server")
+        every one answers. The requests go out together: the hub answers one when its spawn is done (or after its
+        slow_spawn_timeout, 10 s), so one after another they spawned the servers one at a time."""
+        with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+            responses = list(pool.map(lambda name: self.api("POST", f"/users/{name}/server"), names))
+        for name, response in zip(names, responses):
             if response.status_code not in (201, 202, 400):
                 raise RuntimeError(f"starting {name}'s server: {response.status_code} {response.text}")
         started, servers = time.monotonic(), {}
