@@ -187,8 +187,8 @@ c.JupyterHub.load_roles = [{{"name": "course-test", "services": ["course-test"],
 
     def start_servers(self, names: list[str], timeout: float = 180) -> dict[str, "UserServer"]:
         """Each user's server, all spawned at once (as a class logging in together); name -> its UserServer once
-        every one answers. The requests go out together: the hub answers one when its spawn is done (or after its
-        slow_spawn_timeout, 10 s), so one after another they spawned the servers one at a time."""
+        every one answers. The requests go out together: the hub answers each only when its spawn is done (or after
+        its slow_spawn_timeout, 10 s), so requests sent in turn would spawn the servers one at a time."""
         with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
             responses = list(pool.map(lambda name: self.api("POST", f"/users/{name}/server"), names))
         for name, response in zip(names, responses):
