@@ -70,7 +70,7 @@ import queue
 import random
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from contextlib import asynccontextmanager
 
 from . import assets
@@ -593,7 +593,8 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
     """The Starlette app: POST /v1/completions, GET /v1/models (and /v1/models/{id}), GET /health. Its engine runs
     while the app does
     (started and drained by the ASGI lifespan); ``app.state.engine_loop`` is the ``EngineLoop``,
-    ``app.state.constraints`` the compiled patterns (``structured.IndexCache``).
+    ``app.state.constraints`` the compiled patterns (``structured.IndexCache``), ``app.state.waiting_for_compile``
+    pattern -> the requests waiting for its compile now.
 
     num_blocks: the pool (default: room for 32 sequences of the full context)."""
     from starlette.applications import Starlette
@@ -614,6 +615,7 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
                              max_entries=INDEX_CACHE_ENTRIES)
     compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="constraint-compiler")
     compiles: dict = {}  # pattern -> its compile, given to the compiler and not back yet (the event loop's thread's)
+    waiting: Counter = Counter()  # pattern -> requests waiting for its compile (the event loop's thread's)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -640,10 +642,15 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
                 compile = asyncio.get_running_loop().run_in_executor(compiler, constraints.get, pattern)
                 compiles[pattern] = compile
                 compile.add_done_callback(lambda _: compiles.pop(pattern))
+            waiting[pattern] += 1
             try:
                 index = await asyncio.shield(compile)  # a client that leaves does not cancel the others' compile
             except (ValueError, RecursionError) as error:
                 raise bad_pattern(field, error) from None
+            finally:
+                waiting[pattern] -= 1
+                if not waiting[pattern]:
+                    del waiting[pattern]
         return nonempty_constraint(field, index)
 
     async def completions(http: HTTPRequest):
@@ -764,7 +771,7 @@ def make_app(model, tokenizer, model_name: str, *, num_blocks: int | None = None
                             Route("/v1/models/{model:path}", model_object, methods=["GET"]),
                             Route("/health", health, methods=["GET"])],
                     exception_handlers={HTTPException: http_error}, lifespan=lifespan)
-    app.state.engine_loop, app.state.constraints = engine_loop, constraints
+    app.state.engine_loop, app.state.constraints, app.state.waiting_for_compile = engine_loop, constraints, waiting
     return app
 
 

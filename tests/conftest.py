@@ -10,11 +10,15 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+
+# torch is imported by the fixtures, not here: xdist's main process loads this file before it starts the workers and
+# runs no test, and importing torch here (a second of one core) delayed both workers' start by as much.
 
 
 @pytest.fixture
 def generator():
+    import torch
+
     return torch.Generator().manual_seed(0)
 
 
@@ -22,6 +26,8 @@ def generator():
 def one_thread():
     """One torch thread for the test, as in the notebooks (several threads on a busy 2-core machine make tiny
     models crawl); the thread count is restored afterwards. Use with pytest.mark.usefixtures("one_thread")."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

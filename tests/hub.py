@@ -9,6 +9,7 @@ API, nbgrader's assignment handlers, and a kernel for commands the user would ty
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import pwd
@@ -184,19 +185,28 @@ c.JupyterHub.load_roles = [{{"name": "course-test", "services": ["course-test"],
         response.raise_for_status()
         return response.json()["token"]
 
-    def start_server(self, name: str, timeout: float = 180) -> "UserServer":
-        response = self.api("POST", f"/users/{name}/server")
-        if response.status_code not in (201, 202, 400):
-            raise RuntimeError(f"starting {name}'s server: {response.status_code} {response.text}")
-        started = time.monotonic()
+    def start_servers(self, names: list[str], timeout: float = 180) -> dict[str, "UserServer"]:
+        """Each user's server, all spawned at once (as a class logging in together); name -> its UserServer once
+        every one answers. The requests go out together: the hub answers each only when its spawn is done (or after
+        its slow_spawn_timeout, 10 s), so requests sent in turn would spawn the servers one at a time."""
+        with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+            responses = list(pool.map(lambda name: self.api("POST", f"/users/{name}/server"), names))
+        for name, response in zip(names, responses):
+            if response.status_code not in (201, 202, 400):
+                raise RuntimeError(f"starting {name}'s server: {response.status_code} {response.text}")
+        started, servers = time.monotonic(), {}
         while time.monotonic() < started + timeout:
-            server = self.api("GET", f"/users/{name}").json().get("servers", {}).get("", {})
-            if server.get("ready"):
-                return UserServer(self, name, self.user_token(name))
-            if not server.get("pending") and time.monotonic() > started + 10:  # neither starting nor started
-                raise RuntimeError(f"{name}'s server failed to start:\n{self.log.read_text()[-5000:]}")
+            for name in [name for name in names if name not in servers]:
+                server = self.api("GET", f"/users/{name}").json().get("servers", {}).get("", {})
+                if server.get("ready"):
+                    servers[name] = UserServer(self, name, self.user_token(name))
+                elif not server.get("pending") and time.monotonic() > started + 10:  # neither starting nor started
+                    raise RuntimeError(f"{name}'s server failed to start:\n{self.log.read_text()[-5000:]}")
+            if len(servers) == len(names):
+                return servers
             time.sleep(0.1)
-        raise RuntimeError(f"{name}'s server did not start within {timeout} s:\n{self.log.read_text()[-5000:]}")
+        late = [name for name in names if name not in servers]
+        raise RuntimeError(f"the servers of {late} did not start within {timeout} s:\n{self.log.read_text()[-5000:]}")
 
 
 class UserServer:
@@ -205,6 +215,7 @@ class UserServer:
     def __init__(self, hub: Hub, name: str, token: str):
         self.hub, self.name, self.token = hub, name, token
         self.url = f"{hub.url}/user/{name}"
+        self.kernel: str | None = None  # the id of this user's kernel, once ``run`` started it
 
     def request(self, method: str, path: str, **kwargs) -> requests.Response:
         return requests.request(method, f"{self.url}{path}", timeout=300,
@@ -231,12 +242,17 @@ class UserServer:
 
     # a kernel: what the user would type in a notebook or a terminal
     def run(self, code: str, timeout: float = 600) -> str:
-        """Execute ``code`` in a new kernel of this user's; returns its output; raises on an error."""
-        kernel = self.json("POST", "/api/kernels", json={"name": "python3"})
-        try:
-            return asyncio.run(self._execute(kernel["id"], code, timeout))
-        finally:
-            self.request("DELETE", f"/api/kernels/{kernel['id']}")
+        """Execute ``code`` in this user's kernel (started on the first call, as a notebook kept open); returns its
+        output; raises on an error."""
+        if self.kernel is None:
+            self.kernel = self.json("POST", "/api/kernels", json={"name": "python3"})["id"]
+        return asyncio.run(self._execute(self.kernel, code, timeout))
+
+    def close(self) -> None:
+        """Shut this user's kernel down, as closing the notebook does."""
+        if self.kernel is not None:
+            self.request("DELETE", f"/api/kernels/{self.kernel}")
+            self.kernel = None
 
     async def _execute(self, kernel_id: str, code: str, timeout: float) -> str:
         from tornado.httpclient import HTTPRequest

@@ -139,7 +139,7 @@ def cycle():
 
 
 def drive(hub: hubtest.Hub, instructor: str, learners: dict[str, str], seen: dict) -> None:
-    servers = {name: hub.start_server(name) for name in [instructor, *learners.values()]}
+    servers = hub.start_servers([instructor, *learners.values()])
     teach = servers[instructor]
 
     # the instructor sets up a course folder (docs/hub/instructor_nbgrader_config.py) and releases chapter 01
@@ -193,6 +193,8 @@ def drive(hub: hubtest.Hub, instructor: str, learners: dict[str, str], seen: dic
     feedback = hub.exchange / "attention-to-decoding" / "feedback"
     seen["probe_after"] = intruder.run(f"import os\ntry:\n    print(os.listdir({str(feedback)!r}))\n"
                                        "except PermissionError:\n    print('cannot list feedback')\n")
+    for server in servers.values():
+        server.close()
 
 
 def score(seen, role) -> tuple[float, float, str]:

@@ -84,7 +84,8 @@ def test_the_longest_unit_goes_first_and_split_files_go_one_test_at_a_time():
 def test_a_run_records_what_each_unit_took_for_the_next_run_to_read(pytester):
     """--record-durations writes each unit's seconds (set-up, call and tear-down of its tests) into the record,
     keeping the units it did not run whose files exist; the scheduler reads that record."""
-    pytester.makepyfile(test_slow="import time\ndef test_a():\n    time.sleep(1.2)\ndef test_b():\n    time.sleep(1.0)\n",
+    # 0.8 s + 0.7 s: their sum is recorded as 2 s (either alone as 1 s), with up to a second of overhead on a busy machine
+    pytester.makepyfile(test_slow="import time\ndef test_a():\n    time.sleep(0.8)\ndef test_b():\n    time.sleep(0.7)\n",
                         test_quick="def test_c():\n    pass\n")
     record = pytester.path / "durations.json"
     record.write_text('{"test_gone.py": 9, "test_other.py": 4}')

@@ -10,6 +10,7 @@ character, one token, so a completion's text encodes back to exactly its tokens.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
 import math
 import random
@@ -19,11 +20,11 @@ import time
 import pytest
 import torch
 
-for package in ("starlette", "uvicorn", "openai", "httpx"):
-    pytest.importorskip(package, reason=f"{package} is not installed: `pip install -e .` installs the server's pins")
+for package in ("starlette", "uvicorn", "openai", "httpx"):  # found, not imported: openai (0.5 s) where it is used
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed: `pip install -e .` installs the server's pins", allow_module_level=True)
 
 import httpx  # noqa: E402
-import openai  # noqa: E402
 
 from course_lib import assets, bench, cli  # noqa: E402
 from course_lib.bench import bench_serve_http, format_serve_http  # noqa: E402
@@ -56,6 +57,7 @@ def server():  # its engine thread runs each test's requests under the test's on
 
 @pytest.fixture(scope="module")
 def client(server):
+    import openai
     with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=30) as c:
         yield c
 
@@ -253,6 +255,7 @@ BAD = [  # (changes to a good body, the field the error names, HTTP status)
 
 def test_each_bad_request_gets_an_error_naming_its_field_while_a_running_request_finishes(server, model, tokenizer,
                                                                                          monkeypatch):
+    import openai
     resume = slow_down(monkeypatch, server.engine_loop.engine, 0.02)  # the long request runs 1.8 s or more
     good = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 8, "temperature": 0}
     out = {}
@@ -405,6 +408,7 @@ def test_logprobs_stop_with_the_text_at_a_stop_string(client, model, tokenizer):
 
 
 def test_v1_models_lists_the_served_model_in_openai_s_format(client, server):
+    import openai
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL] and models.data[0].object == "model"
     assert isinstance(models.data[0].created, int) and models.data[0].owned_by
@@ -553,6 +557,7 @@ def an_unknown_path_and_a_wrong_method(server, model, tokenizer):  # OpenAI's er
 
 
 def null_for_the_optional_fields(server, model, tokenizer):  # their defaults (the official client sends null for None)
+    import openai
     nulls = {key: None for key in ("model", "max_tokens", "n", "logprobs", "user", "stream", "stream_options", "stop",
                                    "seed", "top_p", "presence_penalty", "frequency_penalty")}
     reply = within(10, lambda: post(server, {**GOOD, **nulls})).json()
@@ -601,6 +606,7 @@ HOSTILE = [a_body_over_the_limit, a_prompt_far_too_long_for_the_context, a_token
 @pytest.mark.parametrize("hostile", HOSTILE, ids=[case.__name__ for case in HOSTILE])
 def test_a_hostile_request_is_answered_at_once_and_another_clients_stream_goes_on(hostile, server, model, tokenizer,
                                                                                 monkeypatch):
+    import openai
     resume = slow_down(monkeypatch, server.engine_loop.engine, 0.01)  # the other client's stream runs 1.1 s or more
     out = {}
 
