@@ -16,22 +16,49 @@ contender of a benchmark is timed alternately with the others in one process, so
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from .decode import (DECODE_SHAPES, LLAMA_DECODE_SHAPES, LLAMA_FOR_GPT_SHAPE, LLAMA_MAX_TOKENS, READ_WIDTHS,
-                     UNCACHED_TOKENS, bench_decode, bench_decode_threads, bench_llama_decode, check_thread_counts,
-                     format_decode, format_decode_threads, format_kernels, format_llama_decode, greedy_uncached,
-                     read_bandwidth, read_bandwidths)
-from .hf_adapters import TRANSFORMERS_VERSION, hf_generate, hf_replay, hf_serve
-from .serve import (SERVE_MODELS, SERVE_REQUESTS, SERVE_SYSTEMS, SERVE_TARGETS, SWEEP_BUDGETS, SWEEP_RATES,
-                    WALL_RATES, WALL_SYSTEMS, bench_serve, bench_serve_load, bench_serve_speed, bench_serve_wall,
-                    format_serve, format_serve_load, format_serve_speed, format_serve_wall, poisson_arrivals,
-                    serve_model, serve_ratios)
-from .serve_http import bench_serve_http, format_serve_http
-from .structured import bench_engine, bench_index, bench_step, format_structured
-from .tensor_parallel import TP_WORLD_SIZES, bench_tensor_parallel, format_tensor_parallel
-from .timing import Runs, alternate, threads
-from .train import bench_train, format_train
+#: Each public name and the module it lives in: imported on first use (PEP 562), so that importing one module of the
+#: package (``course_lib.bench.timing``, as the timed notebooks do) does not import every benchmark and what they import
+#: (``structured``: xgrammar, transformers)
+_NAMES = {
+    "decode": ("DECODE_SHAPES", "LLAMA_DECODE_SHAPES", "LLAMA_FOR_GPT_SHAPE", "LLAMA_MAX_TOKENS", "READ_WIDTHS",
+               "UNCACHED_TOKENS", "bench_decode", "bench_decode_threads", "bench_llama_decode", "check_thread_counts",
+               "format_decode", "format_decode_threads", "format_kernels", "format_llama_decode", "greedy_uncached",
+               "read_bandwidth", "read_bandwidths"),
+    "hf_adapters": ("TRANSFORMERS_VERSION", "hf_generate", "hf_replay", "hf_serve"),
+    "serve": ("SERVE_MODELS", "SERVE_REQUESTS", "SERVE_SYSTEMS", "SERVE_TARGETS", "SWEEP_BUDGETS", "SWEEP_RATES",
+              "WALL_RATES", "WALL_SYSTEMS", "bench_serve", "bench_serve_load", "bench_serve_speed", "bench_serve_wall",
+              "format_serve", "format_serve_load", "format_serve_speed", "format_serve_wall", "poisson_arrivals",
+              "serve_model", "serve_ratios"),
+    "serve_http": ("bench_serve_http", "format_serve_http"),
+    "structured": ("bench_engine", "bench_index", "bench_step", "format_structured"),
+    "tensor_parallel": ("TP_WORLD_SIZES", "bench_tensor_parallel", "format_tensor_parallel"),
+    "timing": ("Runs", "alternate", "threads"),
+    "train": ("bench_train", "format_train"),
+}
+_MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
+
+
+def __getattr__(name: str):
+    """A public name of a benchmark module, imported on first use and kept here (a name set here first, a test's
+    stand-in say, is the one found)."""
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+    return globals().setdefault(name, value)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))
+
+
+def _import_all() -> None:
+    """Every public name into this module's namespace, where ``main`` and its helpers look them up (names set here
+    already, a test's stand-ins, are kept)."""
+    for name in _MODULE_OF:
+        __getattr__(name)
 
 __all__ = [
     "DECODE_SHAPES", "LLAMA_DECODE_SHAPES", "LLAMA_FOR_GPT_SHAPE", "READ_WIDTHS", "SERVE_MODELS", "SERVE_REQUESTS",
@@ -141,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         from .serve_http import main as bench_serve_http_main
 
         return bench_serve_http_main(argv[1:])
+    _import_all()
     parser = argparse.ArgumentParser(prog="course bench", description="benchmarks (they print; they assert nothing); "
                                                                       "`course bench grade --help` for grading speed, "
                                                                       "`course bench tensor-parallel --help` for chapter 16's")

@@ -426,3 +426,27 @@ def test_bench_tensor_parallel_tiny_run_has_every_row_and_one_process_s_tokens(c
     assert main(["tensor-parallel", "--tokens", "2", "--repeats", "1", "--world-sizes", "2"]) == 0
     out = capsys.readouterr().out
     assert "tensor-parallel            2" in out and "same tokens as one process" in out
+
+
+def test_importing_one_bench_module_imports_no_other_benchmark_and_every_public_name_resolves():
+    """`course_lib.bench`'s names are imported on first use: a notebook's `from course_lib.bench.timing import
+    alternate` does not pull in every benchmark (bench.structured imports xgrammar and transformers: about a second
+    of every timed notebook's first cell). Every name of `__all__` is still there, from the module that defines it."""
+    import subprocess
+    import sys
+
+    import course_lib.bench as bench
+
+    code = ("import sys, course_lib.bench, course_lib.bench.timing; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('xgrammar', 'transformers') "
+            "or m.startswith('course_lib.bench.') and m != 'course_lib.bench.timing'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    import importlib
+
+    assert set(bench.__all__) <= set(bench._MODULE_OF) | {"main"}
+    for name in bench.__all__:
+        if name != "main":
+            assert getattr(bench, name) is getattr(importlib.import_module(f"course_lib.bench.{bench._MODULE_OF[name]}"), name)
+    with pytest.raises(AttributeError, match="no attribute 'bench_nothing'"):
+        bench.bench_nothing
