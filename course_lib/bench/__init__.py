@@ -60,16 +60,7 @@ def _import_all() -> None:
     for name in _MODULE_OF:
         __getattr__(name)
 
-__all__ = [
-    "DECODE_SHAPES", "LLAMA_DECODE_SHAPES", "LLAMA_FOR_GPT_SHAPE", "READ_WIDTHS", "SERVE_MODELS", "SERVE_REQUESTS",
-    "SERVE_SYSTEMS", "SERVE_TARGETS", "SWEEP_BUDGETS", "SWEEP_RATES", "TRANSFORMERS_VERSION", "UNCACHED_TOKENS",
-    "WALL_RATES", "WALL_SYSTEMS", "Runs", "alternate", "bench_decode", "bench_decode_threads", "bench_engine", "bench_index", "bench_step", "format_structured", "bench_llama_decode", "bench_serve",
-    "bench_serve_http", "bench_serve_load", "bench_serve_speed", "bench_serve_wall", "bench_train", "format_decode", "format_decode_threads",
-    "format_kernels", "format_llama_decode", "format_serve", "format_serve_http", "format_serve_load",
-    "format_serve_speed", "format_serve_wall", "format_train", "greedy_uncached", "hf_generate", "hf_replay",
-    "hf_serve", "main", "poisson_arrivals", "read_bandwidth", "read_bandwidths", "serve_model", "serve_ratios",
-    "threads", "TP_WORLD_SIZES", "bench_tensor_parallel", "format_tensor_parallel",
-]
+__all__ = [*_MODULE_OF, "main"]
 
 #: ``--quick`` (a smoke run): new tokens of the cached and of the uncached decode rows, requests per serve trace, new
 #: tokens per request of the engine's decode-step target; one run, no warm-up
