@@ -24,6 +24,8 @@ from .course import SOURCE_DIR, configure
 
 # nbgrader's apps share loggers and os.environ: one at a time in this process
 _LOCK = threading.Lock()
+#: what recording in the books imports (nbgrader's apps take seconds to import): a process that will, may import them first
+NBGRADER_MODULES = ("nbgrader.apps", "nbgrader.api", "nbgrader.converters", "nbgrader.preprocessors", "alembic.script")
 
 
 def _alembic_head() -> str:
