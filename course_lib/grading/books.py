@@ -24,6 +24,8 @@ from .course import SOURCE_DIR, configure
 
 # nbgrader's apps share loggers and os.environ: one at a time in this process
 _LOCK = threading.Lock()
+#: what recording in the books imports (nbgrader's apps take seconds to import): a process that will, may import them first
+NBGRADER_MODULES = ("nbgrader.apps", "nbgrader.api", "nbgrader.converters", "nbgrader.preprocessors", "alembic.script")
 
 
 def _alembic_head() -> str:
@@ -51,6 +53,28 @@ def _nbgrader_at_work():
             yield
         finally:
             nbgrader.api.get_alembic_version = asked
+
+
+@contextlib.contextmanager
+def _commits_unsynced():
+    """SQLite connections opened meanwhile commit without waiting for the disk (``PRAGMA synchronous=OFF``): recording
+    one notebook commits about 50 times, and on a busy disk those waits were most of its time (0.3-0.5 s per notebook,
+    measured). For a student's books only: they are rebuilt from the template at every grading and written as the CSVs
+    and the feedback beside them are (a crash midway means a rerun). Never for a template: the cache keeps those."""
+    import sqlite3
+
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    def unsynced(connection, _record) -> None:
+        if isinstance(connection, sqlite3.Connection):
+            connection.execute("PRAGMA synchronous=OFF")
+
+    event.listen(Engine, "connect", unsynced)
+    try:
+        yield
+    finally:
+        event.remove(Engine, "connect", unsynced)
 
 
 def _inject_verdicts_class():
@@ -184,7 +208,7 @@ def autograde(folder: Path, chapter: str, student: str, notebooks: dict[str, dic
     submitted.mkdir(parents=True, exist_ok=True)
     for name, notebook in notebooks.items():
         (submitted / f"{name}.ipynb").write_text(json.dumps(notebook, indent=1))
-    with _nbgrader_at_work():
+    with _nbgrader_at_work(), _commits_unsynced():
         _checked(_api(_config(folder, verdicts, notes)).autograde(chapter, student, force=True, create=True), "autograde")
         if feedback:
             _checked(_api(_config(folder)).generate_feedback(chapter, student, force=True), "generate_feedback")

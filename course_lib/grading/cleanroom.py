@@ -67,6 +67,10 @@ def forbidden_use(source: str) -> str:
 #: imported by torch on first use (an optimizer step, importing transformers' models) and then re-binding
 #: ``torch.manual_seed``, the one watched attribute it re-binds (``TorchRewrap``); importing it takes 0.9 s
 LAZY_IMPORT = "torch._dynamo"
+#: what a learner's course imports in several exercises' processes, each time afresh (they end with their exercise):
+#: LAZY_IMPORT, and Hugging Face's models (1 s), which the tests of 4 chapters build through ``course_lib.hf`` (the
+#: sandbox's environment keeps them off the hub, as ``course_lib.hf`` does); imported once, before the exercises fork
+SHARED_IMPORTS = (LAZY_IMPORT, "transformers.modeling_utils")
 
 
 class TorchRewrap:
@@ -379,9 +383,10 @@ def run(job: dict, out) -> None:
         out.flush()
 
     if len(job["chapters"]) > 1:
-        # a learner's course: some chapter's tests import it (4 of 17 import transformers' models, 1 more torch's own
-        # code that does): once here, not in each of their exercises' processes. One chapter seldom does.
-        importlib.import_module(LAZY_IMPORT)
+        # a learner's course: some chapters' tests import them (4 of 17 transformers' models, 1 more torch's own code
+        # that imports LAZY_IMPORT): once here, not in each of their exercises' processes. One chapter seldom does.
+        for name in SHARED_IMPORTS:
+            importlib.import_module(name)
     for chapter in job["chapters"]:
         setup: dict = {"__name__": "__main__"}
         exec(compile(chapter["setup"], "<set-up cell>", "exec"), setup)  # trusted: the course's own cell

@@ -146,7 +146,11 @@ def grade_students(students: list[str], jobs: int, **options) -> list[NotebookRe
     one = partial(_grade_student, **options)
     if jobs == 1:
         return [r for student in students for r in one(student)]
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    # fresh processes, never forks of this one (its threads may hold locks): forked from a fork server, which imports
+    # nbgrader once for them all (seconds per process), as "spawn" would in each
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__, *books.NBGRADER_MODULES])
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
         return [r for batch in pool.map(one, students) for r in batch]
 
 

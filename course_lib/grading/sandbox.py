@@ -28,7 +28,7 @@ PASSED_THROUGH = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "LANG
 #: the environment the clean room sees, besides PASSED_THROUGH
 ENVIRONMENT = {"HOME": "/tmp", "TMPDIR": "/tmp", "MPLCONFIGDIR": "/tmp/matplotlib", "MPLBACKEND": "Agg",
                "IPYTHONDIR": "/tmp/ipython", "PATH": "/usr/local/bin:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-               "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1"}
+               "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "HF_HUB_OFFLINE": "1"}
 #: size of the private /tmp
 TMP_BYTES = 512 << 20
 

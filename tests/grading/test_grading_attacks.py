@@ -86,9 +86,9 @@ def masked_softmax(scores, mask=None):
 '''
 MEMORY_HOG = "import torch\n" + CALLED.format(body="    torch.ones(4 * 2**30, dtype=torch.uint8)")
 FORK_BOMB = "import os, time\n" + CALLED.format(body="    for _ in range(200):\n        if os.fork() == 0:\n            time.sleep(30)\n            os._exit(0)")
-# 4 s per test: the two students that never return (sigint_ignored, output_flood) each keep a core busy that long;
-# chapter 01's slowest graded test cell takes 0.2 s (nbval, on a loaded machine): 20 times that is left
-LIMITS = grading.Limits(timeout=4, memory_gib=3, processes=48)
+# 2 s per test: the two students that never return (sigint_ignored, output_flood) each keep a core busy that long;
+# chapter 01's slowest graded test cell takes 0.2 s (nbval, on a loaded machine): 10 times that is left
+LIMITS = grading.Limits(timeout=2, memory_gib=3, processes=48)
 TIMED_OUT = f"did not finish within {LIMITS.timeout:g} s"
 
 

@@ -73,8 +73,9 @@ NOT_THIS_NOTEBOOK = {
 
 
 #: seconds one test may run: the infinite loop keeps a core busy that long. Chapter 01's slowest graded test cell takes
-#: 0.2 s (nbval, on a loaded machine): 20 times that is left (the grading attacks use the same limit).
-TIMEOUT = 4
+#: 0.2 s in nbval on a loaded machine (0.06 s in the clean room at 1.8 runnable processes per core): 10 times that is
+#: left (the grading attacks use the same limit).
+TIMEOUT = 2
 
 # student -> (notebook, the tests that must fail)
 STUDENTS = {
