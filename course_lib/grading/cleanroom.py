@@ -303,6 +303,8 @@ def _guard(namespace: dict, names: set[str], integrity: Integrity) -> None:
             for attr, value in list(vars(obj).items()):
                 if inspect.isfunction(value):
                     setattr(obj, attr, _guarded(value, integrity))
+                elif type(value) in (staticmethod, classmethod) and inspect.isfunction(value.__func__):  # __new__ too
+                    setattr(obj, attr, type(value)(_guarded(value.__func__, integrity)))
 
 
 def limit_hit(error: BaseException, limits: dict) -> str:

@@ -185,6 +185,11 @@ METHOD_LIAR = ("import torch\n"
                "        return [2.0] * len(self)\n"
                "def double(x):\n"
                "    return (x * 0).as_subclass(Liar)\n")
+#: ATTRIBUTE_LIAR's `double` as a class whose __new__ (a staticmethod) returns the lying tensor
+NEW_LIAR = ATTRIBUTE_LIAR.replace("def double(x):\n    out = x * 0\n    out.double = lambda: Nothing()\n"
+                                  "    return out\n",
+                                  "class double:\n    def __new__(cls, x):\n        out = x * 0\n"
+                                  "        out.double = lambda: Nothing()\n        return out\n")
 #: torch.Tensor given a `double` of its own (hiding torch._C.TensorBase's) that lies for the answer's tensors only
 TENSOR_PATCH = ATTRIBUTE_LIAR.replace("def double(x):\n    out = x * 0\n    out.double = lambda: Nothing()\n",
                                       "MARKED = []\n"
@@ -276,8 +281,8 @@ GRADED_OTHER = {"own_torch": (IMPORTING, 1, OWN_TORCH), "global_torch": (COURSE_
 GRADED_CHECKED = {"zero": ZERO, "shadows": SHADOWS, "function_liar": FUNCTION_LIAR, "dispatch_liar": DISPATCH_LIAR,
                   "attribute_liar": ATTRIBUTE_LIAR, "forged_liar": FORGED_LIAR, "method_liar": METHOD_LIAR,
                   "tensor_patch": TENSOR_PATCH, "parameter_patch": PARAMETER_PATCH, "dict_liar": DICT_LIAR,
-                  "profile_liar": PROFILE_LIAR, "claims_tensor": CLAIMS_TENSOR, "frame_reach": FRAME_REACH, "frame_rebinds": FRAME_REBINDS,
-                  "honest_names": HONEST_NAMES,
+                  "new_liar": NEW_LIAR, "profile_liar": PROFILE_LIAR, "claims_tensor": CLAIMS_TENSOR,
+                  "frame_reach": FRAME_REACH, "frame_rebinds": FRAME_REBINDS, "honest_names": HONEST_NAMES,
                   "honest_subclass": HONEST_SUBCLASS}
 
 
@@ -446,8 +451,8 @@ def test_monkeypatching_when_called_is_caught(verdicts):
 
 
 @pytest.mark.parametrize("student", ["shadows", "function_liar", "dispatch_liar", "attribute_liar", "forged_liar",
-                                     "method_liar", "tensor_patch", "parameter_patch", "dict_liar", "profile_liar",
-                                     "claims_tensor", "frame_reach", "frame_rebinds"])
+                                     "method_liar", "tensor_patch", "parameter_patch", "dict_liar", "new_liar",
+                                     "profile_liar", "claims_tensor", "frame_reach", "frame_rebinds"])
 def test_a_name_or_tensor_that_lies_to_the_tests_gains_nothing(verdicts, student):
     """The tests see the set-up's `checks` and the builtins, not an answer's own (SHADOWS) nor one its code puts in the
     test's names (the FRAMEs), and what torch.Tensor does, not what a tensor subclass (the LIARs, a forged module's
@@ -465,6 +470,7 @@ def test_a_tensor_subclass_that_changes_what_a_tensor_does_is_named(verdicts, st
 
 
 @pytest.mark.parametrize("student,named", [("attribute_liar", "torch.Tensor.double (an attribute of a tensor)"),
+                                           ("new_liar", "torch.Tensor.double (an attribute of a tensor)"),
                                            ("claims_tensor", "an object of class Fake that claims to be one"),
                                            ("tensor_patch", "replaced torch.Tensor.double"),
                                            ("profile_liar", "replaced sys.settrace or sys.setprofile's function"),
