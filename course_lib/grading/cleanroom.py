@@ -11,13 +11,17 @@ runs in a forked child of its own, in a namespace where
 * the *other* exercises are the reference solutions, so one mistake costs one exercise;
 * this exercise is only the *definitions* of the learner's answer (imports, functions,
   classes and ``NAME = constant`` lines): no other top-level statement runs;
-* the identity of every attribute of the modules the tests use is recorded, and checked
-  after each call into the learner's code and after each test, so monkeypatching is caught
-  before an assertion can use it; so is a new subclass of torch.Tensor that decides what
-  torch's operations do on it (its own ``__torch_function__`` or ``__torch_dispatch__``);
+* the identity of every attribute of the modules the tests use and of torch.Tensor's classes
+  is recorded, and checked after each call into the learner's code and after each test, so
+  monkeypatching is caught before an assertion can use it; so is a new subclass of
+  torch.Tensor that changes what a tensor does (its own ``__torch_function__``,
+  ``__torch_dispatch__`` or methods), a change to the test's names or to the names the
+  course's functions use, a trace or profile function, and, in what a call returns or is
+  given, a tensor with attributes of its own that hide torch.Tensor's (``t.double = ...``);
 * the tests see the learner's definitions of what the exercise asks for only: a name of
-  the learner's own that is also a set-up name or a builtin (``checks``, ``abs``) is, for the
-  tests, what the set-up bound; and they run with subclasses' ``__torch_function__`` off.
+  the learner's own that is also a set-up name, a builtin or an import of the reference
+  (``checks``, ``abs``, ``torch``) is, for the tests, what the set-up, Python or the reference
+  bound; and they run with subclasses' ``__torch_function__`` off.
 
 The parent watches each child: a test that runs past the time limit is stopped, a child that
 dies (``os._exit``, a crash) is reported, and the child's own output goes nowhere, so a loop

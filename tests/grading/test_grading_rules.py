@@ -213,6 +213,17 @@ PROFILE_LIAR = ATTRIBUTE_LIAR.replace("import torch\n", "import sys\nimport torc
     "    sys.setprofile(lambda frame, event, arg: (setattr(arg, 'double', lambda: Nothing()), sys.setprofile(None))\n"
     "                   if event == 'return' and arg is not None and frame.f_code.co_name == 'wrapper'\n"
     "                   and frame.f_code.co_filename.endswith('cleanroom.py') else None)\n")
+#: FORGED_LIAR put in a torch module the answer imports itself (not yet imported when the clean room looked): not caught
+FORGED_FRESH_LIAR = FORGED_LIAR.replace("import functools\n", "import torch.utils.model_zoo as zoo\n").replace(
+    "    Liar.__module__ = 'functools'\n    functools.Liar = Liar\n",
+    "    Liar.__module__ = zoo.__name__\n    zoo.Liar = Liar\n")
+#: ATTRIBUTE_LIAR's `double` as a class whose metaclass (nested in another class: never wrapped) makes the lie
+META_LIAR = ATTRIBUTE_LIAR.replace("def double(x):\n",
+                                   "class Holder:\n    class Meta(type):\n        def __call__(cls, x):\n"
+                                   "            out = x * 0\n            out.double = lambda: Nothing()\n"
+                                   "            return out\n"
+                                   "class double(metaclass=Holder.Meta):\n    pass\n"
+                                   "def unused(x):\n")
 #: an object that is no tensor but says it is one (its __class__), with the list the test wants
 CLAIMS_TENSOR = ("import torch\n"
                  "class Fake:\n"
@@ -282,7 +293,8 @@ GRADED_CHECKED = {"zero": ZERO, "shadows": SHADOWS, "function_liar": FUNCTION_LI
                   "attribute_liar": ATTRIBUTE_LIAR, "forged_liar": FORGED_LIAR, "method_liar": METHOD_LIAR,
                   "tensor_patch": TENSOR_PATCH, "parameter_patch": PARAMETER_PATCH, "dict_liar": DICT_LIAR,
                   "new_liar": NEW_LIAR, "profile_liar": PROFILE_LIAR, "claims_tensor": CLAIMS_TENSOR,
-                  "frame_reach": FRAME_REACH, "frame_rebinds": FRAME_REBINDS, "honest_names": HONEST_NAMES,
+                  "frame_reach": FRAME_REACH, "frame_rebinds": FRAME_REBINDS, "forged_fresh_liar": FORGED_FRESH_LIAR,
+                  "meta_liar": META_LIAR, "honest_names": HONEST_NAMES,
                   "honest_subclass": HONEST_SUBCLASS}
 
 
@@ -461,6 +473,14 @@ def test_a_name_or_tensor_that_lies_to_the_tests_gains_nothing(verdicts, student
     passed = {grade_id: verdict.passed for grade_id, verdict in verdicts[student].items()}
     assert passed == {grade_id: verdict.passed for grade_id, verdict in verdicts["zero"].items()}
     assert passed == {"double-close": False, "double-abs": False, "double-then": False, "double-list": False}
+
+
+@pytest.mark.xfail(strict=True, reason="known hole: answer code that runs outside its wrapped functions and classes "
+                   "(a nested metaclass), or a subclass put in a torch module the answer imports itself, is not caught")
+@pytest.mark.parametrize("student", ["forged_fresh_liar", "meta_liar"])
+def test_known_holes_a_lie_from_outside_the_wrapped_code_or_a_fresh_torch_module(verdicts, student):
+    passed = {grade_id: verdict.passed for grade_id, verdict in verdicts[student].items()}
+    assert passed == {grade_id: verdict.passed for grade_id, verdict in verdicts["zero"].items()}
 
 
 @pytest.mark.parametrize("student", ["function_liar", "dispatch_liar", "forged_liar", "method_liar", "dict_liar"])
