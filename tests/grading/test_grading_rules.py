@@ -283,11 +283,23 @@ GLOBAL_TORCH = ("import torch as real\n"
                 "    global torch\n"
                 "    torch = Zeros()\n"
                 "    return x * 0\n")
+#: an exercise asking for a class; its test reads what __init__ made
+LAYER = {"cells": [cell("setup", "import torch\nfrom course_lib import checks"),
+                   cell("scale-solution", "class Scale:\n    def __init__(self, k):\n"
+                        "        self.weight = torch.full((3,), float(k))\n", "scale-solution", solution=True),
+                   cell("scale-weight", 'checks.assert_close(Scale(2).weight, torch.full((3,), 2.0), "weight")',
+                        "scale-weight", grade=True)],
+         "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+#: a Scale whose weight is zeros with ATTRIBUTE_LIAR's `double` of its own
+INIT_LIAR = ATTRIBUTE_LIAR.split("def double(x):\n")[0] + (
+    "class Scale:\n    def __init__(self, k):\n        self.weight = torch.zeros(3)\n"
+    "        self.weight.double = lambda: Nothing()\n")
 #: name -> (chapter, cell index of the answer, answer), graded with DEFAULT limits
 GRADED_OTHER = {"own_torch": (IMPORTING, 1, OWN_TORCH), "global_torch": (COURSE_CODE, 2, GLOBAL_TORCH),
                 "global_torch_honest": (COURSE_CODE, 2, GLOBAL_TORCH.replace("x * 0", "4 * x")),
                 "importing_reference": (IMPORTING, 1, IMPORTING["cells"][1]["source"]),
-                "course_code_reference": (COURSE_CODE, 2, COURSE_CODE["cells"][2]["source"])}
+                "course_code_reference": (COURSE_CODE, 2, COURSE_CODE["cells"][2]["source"]),
+                "init_liar": (LAYER, 1, INIT_LIAR), "layer_reference": (LAYER, 1, LAYER["cells"][1]["source"])}
 #: name -> answer of double-solution in CHECKED, graded with DEFAULT limits
 GRADED_CHECKED = {"zero": ZERO, "shadows": SHADOWS, "function_liar": FUNCTION_LIAR, "dispatch_liar": DISPATCH_LIAR,
                   "attribute_liar": ATTRIBUTE_LIAR, "forged_liar": FORGED_LIAR, "method_liar": METHOD_LIAR,
@@ -522,8 +534,13 @@ def test_the_names_the_course_code_uses_cannot_be_rebound_by_the_answer(verdicts
         assert not verdict.passed and "replaced the course code's torch" in verdict.message, verdict
 
 
-@pytest.mark.parametrize("student", ["importing_reference", "course_code_reference"])
-def test_the_reference_of_an_importing_or_a_two_exercise_chapter_passes(verdicts, student):
+def test_a_tensor_that_lies_in_an_object_the_answers_init_made_is_caught(verdicts):
+    verdict = verdicts["init_liar"]["scale-weight"]
+    assert not verdict.passed and "torch.Tensor.double (an attribute of a tensor)" in verdict.message, verdict
+
+
+@pytest.mark.parametrize("student", ["importing_reference", "course_code_reference", "layer_reference"])
+def test_the_reference_of_each_synthetic_chapter_passes(verdicts, student):
     assert all(verdict.passed for verdict in verdicts[student].values()), verdicts[student]
 
 
