@@ -16,8 +16,9 @@ runs in a forked child of its own, in a namespace where
   monkeypatching is caught before an assertion can use it; so is a new subclass of
   torch.Tensor that changes what a tensor does (its own ``__torch_function__``,
   ``__torch_dispatch__`` or methods), a change to the test's names or to the names the
-  course's functions use, a trace or profile function, and, in what a call returns or is
-  given, a tensor with attributes of its own that hide torch.Tensor's (``t.double = ...``);
+  course's functions use, a trace or profile function, and, in what a call returns (or an
+  ``__init__`` made), a tensor with attributes of its own that hide torch.Tensor's
+  (``t.double = ...``);
 * the tests see the learner's definitions of what the exercise asks for only: a name of
   the learner's own that is also a set-up name, a builtin or an import of the reference
   (``checks``, ``abs``, ``torch``) is, for the tests, what the set-up, Python or the reference
