@@ -23,6 +23,13 @@ def student_definitions(source: str) -> str:
     return ast.unparse(ast.Module(body=kept, type_ignores=[]))
 
 
+def import_statements(source: str) -> str:
+    """The imports at top level of a cell (of ``student_definitions(source)``), nothing else."""
+    tree = ast.parse(student_definitions(source))
+    return ast.unparse(ast.Module(body=[node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))],
+                                  type_ignores=[]))
+
+
 def defined_names(source: str) -> set[str]:
     """The names a cell's definitions bind at top level (of ``student_definitions(source)``): functions, classes,
     ``NAME = ...`` targets and imports (``import a.b`` binds ``a``)."""

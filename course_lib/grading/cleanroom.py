@@ -11,13 +11,18 @@ runs in a forked child of its own, in a namespace where
 * the *other* exercises are the reference solutions, so one mistake costs one exercise;
 * this exercise is only the *definitions* of the learner's answer (imports, functions,
   classes and ``NAME = constant`` lines): no other top-level statement runs;
-* the identity of every attribute of the modules the tests use is recorded, and checked
-  after each call into the learner's code and after each test, so monkeypatching is caught
-  before an assertion can use it; so is a new subclass of torch.Tensor that decides what
-  torch's operations do on it (its own ``__torch_function__`` or ``__torch_dispatch__``);
+* the identity of every attribute of the modules the tests use and of torch.Tensor's classes
+  is recorded, and checked after each call into the learner's code and after each test, so
+  monkeypatching is caught before an assertion can use it; so is a new subclass of
+  torch.Tensor that changes what a tensor does (its own ``__torch_function__``,
+  ``__torch_dispatch__`` or methods), a change to the test's names or to the names the
+  course's functions use, a trace or profile function, and, in what a call returns (or an
+  ``__init__`` made), a tensor with attributes of its own that hide torch.Tensor's
+  (``t.double = ...``);
 * the tests see the learner's definitions of what the exercise asks for only: a name of
-  the learner's own that is also a set-up name or a builtin (``checks``, ``abs``) is, for the
-  tests, what the set-up bound; and they run with subclasses' ``__torch_function__`` off.
+  the learner's own that is also a set-up name, a builtin or an import of the reference
+  (``checks``, ``abs``, ``torch``) is, for the tests, what the set-up, Python or the reference
+  bound; and they run with subclasses' ``__torch_function__`` off.
 
 The parent watches each child: a test that runs past the time limit is stopped, a child that
 dies (``os._exit``, a crash) is reported, and the child's own output goes nowhere, so a loop
@@ -42,7 +47,7 @@ import sys
 import time
 import types
 
-from ..answers import defined_names, student_definitions
+from ..answers import defined_names, import_statements, student_definitions
 
 FORBIDDEN_NAMES = {"course_lib", "importlib", "__import__"}
 
@@ -107,41 +112,164 @@ def tensor_subclasses() -> set[type]:
     return found
 
 
-def overriding_tensor(cls: type) -> bool:
-    """Whether a subclass of torch.Tensor decides what torch's operations do on it (``__torch_function__`` or
-    ``__torch_dispatch__`` of its own), and is not a module's: torch defines such classes when it imports its own
-    modules (fake tensors, say), each reachable as ``module.QualifiedName``; a learner's is defined in a cell."""
+#: what a class may define without changing what a tensor does
+HARMLESS = {"__module__", "__qualname__", "__doc__", "__init__", "__new__", "__init_subclass__", "__slots__",
+            "__annotations__"}
+
+
+@functools.cache
+def tensor_attributes() -> frozenset[str]:
+    """The names of torch.Tensor's attributes, its own and inherited (read before learner code runs: ``Integrity``)."""
     import torch
 
-    overrides = any(getattr(cls, hook, None) is not getattr(torch.Tensor, hook, None) and
-                    getattr(cls, hook, None) is not torch._C._disabled_torch_function_impl
-                    for hook in ("__torch_function__", "__torch_dispatch__"))
-    found = sys.modules.get(cls.__module__) if cls.__module__ != "__main__" else None
+    return frozenset(dir(torch.Tensor))
+
+
+@functools.cache
+def hideable_attributes() -> frozenset[str]:
+    """Those an object's own attribute hides (not data descriptors): after ``t.double = f``, ``t.double()`` is f's."""
+    import torch
+
+    return frozenset(name for name in tensor_attributes()
+                     if not hasattr(type(inspect.getattr_static(torch.Tensor, name)), "__set__"))
+
+
+def overriding_tensor(cls: type, known: set[type], modules: set[str]) -> bool:
+    """Whether a subclass of torch.Tensor changes what a tensor does: torch's operations on it (its own
+    ``__torch_function__`` or ``__torch_dispatch__``) or any other of torch.Tensor's attributes (its own ``double``,
+    ``__sub__``, ``__float__``), in a class of its MRO not in ``known`` (the subclasses that existed before); and is
+    not torch's: torch defines such classes when it imports its own modules (fake tensors, say), each reachable as
+    ``module.QualifiedName`` of a module of torch's files imported since ``modules`` (the modules imported before).
+    A learner's is defined in a cell; naming an older module (``functools``) or a module of its own does not pass."""
+    import torch
+
+    plain = known | {torch.Tensor, torch._C.TensorBase, object}
+    overrides = any(name in tensor_attributes() and name not in HARMLESS and
+                    value is not torch._C._disabled_torch_function_impl
+                    for k in cls.__mro__ if k not in plain for name, value in vars(k).items())
+    module = sys.modules.get(cls.__module__) if cls.__module__ not in modules else None
+    found = module if os.path.realpath(getattr(module, "__file__", None) or "/").startswith(torch_folder()) else None
     for part in cls.__qualname__.split("."):
         found = getattr(found, part, None)
     return overrides and found is not cls
 
 
+@functools.cache
+def torch_folder() -> str:
+    """The folder of torch's own modules, with a trailing separator."""
+    import torch
+
+    return os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "")
+
+
+#: what ``tensor_lies`` does not look into
+SKIPPED = (str, bytes, int, float, complex, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.MethodType)
+
+
+def tensor_lies(values, limit: int = 10_000) -> list[str]:
+    """What lies about being a plain tensor among the objects reachable from ``values`` (through lists, tuples,
+    dicts and objects' attributes; the first ``limit``): a tensor with an attribute of its own that hides torch.Tensor's
+    (``t.double = ...``: ``t.double()`` would run it, not torch), and an object that claims to be a tensor (its
+    ``__class__``) and is not one."""
+    import torch
+
+    found, seen, todo = [], set(), list(values)
+    while todo and len(seen) < limit:
+        value = todo.pop()
+        if id(value) in seen or isinstance(value, SKIPPED):
+            continue
+        seen.add(id(value))
+        if issubclass(type(value), torch.Tensor):
+            found += [f"torch.Tensor.{name} (an attribute of a tensor)" for name in sorted(set(vars(value)) &
+                                                                                        hideable_attributes())]
+        elif isinstance(value, torch.Tensor):
+            found.append(f"torch.Tensor (an object of class {type(value).__qualname__} that claims to be one)")
+        elif type(value) in (list, tuple, set, frozenset):
+            todo.extend(value)
+        elif type(value) is dict:
+            todo.extend(value.values())
+        elif isinstance(getattr(value, "__dict__", None), dict):
+            todo.extend(vars(value).values())
+    return found
+
+
 class Integrity:
-    """Remembers the identity of every attribute of some modules and classes, and which subclasses of torch.Tensor
-    exist; reports changes (torch re-binding its own attribute on a lazy import is not one: ``TorchRewrap``) and new
-    subclasses that decide what torch's operations do on them (``overriding_tensor``)."""
+    """Remembers the identity of every attribute of some modules and of torch.Tensor and its subclasses, and which
+    subclasses of torch.Tensor exist; reports changes (torch re-binding its own attribute on a lazy import is not
+    one: ``TorchRewrap``), new subclasses that change what a tensor does (``overriding_tensor``), and changes to
+    names ``watch`` is given."""
 
     def __init__(self, namespaces: list):
+        import torch
+
         self._namespaces = [(ns, dict(vars(ns))) for ns in namespaces]
         self._rewrapped_by_torch = TorchRewrap()
         self._tensor_subclasses = tensor_subclasses()
+        # what a tensor does: its classes' attributes named as torch.Tensor's (a new one hides an inherited one)
+        hideable_attributes()  # read now, before learner code
+        classes = self._tensor_subclasses | {torch.Tensor, torch._C.TensorBase}
+        self._classes = [(cls, dict(vars(cls))) for cls in classes]
+        self._modules = set(sys.modules)
+        self._hooks = (sys.gettrace(), sys.getprofile())  # a function of these runs at every call, unguarded
+        self._names: dict[str, tuple[dict, dict]] = {}
+        self.scope: dict = {}  # the running test's names
 
-    def changes(self) -> list[str]:
-        changed = []
+    def watch(self, label: str, names: dict, keys) -> None:
+        """Also report a change to ``names[key]``, each of ``keys`` (as ``label key``), in place of what ``label``
+        watched before."""
+        self._names[label] = (names, {key: names[key] for key in keys})
+
+    def watch_scope(self, scope: dict, source: str) -> None:
+        """Watch ``scope``, what the test cell ``source`` runs in (code that reaches the test's frame could change it:
+        ``sys._getframe(1).f_globals``): the names the cell does not bind itself, and any name while learner code runs
+        (``changes(since=...)``)."""
+        self.scope = scope
+        self.watch("the tests'", scope, scope.keys() - bound_names(source))
+
+    def changes(self, since: dict | None = None) -> list[str]:
+        """What changed; ``since``: ``scope`` as it was before a call into learner code."""
+        changed = [f"{label} {key}" for label, (names, before) in self._names.items() for key, value in before.items()
+                   if names.get(key, _UNBOUND) is not value]
+        if any(now is not then for now, then in zip((sys.gettrace(), sys.getprofile()), self._hooks)):
+            changed.append("sys.settrace or sys.setprofile's function")
+        if since is not None:
+            changed += [f"the tests' {key}" for key in sorted(since.keys() | self.scope.keys())
+                        if self.scope.get(key, _UNBOUND) is not since.get(key, _UNBOUND)]
         for ns, before in self._namespaces:
             now = vars(ns)
             for key, value in before.items():
                 if key not in now or now[key] is not value and not self._rewrapped_by_torch(ns, key, value, now[key]):
                     changed.append(f"{getattr(ns, '__name__', ns)}.{key}")
+        for cls, before in self._classes:
+            now = vars(cls)
+            changed += [f"{cls.__module__}.{cls.__qualname__}.{key}" for key in sorted(now.keys() | before.keys())
+                        if key in tensor_attributes() and now.get(key, _UNBOUND) is not before.get(key, _UNBOUND)]
         changed += [f"what torch's operations do on a tensor (your subclass {cls.__qualname__} of torch.Tensor)"
-                    for cls in tensor_subclasses() - self._tensor_subclasses if overriding_tensor(cls)]
-        return changed
+                    for cls in tensor_subclasses() - self._tensor_subclasses
+                    if overriding_tensor(cls, self._tensor_subclasses, self._modules)]
+        return list(dict.fromkeys(changed))
+
+
+def bound_names(source: str) -> set[str]:
+    """The names a cell binds or deletes at top level, wherever in it (assignments, imports, defs, loops, ``as``)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {alias.asname or alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            names |= set(node.names)
+    return names
 
 
 def tampering(changed: list[str]) -> str:
@@ -154,7 +282,7 @@ def _watched(namespace: dict) -> list:
 
     import course_lib.checks
 
-    watched = [builtins, math, torch, torch.Tensor, torch._C.TensorBase, torch.nn.functional, torch.testing, numpy]
+    watched = [builtins, math, torch, torch.nn.functional, torch.testing, numpy]  # torch.Tensor's classes: Integrity
     watched += [m for name, m in sys.modules.items() if name.startswith("course_lib.checks") and m is not None]
     watched += [v for v in namespace.values() if isinstance(v, types.ModuleType)]
     watched.append(course_lib.checks)
@@ -162,11 +290,15 @@ def _watched(namespace: dict) -> list:
 
 
 def _guarded(function, integrity: Integrity):
-    """Call the learner's function, then refuse its result if it changed a watched module."""
+    """Call the learner's function, then refuse its result if it changed a watched module or the test's names, or
+    if a tensor it returned (or an object its ``__init__`` made holds) lies (``tensor_lies``)."""
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
+        names = dict(integrity.scope)
         result = function(*args, **kwargs)
-        changed = integrity.changes()
+        # what the call returned and the object an __init__ made; not every call's arguments (a model: ~10 ms)
+        made = args[:1] if function.__name__ == "__init__" else ()
+        changed = tensor_lies((result, *made)) + integrity.changes(since=names)
         if changed:
             raise AssertionError(tampering(changed))
         return result
@@ -182,6 +314,8 @@ def _guard(namespace: dict, names: set[str], integrity: Integrity) -> None:
             for attr, value in list(vars(obj).items()):
                 if inspect.isfunction(value):
                     setattr(obj, attr, _guarded(value, integrity))
+                elif type(value) in (staticmethod, classmethod) and inspect.isfunction(value.__func__):  # __new__ too
+                    setattr(obj, attr, type(value)(_guarded(value.__func__, integrity)))
 
 
 def limit_hit(error: BaseException, limits: dict) -> str:
@@ -203,16 +337,21 @@ def _exercise_namespace(setup: dict, solutions: list[dict], exercise: str) -> tu
     """The set-up namespace with every solution cell loaded: the reference ones for the other
     exercises, the learner's definitions for ``exercise``. Returns it, the learner's names, and
     ``shadowed``: for each name the learner bound that the exercise does not ask for (its reference
-    solution does not define it), what it was before (``_UNBOUND``: nothing, a builtin's name)."""
+    solution does not define it), what it was before (``_UNBOUND``: nothing, a builtin's name), and for
+    each the reference binds by an import (``import torch``), what that import binds."""
     namespace = dict(setup)
     learner: set[str] = set()
     asked: set[str] = set()
+    imported: dict = {}  # what the exercise's reference binds by importing (its torch): what the tests see
     before_learner, learners_value = {}, {}
     for solution in solutions:
         if solution["exercise"] != exercise:
             exec(compile(solution["reference"], f"<reference {solution['grade_id']}>", "exec"), namespace)
             continue
         asked |= defined_names(solution["reference"])
+        imports, theirs = import_statements(solution["reference"]), {}
+        exec(compile(imports, f"<reference {solution['grade_id']}>", "exec"), theirs)
+        imported |= {name: theirs[name] for name in defined_names(imports) if name in theirs}
         if solution["answer"] is None:
             continue
         before = dict(namespace)
@@ -222,7 +361,7 @@ def _exercise_namespace(setup: dict, solutions: list[dict], exercise: str) -> tu
             before_learner.setdefault(name, before.get(name, _UNBOUND))
             learners_value[name] = namespace[name]
         learner |= bound
-    shadowed = {name: before_learner[name] for name in learner - asked
+    shadowed = {name: imported.get(name, before_learner[name]) for name in learner - (asked - imported.keys())
                 if namespace.get(name, _UNBOUND) is learners_value[name]}  # not bound again by a later reference
     return namespace, learner, shadowed
 
@@ -253,6 +392,8 @@ def _run_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: di
         loading = f"{type(error).__name__}: {error}"
     else:
         _guard(namespace, learner, integrity)
+        # the course's functions look their names up here when called: the learner's code may not re-bind them
+        integrity.watch("the course code's", namespace, namespace.keys() - learner)
         namespace = _tests_namespace(namespace, shadowed)
     for test in exercise["tests"]:
         send({"start": test["grade_id"]})
@@ -264,9 +405,11 @@ def _run_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: di
             verdict["message"] = tampering(changed)
         else:
             try:
+                scope = dict(namespace)
+                integrity.watch_scope(scope, test["source"])
                 # a tensor subclass's own __torch_function__ does not run here: torch's operations are torch's
                 with torch._C.DisableTorchFunctionSubclass():
-                    exec(compile(test["source"], f"<{test['grade_id']}>", "exec"), dict(namespace))
+                    exec(compile(test["source"], f"<{test['grade_id']}>", "exec"), scope)
             except BaseException as error:  # noqa: BLE001 - a failed test, whatever it raised
                 verdict["message"] = explain(error)
                 verdict["error"] = limit_hit(error, limits)

@@ -103,13 +103,18 @@ GRADED = {
                                            "    return 2 * x\n"), DEFAULT),
 }
 
-#: A chapter whose tests use a set-up name (``checks``) and builtins (``abs``, ``float``), as the course's do.
+#: A chapter whose tests use a set-up name (``checks``) and builtins (``abs``, ``float``), as the course's do, some
+#: after the learner's code has run (``out = double(...)`` first).
 CHECKED = {"cells": [cell("setup", "import torch\nfrom course_lib import checks"),
                      cell("double-solution", "def double(x):\n    return 2 * x\n", "double-solution", solution=True),
                      cell("double-close", 'checks.assert_close(double(torch.ones(3)), torch.full((3,), 2.0), "double(1)")',
                           "double-close", grade=True),
                      cell("double-abs", "assert abs(float(double(torch.tensor(1.5))) - 3.0) < 1e-6", "double-abs",
-                          grade=True)],
+                          grade=True),
+                     cell("double-then", 'want = torch.full((3,), 2.0)\nout = double(torch.ones(3))\n'
+                          'checks.assert_close(out, want, "out")', "double-then", grade=True),
+                     cell("double-list", 'out = double(torch.ones(3))\nchecks.assert_tensor(out, "out")\n'
+                          "assert out.tolist() == [2.0, 2.0, 2.0]", "double-list", grade=True)],
            "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
 ZERO = "import torch\ndef double(x):\n    return x * 0\n"
 #: the tests' own names shadowed: a class named `checks` whose every attribute does nothing, `abs` always 0
@@ -146,29 +151,185 @@ DISPATCH_LIAR = ("import torch\n"
                  "        return Liar(out) if isinstance(out, torch.Tensor) else out\n"
                  "def double(x):\n"
                  "    return Liar(x * 0)\n")
+#: a plain tensor with a `double` of its own: checks.assert_close's `actual.double()` gets an object whose every
+#: comparison is False
+ATTRIBUTE_LIAR = ("import torch\n"
+                  "class Nothing:\n"
+                  "    def __getattr__(self, name):\n"
+                  "        return lambda *a, **k: self\n"
+                  "    def __sub__(self, other):\n"
+                  "        return self\n"
+                  "    def __gt__(self, other):\n"
+                  "        return self\n"
+                  "    def __bool__(self):\n"
+                  "        return False\n"
+                  "def double(x):\n"
+                  "    out = x * 0\n"
+                  "    out.double = lambda: Nothing()\n"
+                  "    return out\n")
+#: DISPATCH_LIAR (any number is 3) named as a class of a module that was imported before it (`functools.Liar`)
+FORGED_LIAR = DISPATCH_LIAR.replace(
+    "        if func is torch.ops.aten.gt.Tensor:\n",
+    "        if func is torch.ops.aten._local_scalar_dense.default:\n"
+    "            return 3.0\n"
+    "        if func is torch.ops.aten.gt.Tensor:\n").replace(
+    "def double(x):\n", "import functools\nclass Forge:\n    Liar.__module__ = 'functools'\n    functools.Liar = Liar\n"
+    "def double(x):\n")
+#: a tensor subclass that lies with plain methods, no torch hooks: `double()` is itself, `x - y` is zeros
+METHOD_LIAR = ("import torch\n"
+               "class Liar(torch.Tensor):\n"
+               "    def __sub__(self, other):\n"
+               "        return torch.zeros_like(other)\n"
+               "    def double(self):\n"
+               "        return self\n"
+               "    def tolist(self):\n"
+               "        return [2.0] * len(self)\n"
+               "def double(x):\n"
+               "    return (x * 0).as_subclass(Liar)\n")
+#: ATTRIBUTE_LIAR's `double` as a class whose __new__ (a staticmethod) returns the lying tensor
+NEW_LIAR = ATTRIBUTE_LIAR.replace("def double(x):\n    out = x * 0\n    out.double = lambda: Nothing()\n"
+                                  "    return out\n",
+                                  "class double:\n    def __new__(cls, x):\n        out = x * 0\n"
+                                  "        out.double = lambda: Nothing()\n        return out\n")
+#: torch.Tensor given a `double` of its own (hiding torch._C.TensorBase's) that lies for the answer's tensors only
+TENSOR_PATCH = ATTRIBUTE_LIAR.replace("def double(x):\n    out = x * 0\n    out.double = lambda: Nothing()\n",
+                                      "MARKED = []\n"
+                                      "class Patch:\n"
+                                      "    plain = torch.Tensor.double\n"
+                                      "    torch.Tensor.double = lambda self, plain=plain: (\n"
+                                      "        Nothing() if id(self) in MARKED else plain(self))\n"
+                                      "def double(x):\n    out = x * 0\n    MARKED.append(id(out))\n")
+#: torch.nn.Parameter given a `double` of its own, and the answer a Parameter
+PARAMETER_PATCH = ATTRIBUTE_LIAR.replace("def double(x):\n    out = x * 0\n    out.double = lambda: Nothing()\n",
+                                         "class Patch:\n    torch.nn.Parameter.double = lambda self: Nothing()\n"
+                                         "def double(x):\n    out = torch.nn.Parameter(x * 0)\n")
+#: ATTRIBUTE_LIAR's tensor of a subclass whose __dict__ hides what the tensor's own attributes are
+DICT_LIAR = ATTRIBUTE_LIAR.replace("def double(x):\n    out = x * 0\n",
+                                   "class Liar(torch.Tensor):\n    __dict__ = property(lambda self: {})\n"
+                                   "def double(x):\n    out = (x * 0).as_subclass(Liar)\n")
+#: ATTRIBUTE_LIAR's lie told after the answer's function has returned (where the clean room checks it), by a profile
+#: function that runs when the clean room's own wrapper of it returns
+PROFILE_LIAR = ATTRIBUTE_LIAR.replace("import torch\n", "import sys\nimport torch\n").replace(
+    "    out.double = lambda: Nothing()\n",
+    "    sys.setprofile(lambda frame, event, arg: (setattr(arg, 'double', lambda: Nothing()), sys.setprofile(None))\n"
+    "                   if event == 'return' and arg is not None and frame.f_code.co_name == 'wrapper'\n"
+    "                   and frame.f_code.co_filename.endswith('cleanroom.py') else None)\n")
+#: FORGED_LIAR put in a torch module the answer imports itself (not yet imported when the clean room looked): not caught
+FORGED_FRESH_LIAR = FORGED_LIAR.replace("import functools\n", "import torch.utils.model_zoo as zoo\n").replace(
+    "    Liar.__module__ = 'functools'\n    functools.Liar = Liar\n",
+    "    Liar.__module__ = zoo.__name__\n    zoo.Liar = Liar\n")
+#: ATTRIBUTE_LIAR's `double` as a class whose metaclass (nested in another class: never wrapped) makes the lie
+META_LIAR = ATTRIBUTE_LIAR.replace("def double(x):\n",
+                                   "class Holder:\n    class Meta(type):\n        def __call__(cls, x):\n"
+                                   "            out = x * 0\n            out.double = lambda: Nothing()\n"
+                                   "            return out\n"
+                                   "class double(metaclass=Holder.Meta):\n    pass\n"
+                                   "def unused(x):\n")
+#: an object that is no tensor but says it is one (its __class__), with the list the test wants
+CLAIMS_TENSOR = ("import torch\n"
+                 "class Fake:\n"
+                 "    __class__ = property(lambda self: torch.Tensor)\n"
+                 "    def tolist(self):\n"
+                 "        return [2.0, 2.0, 2.0]\n"
+                 "def double(x):\n"
+                 "    return Fake()\n")
+#: the learner's function reaches the test's frame and puts a `checks` whose every check does nothing in its names
+FRAME_REACH = ("import sys\n"
+               "class Nothing(type):\n"
+               "    def __getattr__(cls, name):\n"
+               "        return lambda *a, **k: None\n"
+               "class NoChecks(metaclass=Nothing):\n"
+               "    pass\n"
+               "def double(x):\n"
+               "    frame = sys._getframe(1)\n"
+               "    while frame is not None:\n"
+               "        if 'checks' in frame.f_globals:\n"
+               "            frame.f_globals['checks'] = NoChecks\n"
+               "        frame = frame.f_back\n"
+               "    return x * 0\n")
+#: the same reach for a name the test binds itself (`want`, the expected values), made all zeros as its answer
+FRAME_REBINDS = FRAME_REACH.replace("'checks' in", "'want' in").replace("['checks'] = NoChecks", "['want'] = x * 0")
 #: an honest answer whose helpers happen to have the names of a builtin and of a set-up name
 HONEST_NAMES = ("import torch\ndef abs(x):\n    return x if x >= 0 else -x\n"
                 "class checks:\n    factor = 2\ndef double(x):\n    return checks.factor * x\n")
+#: an honest answer that returns its own subclass of torch.Tensor, which changes nothing a tensor does
+HONEST_SUBCLASS = ("import torch\nclass Doubled(torch.Tensor):\n    pass\n"
+                   "def double(x):\n    return (2 * x).as_subclass(Doubled)\n")
+#: CHECKED whose reference imports torch: the exercise asks for `double`, not for a `torch` of the learner's
+IMPORTING = copy.deepcopy(CHECKED)
+IMPORTING["cells"][1]["source"] = "import torch\ndef double(x):\n    return 2 * x\n"
+#: a `torch` of its own whose ones, full and tensor make the tests' inputs and expected values all zeros (3.0 for abs)
+OWN_TORCH = ("import torch as real\n"
+             "class torch:\n"
+             "    ones = staticmethod(real.zeros)\n"
+             "    full = staticmethod(lambda shape, value: real.zeros(shape))\n"
+             "    tensor = staticmethod(lambda value: real.tensor(3.0))\n"
+             "def double(x):\n"
+             "    return x * 0\n")
+#: two exercises; quad's test takes its expected values from the reference double, which looks up torch when called
+COURSE_CODE = {"cells": [cell("setup", "import torch\nfrom course_lib import checks"),
+                         cell("double-solution", "def double(x):\n    return torch.mul(x, 2)\n", "double-solution",
+                              solution=True),
+                         cell("quad-solution", "def quad(x):\n    return double(double(x))\n", "quad-solution",
+                              solution=True),
+                         cell("quad-close", "checks.assert_close(quad(torch.ones(3)), double(double(torch.ones(3))), "
+                              '"quad(1)")', "quad-close", grade=True)],
+               "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+#: a quad that re-binds the torch the course's double uses (`global torch`) to one whose mul gives zeros
+GLOBAL_TORCH = ("import torch as real\n"
+                "class Zeros:\n"
+                "    def mul(self, x, k):\n"
+                "        return real.zeros_like(x)\n"
+                "def quad(x):\n"
+                "    global torch\n"
+                "    torch = Zeros()\n"
+                "    return x * 0\n")
+#: an exercise asking for a class; its test reads what __init__ made
+LAYER = {"cells": [cell("setup", "import torch\nfrom course_lib import checks"),
+                   cell("scale-solution", "class Scale:\n    def __init__(self, k):\n"
+                        "        self.weight = torch.full((3,), float(k))\n", "scale-solution", solution=True),
+                   cell("scale-weight", 'checks.assert_close(Scale(2).weight, torch.full((3,), 2.0), "weight")',
+                        "scale-weight", grade=True)],
+         "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+#: a Scale whose weight is zeros with ATTRIBUTE_LIAR's `double` of its own
+INIT_LIAR = ATTRIBUTE_LIAR.split("def double(x):\n")[0] + (
+    "class Scale:\n    def __init__(self, k):\n        self.weight = torch.zeros(3)\n"
+    "        self.weight.double = lambda: Nothing()\n")
+#: name -> (chapter, cell index of the answer, answer), graded with DEFAULT limits
+GRADED_OTHER = {"own_torch": (IMPORTING, 1, OWN_TORCH), "global_torch": (COURSE_CODE, 2, GLOBAL_TORCH),
+                "global_torch_honest": (COURSE_CODE, 2, GLOBAL_TORCH.replace("x * 0", "4 * x")),
+                "importing_reference": (IMPORTING, 1, IMPORTING["cells"][1]["source"]),
+                "course_code_reference": (COURSE_CODE, 2, COURSE_CODE["cells"][2]["source"]),
+                "init_liar": (LAYER, 1, INIT_LIAR), "layer_reference": (LAYER, 1, LAYER["cells"][1]["source"])}
 #: name -> answer of double-solution in CHECKED, graded with DEFAULT limits
 GRADED_CHECKED = {"zero": ZERO, "shadows": SHADOWS, "function_liar": FUNCTION_LIAR, "dispatch_liar": DISPATCH_LIAR,
-                  "honest_names": HONEST_NAMES}
+                  "attribute_liar": ATTRIBUTE_LIAR, "forged_liar": FORGED_LIAR, "method_liar": METHOD_LIAR,
+                  "tensor_patch": TENSOR_PATCH, "parameter_patch": PARAMETER_PATCH, "dict_liar": DICT_LIAR,
+                  "new_liar": NEW_LIAR, "profile_liar": PROFILE_LIAR, "claims_tensor": CLAIMS_TENSOR,
+                  "frame_reach": FRAME_REACH, "frame_rebinds": FRAME_REBINDS, "forged_fresh_liar": FORGED_FRESH_LIAR,
+                  "meta_liar": META_LIAR, "honest_names": HONEST_NAMES,
+                  "honest_subclass": HONEST_SUBCLASS}
 
 
-def with_answer(source: dict, answer: str) -> dict:
+def with_answer(source: dict, answer: str, index: int = 1) -> dict:
     notebook = copy.deepcopy(source)
-    notebook["cells"][1]["source"] = answer
+    notebook["cells"][index]["source"] = answer
     return notebook
 
 
 @pytest.fixture(scope="module")
 def verdicts():
-    """name -> {grade_id: Verdict} for every submission of GRADED and GRADED_CHECKED, one clean room run per limits."""
+    """name -> {grade_id: Verdict} for every submission of GRADED, GRADED_CHECKED and GRADED_OTHER, one clean room run
+    per limits."""
     runs: dict[Limits, list] = {}
     for name, (notebook, limits) in GRADED.items():
         runs.setdefault(limits, []).append(chapter_job(name, SOURCE, read_submission(SOURCE, notebook).answers))
     for name, answer in GRADED_CHECKED.items():
         notebook = with_answer(CHECKED, answer)
         runs[DEFAULT].append(chapter_job(name, CHECKED, read_submission(CHECKED, notebook).answers))
+    for name, (source, index, answer) in GRADED_OTHER.items():
+        notebook = with_answer(source, answer, index)
+        runs[DEFAULT].append(chapter_job(name, source, read_submission(source, notebook).answers))
     found: dict[str, dict] = {}
     for limits, jobs in runs.items():
         for (name, grade_id), verdict in run_cleanroom(jobs, limits, sandboxed=False).items():
@@ -314,24 +475,78 @@ def test_monkeypatching_when_called_is_caught(verdicts):
     assert not found["double-visible"].passed and "tests cannot be tricked" in found["double-visible"].message
 
 
-@pytest.mark.parametrize("student", ["shadows", "function_liar", "dispatch_liar"])
-def test_a_name_or_tensor_subclass_that_lies_to_the_tests_gains_nothing(verdicts, student):
-    """The tests see the set-up's `checks` and the builtins, not an answer's own (SHADOWS), and torch's operations, not
-    a tensor subclass's (the two LIARs): each gets exactly what the plain wrong answer (ZERO) gets."""
+@pytest.mark.parametrize("student", ["shadows", "function_liar", "dispatch_liar", "attribute_liar", "forged_liar",
+                                     "method_liar", "tensor_patch", "parameter_patch", "dict_liar", "new_liar",
+                                     "profile_liar", "claims_tensor", "frame_reach", "frame_rebinds"])
+def test_a_name_or_tensor_that_lies_to_the_tests_gains_nothing(verdicts, student):
+    """The tests see the set-up's `checks` and the builtins, not an answer's own (SHADOWS) nor one its code puts in the
+    test's names (the FRAMEs), and what torch.Tensor does, not what a tensor subclass (the LIARs, a forged module's
+    name or not), a tensor's own attribute or a look-alike says: each gets exactly what the plain wrong answer (ZERO)
+    gets."""
     passed = {grade_id: verdict.passed for grade_id, verdict in verdicts[student].items()}
     assert passed == {grade_id: verdict.passed for grade_id, verdict in verdicts["zero"].items()}
-    assert passed == {"double-close": False, "double-abs": False}
+    assert passed == {"double-close": False, "double-abs": False, "double-then": False, "double-list": False}
 
 
-@pytest.mark.parametrize("student", ["function_liar", "dispatch_liar"])
-def test_a_tensor_subclass_that_decides_torchs_operations_is_named(verdicts, student):
+@pytest.mark.xfail(strict=True, reason="known hole: answer code that runs outside its wrapped functions and classes "
+                   "(a nested metaclass), or a subclass put in a torch module the answer imports itself, is not caught")
+@pytest.mark.parametrize("student", ["forged_fresh_liar", "meta_liar"])
+def test_known_holes_a_lie_from_outside_the_wrapped_code_or_a_fresh_torch_module(verdicts, student):
+    passed = {grade_id: verdict.passed for grade_id, verdict in verdicts[student].items()}
+    assert passed == {grade_id: verdict.passed for grade_id, verdict in verdicts["zero"].items()}
+
+
+@pytest.mark.parametrize("student", ["function_liar", "dispatch_liar", "forged_liar", "method_liar", "dict_liar"])
+def test_a_tensor_subclass_that_changes_what_a_tensor_does_is_named(verdicts, student):
     message = verdicts[student]["double-close"].message
     assert "tests cannot be tricked" in message and "subclass Liar of torch.Tensor" in message, message
+
+
+@pytest.mark.parametrize("student,named", [("attribute_liar", "torch.Tensor.double (an attribute of a tensor)"),
+                                           ("new_liar", "torch.Tensor.double (an attribute of a tensor)"),
+                                           ("claims_tensor", "an object of class Fake that claims to be one"),
+                                           ("tensor_patch", "replaced torch.Tensor.double"),
+                                           ("profile_liar", "replaced sys.settrace or sys.setprofile's function"),
+                                           ("parameter_patch", "replaced torch.nn.parameter.Parameter.double"),
+                                           ("frame_reach", "replaced the tests' checks"),
+                                           ("frame_rebinds", "replaced the tests' want")])
+def test_a_lie_outside_torch_is_named(verdicts, student, named):
+    message = verdicts[student]["double-then"].message
+    assert "tests cannot be tricked" in message and named in message, message
 
 
 def test_an_answers_helpers_may_share_a_name_with_a_builtin_or_the_set_up(verdicts):
     """An honest answer whose own `abs` and `checks` are what its function uses passes every test."""
     assert all(verdict.passed for verdict in verdicts["honest_names"].values()), verdicts["honest_names"]
+
+
+def test_a_torch_of_the_answers_own_is_not_the_tests_even_where_the_reference_imports_torch(verdicts):
+    """The exercise asks for what its reference defines, not for what it imports: the tests see the reference's
+    torch, not OWN_TORCH's (all zeros), and the answer gets exactly what the plain wrong answer (ZERO) gets."""
+    passed = {grade_id: verdict.passed for grade_id, verdict in verdicts["own_torch"].items()}
+    assert passed == {grade_id: verdict.passed for grade_id, verdict in verdicts["zero"].items()}
+
+
+def test_the_names_the_course_code_uses_cannot_be_rebound_by_the_answer(verdicts):
+    """A `global torch` re-bound by the answer would change what the course's double computes for the expected values:
+    it is caught, for a zero answer and for a right one alike."""
+    for student in ("global_torch", "global_torch_honest"):
+        verdict = verdicts[student]["quad-close"]
+        assert not verdict.passed and "replaced the course code's torch" in verdict.message, verdict
+
+
+def test_a_tensor_that_lies_in_an_object_the_answers_init_made_is_caught(verdicts):
+    verdict = verdicts["init_liar"]["scale-weight"]
+    assert not verdict.passed and "torch.Tensor.double (an attribute of a tensor)" in verdict.message, verdict
+
+
+@pytest.mark.parametrize("student", ["importing_reference", "course_code_reference", "layer_reference"])
+def test_the_reference_of_each_synthetic_chapter_passes(verdicts, student):
+    assert all(verdict.passed for verdict in verdicts[student].values()), verdicts[student]
+
+
+def test_an_answers_own_tensor_subclass_that_changes_nothing_passes(verdicts):
+    assert all(verdict.passed for verdict in verdicts["honest_subclass"].values()), verdicts["honest_subclass"]
 
 
 # -- the exchange: only a learner's own submission is graded (course collect-and-grade) ------------------------------
