@@ -168,6 +168,20 @@ def isoflop_analysis(budgets):
     (OPT, "a fixed 20 tokens per parameter", mutate(OPT, (SPLIT, "n_params = math.sqrt(flops / (6 * 20))"),
                                                    ("return n_params, tokens_per_param * n_params", "return n_params, 20 * n_params")),
      {f"{OPT}-visible", f"{OPT}-ratio"}),
+    # numbers that compare as anything (what the hidden tests compute from them is always within tolerance)
+    (FIT, "look-alike numbers, not floats", '''
+class Anything:
+    def __sub__(self, other):
+        return self
+    def __truediv__(self, other):
+        return self
+    def __abs__(self):
+        return 0.0
+    def __float__(self):
+        return float("nan")
+def fit_power_law(n, loss, offsets=None):
+    return Anything(), Anything(), Anything()
+''', {f"{FIT}-visible", f"{FIT}-offset", f"{FIT}-logspace"}),
     (OPT, "correct: D first", '''
 def compute_optimal(flops, tokens_per_param=20.0):
     n_tokens = (flops * tokens_per_param / 6) ** 0.5
