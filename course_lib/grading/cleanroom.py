@@ -114,7 +114,7 @@ def tensor_subclasses() -> set[type]:
 
 #: what a class may define without changing what a tensor does
 HARMLESS = {"__module__", "__qualname__", "__doc__", "__init__", "__new__", "__init_subclass__", "__slots__",
-            "__annotations__"}
+            "__annotations__", "__repr__", "__str__"}
 
 
 @functools.cache
@@ -235,7 +235,7 @@ class Integrity:
             changed.append("sys.settrace or sys.setprofile's function")
         if since is not None:
             changed += [f"the tests' {key}" for key in sorted(since.keys() | self.scope.keys())
-                        if self.scope.get(key, _UNBOUND) is not since.get(key, _UNBOUND)]
+                        if self.scope.get(key, _UNBOUND) is not since.get(key, _UNBOUND) and key not in PYTHON_WRITES]
         for ns, before in self._namespaces:
             now = vars(ns)
             for key, value in before.items():
@@ -287,6 +287,10 @@ def _watched(namespace: dict) -> list:
     watched += [v for v in namespace.values() if isinstance(v, types.ModuleType)]
     watched.append(course_lib.checks)
     return list({id(ns): ns for ns in watched}.values())
+
+
+#: what Python itself writes into a namespace when code runs (a warning attributed to the test cell's code)
+PYTHON_WRITES = {"__warningregistry__"}
 
 
 def _guarded(function, integrity: Integrity):

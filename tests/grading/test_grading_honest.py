@@ -67,13 +67,21 @@ HONEST = {
                              "        return 2 * g\n"
                              "def double(x):\n    return Twice.apply(x)\n",
     "profiler": T + "def double(x):\n    with torch.profiler.profile() as prof:\n        out = 2 * x\n    return out\n",
+    # a warning aimed at the caller's caller lands in the test cell's globals, where Python adds __warningregistry__
+    # (refused before review revgrade: "your code replaced the tests' __warningregistry__")
+    "warns_two_up": T + "import warnings\ndef double(x):\n    warnings.warn('doubling', stacklevel=3)\n"
+                        "    return 2 * x\n",
+    # "definitions ... constants" (notebook 00): an annotated constant, a tuple of constants and a lambda that calls
+    # torch (dropped by student_definitions before review revgrade: "NameError: name 'FACTOR' is not defined")
+    "annotated_constant": T + "FACTOR: float = 2.0\ndef double(x):\n    return FACTOR * x\n",
+    "tuple_of_constants": T + "A, B = 1.0, 1.0\ndef double(x):\n    return (A + B) * x\n",
+    "lambda_calling_torch": T + "double = lambda x: torch.mul(x, 2)\n",
+    # a tensor subclass of the answer's own that only prints itself differently changes nothing the tests see
+    "subclass_repr": T + "class Named(torch.Tensor):\n    def __repr__(self):\n        return 'named'\n"
+                         "def double(x):\n    return (2 * x).as_subclass(Named)\n",
 }
 #: name -> an honest, right answer the clean room wrongly refuses today (each comment: why, and what the refusal says)
 WRONGLY_REFUSED = {
-    # a warning aimed at the caller's caller lands in the test cell's globals, where Python adds __warningregistry__:
-    # "your code replaced the tests' __warningregistry__: tests cannot be tricked"
-    "warns_two_up": T + "import warnings\ndef double(x):\n    warnings.warn('doubling', stacklevel=3)\n"
-                        "    return 2 * x\n",
     # torch.fx patches math's functions while it traces, and the learner's traced function is checked mid-trace:
     # "your code replaced math.acos, math.acosh, math.asin: tests cannot be tricked"
     "fx_trace": T + "import torch.fx\ndef twice(x):\n    return 2 * x\n"
@@ -91,11 +99,6 @@ WRONGLY_REFUSED = {
     # "your answer could not be loaded: OSError: Can't get source for <function twice ...>"
     "jit_script": T + "@torch.jit.script\ndef twice(x: torch.Tensor) -> torch.Tensor:\n    return 2 * x\n"
                       "def double(x):\n    return twice(x)\n",
-    # "definitions ... constants" (notebook 00): an annotated constant, a tuple of constants and a lambda that calls
-    # torch are dropped by student_definitions: "NameError: name 'FACTOR' (, 'A', 'double') is not defined"
-    "annotated_constant": T + "FACTOR: float = 2.0\ndef double(x):\n    return FACTOR * x\n",
-    "tuple_of_constants": T + "A, B = 1.0, 1.0\ndef double(x):\n    return (A + B) * x\n",
-    "lambda_calling_torch": T + "double = lambda x: torch.mul(x, 2)\n",
 }
 
 
@@ -124,7 +127,6 @@ def test_an_honest_right_answer_the_clean_room_refuses_today_passes(honest_verdi
     assert len(verdicts) == 4 and all(verdict.passed for verdict in verdicts.values()), verdicts
 
 
-@pytest.mark.xfail(strict=True, reason="student_definitions drops them (review revgrade); fix, then unmark")
 def test_the_constants_a_learner_writes_are_kept_as_definitions():
     """Oracle: each line is a constant or a definition that runs nothing at definition time."""
     for source, name in [("FACTOR: float = 2.0\n", "FACTOR"), ("A, B = 1.0, 2.0\n", "B"),
