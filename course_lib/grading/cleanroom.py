@@ -18,7 +18,9 @@ runs in a forked child of its own, in a namespace where
   ``__torch_dispatch__`` or methods), a change to the test's names or to the names the
   course's functions use, a trace or profile function, and, in what a call returns (or an
   ``__init__`` made), a tensor with attributes of its own that hide torch.Tensor's
-  (``t.double = ...``);
+  (``t.double = ...``), and, in what a call returns to a test or to the course's code, an
+  object whose class of the answer's own decides how it compares, computes or converts
+  (``class Six(int)`` with an ``__eq__`` that says yes: ``lies``);
 * the tests see the learner's definitions of what the exercise asks for only: a name of
   the learner's own that is also a set-up name, a builtin or an import of the reference
   (``checks``, ``abs``, ``torch``) is, for the tests, what the set-up, Python or the reference
@@ -36,6 +38,7 @@ from __future__ import annotations
 import ast
 import builtins
 import functools
+import gc
 import importlib
 import inspect
 import json
@@ -46,6 +49,8 @@ import signal
 import sys
 import time
 import types
+import weakref
+from typing import NamedTuple
 
 from ..answers import defined_names, import_statements, student_definitions
 
@@ -162,36 +167,137 @@ def torch_folder() -> str:
     return os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "")
 
 
-#: what ``tensor_lies`` does not look into
+#: what ``lies`` does not look into
 SKIPPED = (str, bytes, int, float, complex, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
            types.MethodType)
 
 
-def tensor_lies(values, limit: int = 10_000) -> list[str]:
-    """What lies about being a plain tensor among the objects reachable from ``values`` (through lists, tuples,
-    dicts and objects' attributes; the first ``limit``): a tensor with an attribute of its own that hides torch.Tensor's
-    (``t.double = ...``: ``t.double()`` would run it, not torch), and an object that claims to be a tensor (its
-    ``__class__``) and is not one."""
+#: what an object's class decides when a test compares it, computes with it, converts it, asks its truth, looks into it
+#: or up its attributes (``==``, ``<``, ``-``, ``abs``, ``float``, ``len``, ``in``, ``for``, ``x.tolist``, ``isinstance``
+#: through ``__class__``), or hands it to numpy or torch
+VALUE_PROTOCOL = frozenset(
+    {f"__{name}__" for name in ("eq ne lt le gt ge bool len iter next reversed getitem contains getattr getattribute "
+                                "class float int index complex round trunc floor ceil abs neg pos invert array "
+                                "array_ufunc array_function torch_function torch_dispatch").split()}
+    | {f"__{prefix}{op}__" for op in "add sub mul matmul truediv floordiv mod divmod pow lshift rshift and or xor".split()
+       for prefix in ("", "r", "i")})
+#: the builtin types whose subclasses ``lies`` looks for in objects' attributes too (and torch.Tensor's)
+BUILTIN_VALUES = (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)
+#: a class's flag (``__flags__``) that its attributes cannot be set: Python's and C extensions' own types
+IMMUTABLE_TYPE = 1 << 8
+
+
+def _code_of(value):
+    """The code object behind a class attribute: a function's (the learner's own where ``_guard`` wrapped it), or that of
+    the function a staticmethod, classmethod, property, bound method or functools.partial holds; None where there is no
+    Python code (a builtin's method)."""
+    for _ in range(10):
+        if isinstance(value, types.FunctionType) and value in _GUARDED:
+            value = _GUARDED[value]
+        elif isinstance(value, (staticmethod, classmethod, types.MethodType)):
+            value = value.__func__
+        elif isinstance(value, property):
+            value = value.fget
+        elif isinstance(value, functools.partial):
+            value = value.func
+        else:
+            break
+    return value.__code__ if isinstance(value, types.FunctionType) else None
+
+
+def _library_class(cls: type) -> bool:
+    """Whether ``cls`` is a library's: reachable as ``module.QualifiedName`` (or made in a function) of an imported
+    module that is Python's builtins or has a file (an answer's class says ``__main__``, or names a module that does
+    not hold it)."""
+    module = sys.modules.get(cls.__module__)
+    if module is None or not (module is builtins or os.path.isabs(getattr(module, "__file__", None) or "")):
+        return False
+    found = module
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is cls or "<locals>" in cls.__qualname__
+
+
+def _answer_decides(value, name: str, cls: type) -> bool:
+    """Whether ``value``, the attribute ``name`` of class ``cls``, is the answer's own say on what ``name`` does: Python
+    code that is not the course's (its set-up and reference cells), a library's (a file) or one dataclasses generated;
+    or, in a class not a library's, an object without code standing in for another operation (``__eq__ = int.__le__``;
+    torch.Tensor's ``__abs__ = TensorBase.abs`` is torch's)."""
+    if value is None:
+        return False
+    code = _code_of(value)
+    if code is None:
+        return getattr(value, "__name__", None) != name and not _library_class(cls)
+    origin = code.co_filename
+    return not (origin.startswith("<reference ") or origin == "<set-up cell>" or os.path.isabs(origin)
+                or origin == "<string>" and code.co_qualname.startswith("__create_fn__."))
+
+
+def lookalike(cls: type, asked: frozenset = frozenset(), watched: frozenset = frozenset()) -> list[str]:
+    """The operations that the answer's own code decides for objects of ``cls`` (``VALUE_PROTOCOL``; for a tensor,
+    any of torch.Tensor's attributes but ``HARMLESS``), read from the classes of its MRO other than ``asked`` (the
+    classes the exercise asks for), ``watched`` (those ``Integrity`` watches) and the immutable ones (int, numpy's
+    scalars: no code can change them), as ``Class.__eq__``."""
     import torch
 
-    found, seen, todo = [], set(), list(values)
+    names = VALUE_PROTOCOL | (tensor_attributes() - HARMLESS) if issubclass(cls, torch.Tensor) else VALUE_PROTOCOL
+    found = []
+    for k in type.__dict__["__mro__"].__get__(cls):  # type's own: a metaclass cannot fake either
+        if k in asked or k in watched or k.__flags__ & IMMUTABLE_TYPE:
+            continue
+        own = type.__dict__["__dict__"].__get__(k)
+        found += [f"{k.__qualname__}.{name}" for name in sorted(names & own.keys()) if _answer_decides(own[name], name, k)]
+    return found
+
+
+def lies(returned, held=(), asked: frozenset = frozenset(), watched: frozenset = frozenset(),
+         limit: int = 10_000) -> list[str]:
+    """What lies among the objects reachable from ``returned`` and ``held`` (through lists, tuples, sets, dicts and
+    objects' attributes; the first ``limit``):
+
+    * a tensor with an attribute of its own that hides torch.Tensor's (``t.double = ...``: ``t.double()`` would run
+      it, not torch), and an object that claims to be a tensor (its ``__class__``) and is not one;
+    * an object whose class of the answer's own decides how a test compares, computes with or converts it
+      (``lookalike``: ``class Six(int)`` whose ``__eq__`` says yes to anything, a plain object whose ``__sub__``
+      gives 0): any such object in ``returned`` and its containers, where a test reads it; in ``held`` and in objects'
+      attributes, where an answer's helper objects may order themselves honestly, only subclasses of the builtin
+      values and of torch.Tensor.
+
+    ``asked``: the classes the exercise asks for, whose objects may compare as they like; ``watched``: the classes
+    ``Integrity`` watches."""
+    import torch
+
+    found, seen, classes = [], set(), {}
+    todo = [(value, False) for value in held] + [(value, True) for value in returned]
     while todo and len(seen) < limit:
-        value = todo.pop()
-        if id(value) in seen or isinstance(value, SKIPPED):
+        value, direct = todo.pop()
+        if id(value) in seen:
             continue
         seen.add(id(value))
-        if issubclass(type(value), torch.Tensor):
+        cls = type(value)
+        if direct or issubclass(cls, (*BUILTIN_VALUES, torch.Tensor)) and cls not in BUILTIN_VALUES:
+            if cls not in classes:  # read once per check: many objects share a class
+                classes[cls] = lookalike(cls, asked, watched)
+            found += [f"how {name.split('.')[-1]} works (your class {name.rsplit('.', 1)[0]})" for name in classes[cls]]
+        if isinstance(value, SKIPPED):
+            continue
+        if issubclass(cls, torch.Tensor):
             found += [f"torch.Tensor.{name} (an attribute of a tensor)" for name in sorted(set(vars(value)) &
                                                                                         hideable_attributes())]
-        elif isinstance(value, torch.Tensor):
-            found.append(f"torch.Tensor (an object of class {type(value).__qualname__} that claims to be one)")
-        elif type(value) in (list, tuple, set, frozenset):
-            todo.extend(value)
-        elif type(value) is dict:
-            todo.extend(value.values())
-        elif isinstance(getattr(value, "__dict__", None), dict):
-            todo.extend(vars(value).values())
-    return found
+            continue
+        if isinstance(value, torch.Tensor):
+            found.append(f"torch.Tensor (an object of class {cls.__qualname__} that claims to be one)")
+            continue
+        containers = [kind for kind in (list, tuple, set, frozenset, dict) if isinstance(value, kind)]
+        for kind in containers:  # the items as the builtin holds them, whatever a subclass says
+            todo += [(item, direct) for item in (kind.__iter__(value) if kind is not dict else
+                                                 (item for pair in dict.items(value) for item in pair))]
+        if not containers and cls.__dictoffset__:
+            # an object with attributes: what the garbage collector sees it hold (no property can hide it), its dict
+            # or, where Python keeps an object's attributes inline, their values
+            for held in gc.get_referents(value):
+                todo += [(item, False) for item in (held.values() if type(held) is dict else (held,))]
+    return list(dict.fromkeys(found))
 
 
 class Integrity:
@@ -209,6 +315,7 @@ class Integrity:
         # what a tensor does: its classes' attributes named as torch.Tensor's (a new one hides an inherited one)
         hideable_attributes()  # read now, before learner code
         classes = self._tensor_subclasses | {torch.Tensor, torch._C.TensorBase}
+        self.watched = frozenset(classes)  # the classes whose attributes changes() compares
         self._classes = [(cls, dict(vars(cls))) for cls in classes]
         self._modules = set(sys.modules)
         self._hooks = (sys.gettrace(), sys.getprofile())  # a function of these runs at every call, unguarded
@@ -293,33 +400,49 @@ def _watched(namespace: dict) -> list:
 PYTHON_WRITES = {"__warningregistry__"}
 
 
-def _guarded(function, integrity: Integrity):
+#: each wrapper ``_guarded`` made -> the learner's function it calls
+_GUARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _guarded(function, integrity: Integrity, answer: Answer):
     """Call the learner's function, then refuse its result if it changed a watched module or the test's names, or
-    if a tensor it returned (or an object its ``__init__`` made holds) lies (``tensor_lies``)."""
+    if what it returned (or an object its ``__init__`` made holds) lies (``lies``): a tensor's own attributes, and what
+    decides how it compares or computes where it is returned to code other than the answer's own (a test, the course's
+    code; within the answer, its helpers may order themselves as they like)."""
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         names = dict(integrity.scope)
         result = function(*args, **kwargs)
         # what the call returned and the object an __init__ made; not every call's arguments (a model: ~10 ms)
         made = args[:1] if function.__name__ == "__init__" else ()
-        changed = tensor_lies((result, *made)) + integrity.changes(since=names)
+        returned = () if sys._getframe(1).f_code.co_filename in answer.files else (result,)
+        changed = (lies(returned, (result, *made) if not returned else made, answer.classes, integrity.watched)
+                   + integrity.changes(since=names))
         if changed:
             raise AssertionError(tampering(changed))
         return result
+    _GUARDED[wrapper] = function
     return wrapper
 
 
-def _guard(namespace: dict, names: set[str], integrity: Integrity) -> None:
+class Answer(NamedTuple):
+    """What ``_guarded`` needs to know of the exercise's answer: the file names its cells were compiled under, and the
+    classes it defines that the exercise asks for (their objects may define how they compare)."""
+    files: frozenset
+    classes: frozenset
+
+
+def _guard(namespace: dict, names: set[str], integrity: Integrity, answer: Answer) -> None:
     for name in names:
         obj = namespace.get(name)
         if inspect.isfunction(obj):
-            namespace[name] = _guarded(obj, integrity)
+            namespace[name] = _guarded(obj, integrity, answer)
         elif inspect.isclass(obj):
             for attr, value in list(vars(obj).items()):
                 if inspect.isfunction(value):
-                    setattr(obj, attr, _guarded(value, integrity))
+                    setattr(obj, attr, _guarded(value, integrity, answer))
                 elif type(value) in (staticmethod, classmethod) and inspect.isfunction(value.__func__):  # __new__ too
-                    setattr(obj, attr, type(value)(_guarded(value.__func__, integrity)))
+                    setattr(obj, attr, type(value)(_guarded(value.__func__, integrity, answer)))
 
 
 def limit_hit(error: BaseException, limits: dict) -> str:
@@ -395,7 +518,9 @@ def _run_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: di
         namespace, learner = None, set()
         loading = f"{type(error).__name__}: {error}"
     else:
-        _guard(namespace, learner, integrity)
+        answer = Answer(frozenset(f"<{s['grade_id']}>" for s in solutions if s["exercise"] == exercise["name"]),
+                        frozenset(namespace[name] for name in learner - shadowed.keys() if inspect.isclass(namespace[name])))
+        _guard(namespace, learner, integrity, answer)
         # the course's functions look their names up here when called: the learner's code may not re-bind them
         integrity.watch("the course code's", namespace, namespace.keys() - learner)
         namespace = _tests_namespace(namespace, shadowed)

@@ -214,17 +214,18 @@ PROFILE_LIAR = ATTRIBUTE_LIAR.replace("import torch\n", "import sys\nimport torc
     "    sys.setprofile(lambda frame, event, arg: (setattr(arg, 'double', lambda: Nothing()), sys.setprofile(None))\n"
     "                   if event == 'return' and arg is not None and frame.f_code.co_name == 'wrapper'\n"
     "                   and frame.f_code.co_filename.endswith('cleanroom.py') else None)\n")
-#: FORGED_LIAR put in a torch module the answer imports itself (not yet imported when the clean room looked): not caught
+#: FORGED_LIAR put in a torch module the answer imports itself (not yet imported when the clean room looked): not a
+#: change the clean room sees, but a tensor whose class of the answer's own decides what torch does, returned to a test
 FORGED_FRESH_LIAR = FORGED_LIAR.replace("import functools\n", "import torch.utils.model_zoo as zoo\n").replace(
     "    Liar.__module__ = 'functools'\n    functools.Liar = Liar\n",
     "    Liar.__module__ = zoo.__name__\n    zoo.Liar = Liar\n")
-#: ATTRIBUTE_LIAR's `double` as a class whose metaclass (nested in another class: never wrapped) makes the lie
-META_LIAR = ATTRIBUTE_LIAR.replace("def double(x):\n",
-                                   "class Holder:\n    class Meta(type):\n        def __call__(cls, x):\n"
-                                   "            out = x * 0\n            out.double = lambda: Nothing()\n"
-                                   "            return out\n"
-                                   "class double(metaclass=Holder.Meta):\n    pass\n"
-                                   "def unused(x):\n")
+#: a `double` class whose metaclass (nested in another class: never wrapped) returns zeros whose own `double` gives
+#: the expected values (a plain tensor: nothing of the answer's own is called while the test compares)
+META_LIAR = ("import torch\n"
+             "class Holder:\n    class Meta(type):\n        def __call__(cls, x):\n"
+             "            out = x * 0\n            out.double = lambda: torch.full((3,), 2.0, dtype=torch.float64)\n"
+             "            return out\n"
+             "class double(metaclass=Holder.Meta):\n    pass\n")
 #: an object that is no tensor but says it is one (its __class__), with the list the test wants
 CLAIMS_TENSOR = ("import torch\n"
                  "class Fake:\n"
@@ -252,6 +253,43 @@ FRAME_REBINDS = FRAME_REACH.replace("'checks' in", "'want' in").replace("['check
 #: an honest answer whose helpers happen to have the names of a builtin and of a set-up name
 HONEST_NAMES = ("import torch\ndef abs(x):\n    return x if x >= 0 else -x\n"
                 "class checks:\n    factor = 2\ndef double(x):\n    return checks.factor * x\n")
+#: SOURCE's wrong double (0) whose objects decide how the test's `==` goes: an int subclass, a plain object, an int
+#: subclass that aliases another operation and says it is numpy's; each told to say yes
+SIX = "class Six(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+LOOKALIKES = {"int_lookalike": SIX + "def double(x):\n    return Six(0)\n",
+              "plain_lookalike": ("class Anything:\n    def __eq__(self, other):\n        return True\n"
+                                  "def double(x):\n    return Anything()\n"),
+              "aliased_lookalike": ("class Six(int):\n    __module__ = 'numpy'\n    __eq__ = int.__le__\n"
+                                    "def double(x):\n    return Six(0)\n")}
+#: honest answers of SOURCE's double whose helpers order themselves (a heap of objects with their own `<`, a dataclass
+#: with order=True, functools.total_ordering) or that return an IntEnum member or a numpy integer
+HONEST_VALUES = {"honest_helpers": ("import dataclasses\nimport enum\nimport functools\nimport heapq\n"
+                                    "@functools.total_ordering\nclass Item:\n"
+                                    "    def __init__(self, v):\n        self.v = v\n"
+                                    "    def __lt__(self, other):\n        return self.v < other.v\n"
+                                    "    def __eq__(self, other):\n        return self.v == other.v\n"
+                                    "@dataclasses.dataclass(order=True)\nclass Pair:\n    a: int\n"
+                                    "class Kind(enum.IntEnum):\n    TWO = 2\n"
+                                    "def double(x):\n    heap = []\n    for v in (x, x):\n"
+                                    "        heapq.heappush(heap, Item(v))\n"
+                                    "    total = sum(heapq.heappop(heap).v for _ in range(2))\n"
+                                    "    assert Pair(1) < Pair(2) and Item(1) <= Item(1)\n"
+                                    "    return total * Kind.TWO // 2\n"),
+                 "honest_enum": "import enum\nclass Kind(enum.IntEnum):\n    SIX = 6\ndef double(x):\n    return Kind(2 * x)\n",
+                 "honest_numpy": "import numpy\ndef double(x):\n    return numpy.int64(2 * x)\n"}
+#: a list-returning exercise: the look-alike hides in the list the test compares and computes with
+PAIRS = {"cells": [cell("setup", "import torch"),
+                   cell("pair-solution", "def pair(x):\n    return [x, 2 * x]\n", "pair-solution", solution=True),
+                   cell("pair-equal", "assert pair(3) == [3, 6]", "pair-equal", grade=True),
+                   cell("pair-second", "assert pair(3)[1] - 6 == 0", "pair-second", grade=True)],
+         "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+LISTED_LOOKALIKE = ("class Anything(float):\n    def __eq__(self, other):\n        return True\n"
+                    "    def __sub__(self, other):\n        return 0\n"
+                    "def pair(x):\n    return [Anything(0), Anything(0)]\n")
+#: LAYER's Scale, right, that also keeps a look-alike number (an int subclass of its own whose `==` says yes)
+HELD_LOOKALIKE = ("import torch\n" + SIX + "class Scale:\n    def __init__(self, k):\n"
+                  "        self.weight = torch.full((3,), float(k))\n        self.k = Six(0)\n")
+#: LAYER's Scale, right, with an `__eq__` of its own: the exercise asks for the class, which may compare as it likes
 #: an honest answer that returns its own subclass of torch.Tensor, which changes nothing a tensor does
 HONEST_SUBCLASS = ("import torch\nclass Doubled(torch.Tensor):\n    pass\n"
                    "def double(x):\n    return (2 * x).as_subclass(Doubled)\n")
@@ -300,7 +338,11 @@ GRADED_OTHER = {"own_torch": (IMPORTING, 1, OWN_TORCH), "global_torch": (COURSE_
                 "global_torch_honest": (COURSE_CODE, 2, GLOBAL_TORCH.replace("x * 0", "4 * x")),
                 "importing_reference": (IMPORTING, 1, IMPORTING["cells"][1]["source"]),
                 "course_code_reference": (COURSE_CODE, 2, COURSE_CODE["cells"][2]["source"]),
-                "init_liar": (LAYER, 1, INIT_LIAR), "layer_reference": (LAYER, 1, LAYER["cells"][1]["source"])}
+                "init_liar": (LAYER, 1, INIT_LIAR), "layer_reference": (LAYER, 1, LAYER["cells"][1]["source"]),
+                "listed_lookalike": (PAIRS, 1, LISTED_LOOKALIKE), "pairs_reference": (PAIRS, 1, PAIRS["cells"][1]["source"]),
+                "held_lookalike": (LAYER, 1, HELD_LOOKALIKE),
+                "asked_with_eq": (LAYER, 1, LAYER["cells"][1]["source"] + "    def __eq__(self, other):\n"
+                                  "        return isinstance(other, Scale) and bool((self.weight == other.weight).all())\n")}
 #: name -> answer of double-solution in CHECKED, graded with DEFAULT limits
 GRADED_CHECKED = {"zero": ZERO, "shadows": SHADOWS, "function_liar": FUNCTION_LIAR, "dispatch_liar": DISPATCH_LIAR,
                   "attribute_liar": ATTRIBUTE_LIAR, "forged_liar": FORGED_LIAR, "method_liar": METHOD_LIAR,
@@ -324,6 +366,8 @@ def verdicts():
     runs: dict[Limits, list] = {}
     for name, (notebook, limits) in GRADED.items():
         runs.setdefault(limits, []).append(chapter_job(name, SOURCE, read_submission(SOURCE, notebook).answers))
+    for name, answer in {**LOOKALIKES, **HONEST_VALUES}.items():
+        runs[DEFAULT].append(chapter_job(name, SOURCE, read_submission(SOURCE, submitted(double=answer)).answers))
     for name, answer in GRADED_CHECKED.items():
         notebook = with_answer(CHECKED, answer)
         runs[DEFAULT].append(chapter_job(name, CHECKED, read_submission(CHECKED, notebook).answers))
@@ -477,7 +521,8 @@ def test_monkeypatching_when_called_is_caught(verdicts):
 
 @pytest.mark.parametrize("student", ["shadows", "function_liar", "dispatch_liar", "attribute_liar", "forged_liar",
                                      "method_liar", "tensor_patch", "parameter_patch", "dict_liar", "new_liar",
-                                     "profile_liar", "claims_tensor", "frame_reach", "frame_rebinds"])
+                                     "profile_liar", "claims_tensor", "frame_reach", "frame_rebinds",
+                                     "forged_fresh_liar"])
 def test_a_name_or_tensor_that_lies_to_the_tests_gains_nothing(verdicts, student):
     """The tests see the set-up's `checks` and the builtins, not an answer's own (SHADOWS) nor one its code puts in the
     test's names (the FRAMEs), and what torch.Tensor does, not what a tensor subclass (the LIARs, a forged module's
@@ -489,11 +534,37 @@ def test_a_name_or_tensor_that_lies_to_the_tests_gains_nothing(verdicts, student
 
 
 @pytest.mark.xfail(strict=True, reason="known hole: answer code that runs outside its wrapped functions and classes "
-                   "(a nested metaclass), or a subclass put in a torch module the answer imports itself, is not caught")
-@pytest.mark.parametrize("student", ["forged_fresh_liar", "meta_liar"])
-def test_known_holes_a_lie_from_outside_the_wrapped_code_or_a_fresh_torch_module(verdicts, student):
-    passed = {grade_id: verdict.passed for grade_id, verdict in verdicts[student].items()}
+                   "(a nested metaclass) and lies with plain tensors is not caught")
+def test_known_hole_a_lie_from_outside_the_wrapped_code(verdicts):
+    passed = {grade_id: verdict.passed for grade_id, verdict in verdicts["meta_liar"].items()}
     assert passed == {grade_id: verdict.passed for grade_id, verdict in verdicts["zero"].items()}
+
+
+@pytest.mark.parametrize("student,named", [("int_lookalike", "how __eq__ works (your class Six)"),
+                                           ("plain_lookalike", "how __eq__ works (your class Anything)"),
+                                           ("aliased_lookalike", "how __eq__ works (your class Six)")])
+def test_a_returned_value_whose_own_class_decides_how_it_compares_gains_nothing(verdicts, student, named):
+    """SOURCE's test `double(3) == 6` asks the returned object's `__eq__`: the answer's own class (an int subclass, a
+    plain class, an alias of int's `<=` under numpy's name) is named, and the answer gets the wrong answer's score."""
+    found = verdicts[student]
+    assert not found["double-visible"].passed and named in found["double-visible"].message, found
+    assert "tests cannot be tricked" in found["double-visible"].message
+    assert found["quad-visible"].passed  # quad is tested with the reference double
+
+
+def test_a_look_alike_in_a_returned_list_or_held_by_what_an_init_made_is_caught(verdicts):
+    listed = verdicts["listed_lookalike"]
+    assert not any(v.passed for v in listed.values()) and "your class Anything" in listed["pair-equal"].message, listed
+    held = verdicts["held_lookalike"]["scale-weight"]
+    assert not held.passed and "how __eq__ works (your class Six)" in held.message, held
+
+
+@pytest.mark.parametrize("student", [*HONEST_VALUES, "pairs_reference", "asked_with_eq"])
+def test_honest_values_and_helpers_that_order_themselves_pass(verdicts, student):
+    """Helpers that compare or order themselves inside the answer (a heap, a dataclass with order=True,
+    total_ordering), an IntEnum member or numpy integer returned, and a class the exercise asks for with its own
+    `__eq__`: every test passes."""
+    assert all(verdict.passed for verdict in verdicts[student].values()), verdicts[student]
 
 
 @pytest.mark.parametrize("student", ["function_liar", "dispatch_liar", "forged_liar", "method_liar", "dict_liar"])
