@@ -15,7 +15,8 @@ from tests.helpers import ROOT
 
 def collected(command: list[str]) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # only what pytest's own settings put on sys.path
-    proc = subprocess.run([*command, "--collect-only", "-q", "-p", "no:xdist", "tests"],
+    # --assert=plain: every test module is imported all the same, without rewriting its asserts first (4 of 9 s of CPU)
+    proc = subprocess.run([*command, "--collect-only", "-q", "-p", "no:xdist", "--assert=plain", "tests"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [line for line in proc.stdout.splitlines() if "::" in line]
