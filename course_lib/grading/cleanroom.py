@@ -400,6 +400,13 @@ def _watched(namespace: dict) -> list:
 PYTHON_WRITES = {"__warningregistry__"}
 
 
+class Answer(NamedTuple):
+    """What ``_guarded`` needs to know of the exercise's answer: the file names its cells were compiled under, and the
+    classes it defines that the exercise asks for (their objects may define how they compare)."""
+    files: frozenset
+    classes: frozenset
+
+
 #: each wrapper ``_guarded`` made -> the learner's function it calls
 _GUARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -415,21 +422,16 @@ def _guarded(function, integrity: Integrity, answer: Answer):
         result = function(*args, **kwargs)
         # what the call returned and the object an __init__ made; not every call's arguments (a model: ~10 ms)
         made = args[:1] if function.__name__ == "__init__" else ()
-        returned = () if sys._getframe(1).f_code.co_filename in answer.files else (result,)
-        changed = (lies(returned, (result, *made) if not returned else made, answer.classes, integrity.watched)
-                   + integrity.changes(since=names))
+        if sys._getframe(1).f_code.co_filename in answer.files:  # to the answer's own code: its helpers' business
+            returned, held = (), (result, *made)
+        else:  # to a test or the course's code: read as a test reads it
+            returned, held = (result,), made
+        changed = lies(returned, held, answer.classes, integrity.watched) + integrity.changes(since=names)
         if changed:
             raise AssertionError(tampering(changed))
         return result
     _GUARDED[wrapper] = function
     return wrapper
-
-
-class Answer(NamedTuple):
-    """What ``_guarded`` needs to know of the exercise's answer: the file names its cells were compiled under, and the
-    classes it defines that the exercise asks for (their objects may define how they compare)."""
-    files: frozenset
-    classes: frozenset
 
 
 def _guard(namespace: dict, names: set[str], integrity: Integrity, answer: Answer) -> None:
