@@ -278,15 +278,17 @@ def _answer_decides(value, name: str, cls: type) -> bool:
 
 def lookalike(cls: type, asked: frozenset = frozenset(), watched: frozenset = frozenset()) -> list[str]:
     """The operations that the answer's own code decides for objects of ``cls`` (``VALUE_PROTOCOL``; for a tensor,
-    any of torch.Tensor's attributes but ``HARMLESS``), read from the classes of its MRO other than ``asked`` (the
-    classes the exercise asks for), ``watched`` (those ``Integrity`` watches) and the immutable ones (int, numpy's
-    scalars: no code can change them), as ``Class.__eq__``."""
+    any of torch.Tensor's attributes but ``HARMLESS``), read from the classes of its MRO up to one of ``asked`` (the
+    classes the exercise asks for, which decide with what they inherit), other than ``watched`` (those ``Integrity``
+    watches) and the immutable ones (int, numpy's scalars: no code can change them), as ``Class.__eq__``."""
     import torch
 
     names = VALUE_PROTOCOL | (tensor_attributes() - HARMLESS) if issubclass(cls, torch.Tensor) else VALUE_PROTOCOL
     found = []
     for k in type.__dict__["__mro__"].__get__(cls):  # type's own: a metaclass cannot fake either
-        if k in asked or k in watched or k.__flags__ & IMMUTABLE_TYPE:
+        if k in asked:  # what the exercise asks for decides how its objects compare, with what it inherits
+            break
+        if k in watched or k.__flags__ & IMMUTABLE_TYPE:
             continue
         own = type.__dict__["__dict__"].__get__(k)
         found += [f"{k.__qualname__}.{name}" for name in sorted(names & own.keys()) if _answer_decides(own[name], name, k)]
@@ -449,6 +451,7 @@ def _watched(namespace: dict) -> list:
     watched += [m for name, m in sys.modules.items() if name.startswith("course_lib.checks") and m is not None]
     watched += [v for v in namespace.values() if isinstance(v, types.ModuleType)]
     watched.append(course_lib.checks)
+    watched.append(sys.modules[__name__])  # the clean room's own checks (``cleanroom.lies = ...`` would end them)
     return list({id(ns): ns for ns in watched}.values())
 
 
@@ -462,7 +465,7 @@ _GUARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _guarded(function, integrity: Integrity, answer: Answer):
     """Call the learner's function, then refuse its result if it changed a watched module or the test's names, or
-    if what it returned (or an object its ``__init__`` made holds) lies (``lies``): a tensor's own attributes, and what
+    if what it returned (or the object its ``__init__`` made) lies (``lies``): a tensor's own attributes, and what
     decides how it compares or computes where it is returned to code other than the answer's own (a test, the course's
     code; within the answer, its helpers may order themselves as they like)."""
     @functools.wraps(function)
@@ -471,9 +474,12 @@ def _guarded(function, integrity: Integrity, answer: Answer):
         result = function(*args, **kwargs)
         # what the call returned and the object an __init__ made; not every call's arguments (a model: ~10 ms)
         made = args[:1] if function.__name__ == "__init__" else ()
-        returned = () if sys._getframe(1).f_code.co_filename in answer.files else (result,)
-        changed = (lies(returned, (result, *made) if not returned else made, answer.classes, integrity.watched)
-                   + integrity.changes(since=names))
+        caller = sys._getframe(1).f_code.co_filename
+        if caller in answer.files:  # within the answer: its helpers may order themselves as they like
+            returned, held = (), (result, *made)
+        else:  # a test gets the object an __init__ made (its class called) as it gets a result; other code, its result
+            returned, held = ((result, *made), ()) if caller in answer.tests else ((result,), made)
+        changed = lies(returned, held, answer.classes, integrity.watched) + integrity.changes(since=names)
         if changed:
             raise AssertionError(tampering(changed))
         return result
@@ -481,11 +487,18 @@ def _guarded(function, integrity: Integrity, answer: Answer):
     return wrapper
 
 
+def _class_names(source: str) -> set[str]:
+    """The names of the classes a cell's definitions define at top level."""
+    return {node.name for node in ast.parse(student_definitions(source)).body if isinstance(node, ast.ClassDef)}
+
+
 class Answer(NamedTuple):
     """What ``_guarded`` needs to know of the exercise's answer: the file names its cells were compiled under, and the
-    classes it defines that the exercise asks for (their objects may define how they compare)."""
+    classes it defines that the exercise asks for, as classes (its reference defines a class of the name: their objects
+    may define how they compare; a class answering for a function may not), and the file names of its tests."""
     files: frozenset
     classes: frozenset
+    tests: frozenset
 
 
 def _guard(namespace: dict, names: set[str], integrity: Integrity, answer: Answer) -> None:
@@ -499,6 +512,15 @@ def _guard(namespace: dict, names: set[str], integrity: Integrity, answer: Answe
                     setattr(obj, attr, _guarded(value, integrity, answer))
                 elif type(value) in (staticmethod, classmethod) and inspect.isfunction(value.__func__):  # __new__ too
                     setattr(obj, attr, type(value)(_guarded(value.__func__, integrity, answer)))
+                elif type(value) is property and not (attr.startswith("__") and attr.endswith("__")):
+                    # what its getter returns reaches a test as a method's result does (a __class__ or __dict__ of
+                    # its own, which the clean room's check reads, is named by that check, unwrapped)
+                    for part, copy in (("fget", property.getter), ("fset", property.setter), ("fdel", property.deleter)):
+                        if inspect.isfunction(getattr(value, part)):
+                            value = copy(value, _guarded(getattr(value, part), integrity, answer))
+                    setattr(obj, attr, value)
+                elif type(value) is functools.cached_property and inspect.isfunction(value.func):
+                    value.func = _guarded(value.func, integrity, answer)
 
 
 def limit_hit(error: BaseException, limits: dict) -> str:
@@ -574,8 +596,12 @@ def _run_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: di
         namespace, learner = None, set()
         loading = f"{type(error).__name__}: {error}"
     else:
-        answer = Answer(frozenset(f"<{s['grade_id']}>" for s in solutions if s["exercise"] == exercise["name"]),
-                        frozenset(namespace[name] for name in learner - shadowed.keys() if inspect.isclass(namespace[name])))
+        cells = [s for s in solutions if s["exercise"] == exercise["name"]]
+        classes = set().union(*(_class_names(s["reference"]) for s in cells))  # a class the reference defines
+        answer = Answer(frozenset(f"<{s['grade_id']}>" for s in cells),
+                        frozenset(namespace[name] for name in (learner - shadowed.keys()) & classes
+                                  if inspect.isclass(namespace[name])),
+                        frozenset(f"<{test['grade_id']}>" for test in exercise["tests"]))
         _guard(namespace, learner, integrity, answer)
         # the course's functions look their names up here when called: the learner's code may not re-bind them
         integrity.watch("the course code's", namespace, namespace.keys() - learner)

@@ -284,6 +284,16 @@ LOOKALIKES_MORE = {
     "numpy_objects": ("import numpy\n" + SIX + "def double(x):\n    return numpy.array(Six(0), dtype=object)\n"),
     "proxied_mapping": ("import types\nclass Yes(dict):\n    def __eq__(self, other):\n        return True\n"
                         "    __hash__ = None\ndef double(x):\n    return types.MappingProxyType(Yes())\n"),
+    "class_for_function": ("class double:\n    def __init__(self, x):\n        self.x = x\n"
+                           "    def __eq__(self, other):\n        return True\n"),
+    "new_for_function": ("class double(int):\n    def __new__(cls, x):\n        return int.__new__(cls, 0)\n"
+                         "    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"),
+    "patched_clean_room": (SIX + "import sys\ndef double(x):\n"
+                           "    sys.modules['course_lib.grading.cleanroom'].lies = lambda *args, **kwargs: []\n"
+                           "    return Six(0)\n"),
+    "patched_integrity": (SIX + "import sys\ndef double(x):\n    room = sys.modules['course_lib.grading.cleanroom']\n"
+                          "    room.Integrity.changes = lambda self, since=None: []\n"
+                          "    room.lies = lambda *args, **kwargs: []\n    return Six(0)\n"),
     "weak_proxy": ("import weakref\n" + SIX.replace("Six(int)", "Anything") + "KEPT = []\n"
                    "def double(x):\n    KEPT.append(Anything())\n    return weakref.proxy(KEPT[-1])\n")}
 #: honest answers of SOURCE's double whose helpers order themselves (a heap of objects with their own `<`, a dataclass
@@ -336,6 +346,8 @@ ANYTHING = ("class Anything:\n    def __eq__(self, other):\n        return True\
             "    def __sub__(self, other):\n        return 0\n")
 DEQUE_LOOKALIKE = "import collections\n" + ANYTHING + "def pair(x):\n    return collections.deque([Anything(), Anything()])\n"
 USERLIST = "import collections\ndef pair(x):\n    return collections.UserList([x, 2 * x])\n"
+#: PAIRS's pair, wrong: the look-alike past the first 10,000 objects lies looks at (pair-second passes)
+OVER_THE_LIMIT = ANYTHING + "def pair(x):\n    return [x, Anything()] + [(float(i),) for i in range(10_001)]\n"
 USERLIST_LOOKALIKE = "import collections\n" + ANYTHING + "def pair(x):\n    return collections.UserList([Anything(), Anything()])\n"
 #: an exercise whose function is a generator: what it yields reaches the test after the call returned
 EVENS = {"cells": [cell("setup", "import torch"),
@@ -354,6 +366,15 @@ SCORED = {"cells": [cell("setup", "import functools\n@functools.total_ordering\n
                     cell("score-solution", "def score(x):\n    return Score(2 * x)\n", "score-solution", solution=True),
                     cell("score-order", "assert score(3) == 6 and 5 < score(3) <= 6", "score-order", grade=True)],
           "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+#: an exercise that asks for a class with a property; wrong answers whose property (or functools.cached_property)
+#: returns SIX's look-alike
+BOX = {"cells": [cell("setup", "import torch"),
+                 cell("box-solution", "class Box:\n    def __init__(self, n):\n        self.n = n\n"
+                      "    @property\n    def size(self):\n        return 2 * self.n\n", "box-solution", solution=True),
+                 cell("box-size", "assert Box(3).size == 6", "box-size", grade=True)],
+       "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+PROPERTY_LOOKALIKE = SIX + BOX["cells"][1]["source"].replace("2 * self.n", "Six(0)")
+CACHED_LOOKALIKE = "import functools\n" + PROPERTY_LOOKALIKE.replace("@property", "@functools.cached_property")
 #: LAYER's Scale, right, with an `__eq__` of its own: the exercise asks for the class, which may compare as it likes
 #: an honest answer that returns its own subclass of torch.Tensor, which changes nothing a tensor does
 HONEST_SUBCLASS = ("import torch\nclass Doubled(torch.Tensor):\n    pass\n"
@@ -408,10 +429,14 @@ GRADED_OTHER = {"own_torch": (IMPORTING, 1, OWN_TORCH), "global_torch": (COURSE_
                 "held_lookalike": (LAYER, 1, HELD_LOOKALIKE), "held_in_slots": (LAYER, 1, HELD_IN_SLOTS),
                 "held_by_a_claim": (LAYER, 1, HELD_BY_A_CLAIM), "deque_lookalike": (PAIRS, 1, DEQUE_LOOKALIKE),
                 "userlist_pairs": (PAIRS, 1, USERLIST), "userlist_lookalike": (PAIRS, 1, USERLIST_LOOKALIKE),
+                "over_the_limit": (PAIRS, 1, OVER_THE_LIMIT), "box_reference": (BOX, 1, BOX["cells"][1]["source"]),
+                "property_lookalike": (BOX, 1, PROPERTY_LOOKALIKE), "cached_lookalike": (BOX, 1, CACHED_LOOKALIKE),
                 "scored_reference": (SCORED, 1, SCORED["cells"][1]["source"]),
                 "yielded_lookalike": (EVENS, 1, YIELDED_LOOKALIKE), "evens_reference": (EVENS, 1, EVENS["cells"][1]["source"]),
                 "asked_with_eq": (LAYER, 1, LAYER["cells"][1]["source"] + "    def __eq__(self, other):\n"
-                                  "        return isinstance(other, Scale) and bool((self.weight == other.weight).all())\n")}
+                                  "        return isinstance(other, Scale) and bool((self.weight == other.weight).all())\n"),
+                "asked_with_a_base": (LAYER, 1, "class Sized:\n    def __len__(self):\n        return len(self.weight)\n"
+                                      + LAYER["cells"][1]["source"].replace("class Scale:", "class Scale(Sized):"))}
 #: name -> answer of double-solution in CHECKED, graded with DEFAULT limits
 GRADED_CHECKED = {"zero": ZERO, "shadows": SHADOWS, "function_liar": FUNCTION_LIAR, "dispatch_liar": DISPATCH_LIAR,
                   "attribute_liar": ATTRIBUTE_LIAR, "forged_liar": FORGED_LIAR, "method_liar": METHOD_LIAR,
@@ -625,15 +650,32 @@ def test_a_returned_value_whose_own_class_decides_how_it_compares_gains_nothing(
                                            ("bound_lookalike", "your class Six"), ("borrowed_lookalike", "your class Six"),
                                            ("cast_lookalike", "your class Six"), ("mock_any", "your class _ANY"),
                                            ("approx_any", "your class ApproxScalar"), ("numpy_objects", "your class Six"),
-                                           ("proxied_mapping", "your class Yes")])
+                                           ("proxied_mapping", "your class Yes"),
+                                           ("class_for_function", "your class double"),
+                                           ("new_for_function", "your class double")])
 def test_an_eq_that_only_says_its_name_a_borrowed_library_function_or_a_stand_in_gains_nothing(verdicts, student,
                                                                                                 named):
     """Each passed `double(3) == 6` with a wrong answer before: an `__eq__` without code was taken at its word (its
     `__name__`), any library's function in the answer's class was the library's say, mock's and pytest's stand-ins
-    were a library's values, and the items of a numpy array and the mapping a mappingproxy shows were not looked at."""
+    were a library's values, the items of a numpy array and the mapping a mappingproxy shows were not looked at, and a
+    class answering for the function `double` was a class the exercise asks for (its objects may compare as they like;
+    what its `__init__` made was not looked at as what the test gets)."""
     found = verdicts[student]
     assert not found["double-visible"].passed and f"how __eq__ works ({named})" in found["double-visible"].message, found
     assert found["quad-visible"].passed
+
+
+def test_replacing_the_clean_rooms_own_check_is_caught(verdicts):
+    """`cleanroom.lies = lambda ...: []` in the answer's function ended every check of what it returns (the wrong
+    double passed); the clean room's module is watched as the course's are."""
+    found = verdicts["patched_clean_room"]["double-visible"]
+    assert not found.passed and "replaced course_lib.grading.cleanroom.lies" in found.message, found
+
+
+@pytest.mark.xfail(strict=True, reason="known hole: the answer's code runs in the clean room's process, and can "
+                   "replace the method that looks for changes (Integrity.changes) before its other changes")
+def test_known_hole_replacing_the_check_for_changes_too(verdicts):
+    assert not verdicts["patched_integrity"]["double-visible"].passed
 
 
 def test_a_weak_proxy_returned_gains_nothing(verdicts):
@@ -650,6 +692,13 @@ def test_a_look_alike_held_by_what_an_init_made_is_caught(verdicts, student):
     assert not held.passed and "how __eq__ works (your class Six)" in held.message, held
 
 
+@pytest.mark.parametrize("student", ["property_lookalike", "cached_lookalike"])
+def test_a_look_alike_from_a_property_is_caught(verdicts, student):
+    """A property's getter (or a cached_property's function) was not wrapped: what it returned was not looked at."""
+    found = verdicts[student]["box-size"]
+    assert not found.passed and "how __eq__ works (your class Six)" in found.message, found
+
+
 @pytest.mark.parametrize("student", ["listed_lookalike", "deque_lookalike"])
 def test_a_look_alike_in_a_returned_list_or_deque_is_caught(verdicts, student):
     """A deque's items were not looked at before (`pair(3)[1] - 6 == 0` passed)."""
@@ -663,6 +712,12 @@ def test_known_hole_look_alikes_in_a_library_objects_attributes(verdicts):
     assert not any(v.passed for v in verdicts["userlist_lookalike"].values())
 
 
+@pytest.mark.xfail(strict=True, reason="known hole: lies looks at the first 10,000 objects only (its cost runs after "
+                   "every guarded call); a look-alike past them is not looked at")
+def test_known_hole_a_look_alike_past_the_walks_limit(verdicts):
+    assert not verdicts["over_the_limit"]["pair-second"].passed
+
+
 @pytest.mark.xfail(strict=True, reason="known hole: what a generator of the answer's yields reaches the test after "
                    "the guarded call returned the generator, and is not looked at (so the value a contextmanager yields)")
 def test_known_hole_a_look_alike_yielded_by_a_generator(verdicts):
@@ -670,12 +725,13 @@ def test_known_hole_a_look_alike_yielded_by_a_generator(verdicts):
     assert not verdicts["yielded_lookalike"]["evens-list"].passed
 
 
-@pytest.mark.parametrize("student", [*HONEST_VALUES, "pairs_reference", "asked_with_eq", "evens_reference",
-                                     "scored_reference", "userlist_pairs"])
+@pytest.mark.parametrize("student", [*HONEST_VALUES, "pairs_reference", "asked_with_eq", "asked_with_a_base",
+                                     "evens_reference", "box_reference", "scored_reference", "userlist_pairs"])
 def test_honest_values_and_helpers_that_order_themselves_pass(verdicts, student):
     """Helpers that compare or order themselves inside the answer (a heap, a dataclass with order=True,
     total_ordering), an IntEnum member, numpy integer, IntFlag member (enum's code in the answer's class) or int
-    subclass with int's own `__eq__` returned, a class the exercise asks for with its own `__eq__`, a set-up's
+    subclass with int's own `__eq__` returned, a class the exercise asks for with its own `__eq__` or one from a
+    base class of the answer's (its `__len__`), made by the test, a set-up's
     class ordered by functools.total_ordering returned, and a UserList returned (collections.abc's code is frozen
     into Python, not in a file: refused before): every test passes."""
     assert all(verdict.passed for verdict in verdicts[student].values()), verdicts[student]
