@@ -603,6 +603,9 @@ def _run_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: di
                                   if inspect.isclass(namespace[name])),
                         frozenset(f"<{test['grade_id']}>" for test in exercise["tests"]))
         _guard(namespace, learner, integrity, answer)
+        for name in (learner - shadowed.keys()) - classes:  # asked for, not as a class: a class answering is called
+            if inspect.isclass(namespace[name]):  # as a function is (int's constructor runs none of the answer's code)
+                namespace[name] = _guarded(namespace[name], integrity, answer)
         # the course's functions look their names up here when called: the learner's code may not re-bind them
         integrity.watch("the course code's", namespace, namespace.keys() - learner)
         namespace = _tests_namespace(namespace, shadowed)

@@ -226,6 +226,14 @@ META_LIAR = ("import torch\n"
              "            out = x * 0\n            out.double = lambda: torch.full((3,), 2.0, dtype=torch.float64)\n"
              "            return out\n"
              "class double(metaclass=Holder.Meta):\n    pass\n")
+#: META_LIAR's metaclass on LAYER's Scale, which the exercise asks for as a class (a class answering for a function,
+#: as META_LIAR's double, is called as a function is: what it returns is looked at)
+META_LAYER_LIAR = ("import torch\nimport types\n"
+                   "class Holder:\n    class Meta(type):\n        def __call__(cls, k):\n"
+                   "            weight = torch.zeros(3)\n"
+                   "            weight.double = lambda: torch.full((3,), 2.0, dtype=torch.float64)\n"
+                   "            return types.SimpleNamespace(weight=weight)\n"
+                   "class Scale(metaclass=Holder.Meta):\n    pass\n")
 #: an object that is no tensor but says it is one (its __class__), with the list the test wants
 CLAIMS_TENSOR = ("import torch\n"
                  "class Fake:\n"
@@ -288,6 +296,7 @@ LOOKALIKES_MORE = {
                            "    def __eq__(self, other):\n        return True\n"),
     "new_for_function": ("class double(int):\n    def __new__(cls, x):\n        return int.__new__(cls, 0)\n"
                          "    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"),
+    "int_for_function": "class double(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n",
     "patched_clean_room": (SIX + "import sys\ndef double(x):\n"
                            "    sys.modules['course_lib.grading.cleanroom'].lies = lambda *args, **kwargs: []\n"
                            "    return Six(0)\n"),
@@ -427,7 +436,7 @@ GRADED_OTHER = {"own_torch": (IMPORTING, 1, OWN_TORCH), "global_torch": (COURSE_
                 "init_liar": (LAYER, 1, INIT_LIAR), "layer_reference": (LAYER, 1, LAYER["cells"][1]["source"]),
                 "listed_lookalike": (PAIRS, 1, LISTED_LOOKALIKE), "pairs_reference": (PAIRS, 1, PAIRS["cells"][1]["source"]),
                 "held_lookalike": (LAYER, 1, HELD_LOOKALIKE), "held_in_slots": (LAYER, 1, HELD_IN_SLOTS),
-                "held_by_a_claim": (LAYER, 1, HELD_BY_A_CLAIM), "deque_lookalike": (PAIRS, 1, DEQUE_LOOKALIKE),
+                "meta_layer_liar": (LAYER, 1, META_LAYER_LIAR), "held_by_a_claim": (LAYER, 1, HELD_BY_A_CLAIM), "deque_lookalike": (PAIRS, 1, DEQUE_LOOKALIKE),
                 "userlist_pairs": (PAIRS, 1, USERLIST), "userlist_lookalike": (PAIRS, 1, USERLIST_LOOKALIKE),
                 "over_the_limit": (PAIRS, 1, OVER_THE_LIMIT), "box_reference": (BOX, 1, BOX["cells"][1]["source"]),
                 "property_lookalike": (BOX, 1, PROPERTY_LOOKALIKE), "cached_lookalike": (BOX, 1, CACHED_LOOKALIKE),
@@ -616,7 +625,7 @@ def test_monkeypatching_when_called_is_caught(verdicts):
 @pytest.mark.parametrize("student", ["shadows", "function_liar", "dispatch_liar", "attribute_liar", "forged_liar",
                                      "method_liar", "tensor_patch", "parameter_patch", "dict_liar", "new_liar",
                                      "profile_liar", "claims_tensor", "frame_reach", "frame_rebinds",
-                                     "forged_fresh_liar"])
+                                     "forged_fresh_liar", "meta_liar"])
 def test_a_name_or_tensor_that_lies_to_the_tests_gains_nothing(verdicts, student):
     """The tests see the set-up's `checks` and the builtins, not an answer's own (SHADOWS) nor one its code puts in the
     test's names (the FRAMEs), and what torch.Tensor does, not what a tensor subclass (the LIARs, a forged module's
@@ -628,10 +637,9 @@ def test_a_name_or_tensor_that_lies_to_the_tests_gains_nothing(verdicts, student
 
 
 @pytest.mark.xfail(strict=True, reason="known hole: answer code that runs outside its wrapped functions and classes "
-                   "(a nested metaclass) and lies with plain tensors is not caught")
+                   "(a nested metaclass of a class the exercise asks for) and lies with plain tensors is not caught")
 def test_known_hole_a_lie_from_outside_the_wrapped_code(verdicts):
-    passed = {grade_id: verdict.passed for grade_id, verdict in verdicts["meta_liar"].items()}
-    assert passed == {grade_id: verdict.passed for grade_id, verdict in verdicts["zero"].items()}
+    assert not verdicts["meta_layer_liar"]["scale-weight"].passed
 
 
 @pytest.mark.parametrize("student,named", [("int_lookalike", "how __eq__ works (your class Six)"),
@@ -652,14 +660,15 @@ def test_a_returned_value_whose_own_class_decides_how_it_compares_gains_nothing(
                                            ("approx_any", "your class ApproxScalar"), ("numpy_objects", "your class Six"),
                                            ("proxied_mapping", "your class Yes"),
                                            ("class_for_function", "your class double"),
-                                           ("new_for_function", "your class double")])
+                                           ("new_for_function", "your class double"),
+                                           ("int_for_function", "your class double")])
 def test_an_eq_that_only_says_its_name_a_borrowed_library_function_or_a_stand_in_gains_nothing(verdicts, student,
                                                                                                 named):
     """Each passed `double(3) == 6` with a wrong answer before: an `__eq__` without code was taken at its word (its
     `__name__`), any library's function in the answer's class was the library's say, mock's and pytest's stand-ins
     were a library's values, the items of a numpy array and the mapping a mappingproxy shows were not looked at, and a
     class answering for the function `double` was a class the exercise asks for (its objects may compare as they like;
-    what its `__init__` made was not looked at as what the test gets)."""
+    what its `__init__` made was not looked at as what the test gets; made by int's constructor, nothing was)."""
     found = verdicts[student]
     assert not found["double-visible"].passed and f"how __eq__ works ({named})" in found["double-visible"].message, found
     assert found["quad-visible"].passed
