@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import collections
 import functools
 import gc
 import importlib
@@ -185,11 +186,24 @@ VALUE_PROTOCOL = frozenset(
 BUILTIN_VALUES = (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)
 #: a class's flag (``__flags__``) that its attributes cannot be set: Python's and C extensions' own types
 IMMUTABLE_TYPE = 1 << 8
+#: a class's flag that it was made by a class statement or ``type()`` (its objects may keep attributes in __slots__)
+HEAP_TYPE = 1 << 9
 
 
-def _code_of(value):
-    """The code object behind a class attribute: a function's (the learner's own where ``_guard`` wrapped it), or that of
-    the function a staticmethod, classmethod, property, bound method or functools.partial holds; None where there is no
+#: the modules of libraries whose objects stand in for others (``unittest.mock.ANY`` equals anything, so may a
+#: ``pytest.approx``): their classes are not a library's say on how a test's value compares
+STAND_INS = ("unittest.mock", "_pytest.")
+
+
+@functools.cache
+def _total_ordering() -> frozenset:
+    """The code of the comparisons ``functools.total_ordering`` writes into a class."""
+    return frozenset(function.__code__ for pairs in functools._convert.values() for _, function in pairs)
+
+
+def _function_of(value):
+    """The Python function behind a class attribute: itself (the learner's own where ``_guard`` wrapped it), or the
+    function a staticmethod, classmethod, property, bound method or functools.partial holds; None where there is no
     Python code (a builtin's method)."""
     for _ in range(10):
         if isinstance(value, types.FunctionType) and value in _GUARDED:
@@ -202,15 +216,33 @@ def _code_of(value):
             value = value.func
         else:
             break
-    return value.__code__ if isinstance(value, types.FunctionType) else None
+    return value if isinstance(value, types.FunctionType) else None
+
+
+def _defined_by(function: types.FunctionType, cls: type) -> bool:
+    """Whether ``cls`` is the class that ``function``'s module (a library's) holds under ``cls``'s name, or, made in one
+    of its functions, the class ``function`` was written in, and the library's objects do not stand in for others
+    (``STAND_INS``): a library's own class, whatever module name it gives (``collections.abc.Sequence`` is
+    ``_collections_abc``'s), and not an answer's class that borrows a library's function."""
+    module = function.__globals__.get("__name__")
+    if not isinstance(module, str) or module.startswith(STAND_INS):
+        return False
+    if "<locals>" in cls.__qualname__:
+        return function.__code__.co_qualname.startswith(cls.__qualname__ + ".")
+    first, *rest = cls.__qualname__.split(".")
+    found = function.__globals__.get(first)
+    for part in rest:
+        found = getattr(found, part, None)
+    return found is cls
 
 
 def _library_class(cls: type) -> bool:
     """Whether ``cls`` is a library's: reachable as ``module.QualifiedName`` (or made in a function) of an imported
     module that is Python's builtins or has a file (an answer's class says ``__main__``, or names a module that does
-    not hold it)."""
+    not hold it), other than the libraries of stand-ins (``STAND_INS``)."""
     module = sys.modules.get(cls.__module__)
-    if module is None or not (module is builtins or os.path.isabs(getattr(module, "__file__", None) or "")):
+    if (module is None or not (module is builtins or os.path.isabs(getattr(module, "__file__", None) or ""))
+            or cls.__module__.startswith(STAND_INS)):
         return False
     found = module
     for part in cls.__qualname__.split("."):
@@ -220,30 +252,43 @@ def _library_class(cls: type) -> bool:
 
 def _answer_decides(value, name: str, cls: type) -> bool:
     """Whether ``value``, the attribute ``name`` of class ``cls``, is the answer's own say on what ``name`` does: Python
-    code that is not the course's (its set-up and reference cells), a library's (a file) or one dataclasses generated;
-    or, in a class not a library's, an object without code standing in for another operation (``__eq__ = int.__le__``;
-    torch.Tensor's ``__abs__ = TensorBase.abs`` is torch's)."""
+    code that is not the course's (its set-up and reference cells), one dataclasses generated, or a library's (a file,
+    or frozen into Python) other than that of the library's own class (``_defined_by``), of a class ``cls`` inherits
+    from anyway and the comparisons functools.total_ordering writes (``__eq__ = typing.cast`` is the answer's say); or
+    an object without code, in a class not a library's, other than a slot of a class ``cls`` inherits from under its
+    own name (``__eq__ = int.__le__``, ``(6).__eq__``, a callable or functools.partial named ``__eq__``; torch.Tensor's
+    ``__abs__ = TensorBase.abs`` is torch's)."""
     if value is None:
         return False
-    code = _code_of(value)
-    if code is None:
-        return getattr(value, "__name__", None) != name and not _library_class(cls)
+    function = _function_of(value)
+    if function is None:  # a builtin's method: a slot of a class it inherits from, under its own name, or a library's
+        return not (type(value) in (types.WrapperDescriptorType, types.MethodDescriptorType) and value.__name__ == name
+                    and value.__objclass__ in type.__dict__["__mro__"].__get__(cls) or _library_class(cls))
+    code = function.__code__
     origin = code.co_filename
-    return not (origin.startswith("<reference ") or origin == "<set-up cell>" or os.path.isabs(origin)
+    if os.path.isabs(origin) or origin.startswith("<frozen "):  # a library's code (a file, or frozen into Python:
+        # collections.abc's): its own class's, one a class it inherits from holds (enum's Flag copies its __or__ into an
+        # IntFlag of the answer's), or what functools.total_ordering writes
+        return not (_defined_by(function, cls) or code in _total_ordering()
+                    or any(getattr(_function_of(type.__dict__["__dict__"].__get__(base).get(name)), "__code__", None)
+                           is code for base in type.__dict__["__mro__"].__get__(cls)[1:]))
+    return not (origin.startswith("<reference ") or origin == "<set-up cell>"
                 or origin == "<string>" and code.co_qualname.startswith("__create_fn__."))
 
 
 def lookalike(cls: type, asked: frozenset = frozenset(), watched: frozenset = frozenset()) -> list[str]:
     """The operations that the answer's own code decides for objects of ``cls`` (``VALUE_PROTOCOL``; for a tensor,
-    any of torch.Tensor's attributes but ``HARMLESS``), read from the classes of its MRO other than ``asked`` (the
-    classes the exercise asks for), ``watched`` (those ``Integrity`` watches) and the immutable ones (int, numpy's
-    scalars: no code can change them), as ``Class.__eq__``."""
+    any of torch.Tensor's attributes but ``HARMLESS``), read from the classes of its MRO up to one of ``asked`` (the
+    classes the exercise asks for, which decide with what they inherit), other than ``watched`` (those ``Integrity``
+    watches) and the immutable ones (int, numpy's scalars: no code can change them), as ``Class.__eq__``."""
     import torch
 
     names = VALUE_PROTOCOL | (tensor_attributes() - HARMLESS) if issubclass(cls, torch.Tensor) else VALUE_PROTOCOL
     found = []
     for k in type.__dict__["__mro__"].__get__(cls):  # type's own: a metaclass cannot fake either
-        if k in asked or k in watched or k.__flags__ & IMMUTABLE_TYPE:
+        if k in asked:  # what the exercise asks for decides how its objects compare, with what it inherits
+            break
+        if k in watched or k.__flags__ & IMMUTABLE_TYPE:
             continue
         own = type.__dict__["__dict__"].__get__(k)
         found += [f"{k.__qualname__}.{name}" for name in sorted(names & own.keys()) if _answer_decides(own[name], name, k)]
@@ -252,8 +297,8 @@ def lookalike(cls: type, asked: frozenset = frozenset(), watched: frozenset = fr
 
 def lies(returned, held=(), asked: frozenset = frozenset(), watched: frozenset = frozenset(),
          limit: int = 10_000) -> list[str]:
-    """What lies among the objects reachable from ``returned`` and ``held`` (through lists, tuples, sets, dicts and
-    objects' attributes; the first ``limit``):
+    """What lies among the objects reachable from ``returned`` and ``held`` (through lists, tuples, sets, dicts,
+    deques, mapping proxies, numpy arrays of objects and objects' attributes; the first ``limit``):
 
     * a tensor with an attribute of its own that hides torch.Tensor's (``t.double = ...``: ``t.double()`` would run
       it, not torch), and an object that claims to be a tensor (its ``__class__``) and is not one;
@@ -261,7 +306,8 @@ def lies(returned, held=(), asked: frozenset = frozenset(), watched: frozenset =
       (``lookalike``: ``class Six(int)`` whose ``__eq__`` says yes to anything, a plain object whose ``__sub__``
       gives 0): any such object in ``returned`` and its containers, where a test reads it; in ``held`` and in objects'
       attributes, where an answer's helper objects may order themselves honestly, only subclasses of the builtin
-      values and of torch.Tensor.
+      values and of torch.Tensor;
+    * a weakref.proxy returned: what it stands in for, out of reach, decides how it compares.
 
     ``asked``: the classes the exercise asks for, whose objects may compare as they like; ``watched``: the classes
     ``Integrity`` watches."""
@@ -279,7 +325,12 @@ def lies(returned, held=(), asked: frozenset = frozenset(), watched: frozenset =
             if cls not in classes:  # read once per check: many objects share a class
                 classes[cls] = lookalike(cls, asked, watched)
             found += [f"how {name.split('.')[-1]} works (your class {name.rsplit('.', 1)[0]})" for name in classes[cls]]
-        if isinstance(value, SKIPPED):
+        # what the object is, by its type (an object's __class__ may claim anything)
+        if issubclass(cls, SKIPPED):
+            continue
+        if issubclass(cls, weakref.ProxyTypes):  # what it stands in for is out of reach, and decides what it does
+            if direct:
+                found.append("how a weakref.proxy compares (what it stands in for decides, out of the tests' sight)")
             continue
         if issubclass(cls, torch.Tensor):
             found += [f"torch.Tensor.{name} (an attribute of a tensor)" for name in sorted(set(vars(value)) &
@@ -288,13 +339,20 @@ def lies(returned, held=(), asked: frozenset = frozenset(), watched: frozenset =
         if isinstance(value, torch.Tensor):
             found.append(f"torch.Tensor (an object of class {cls.__qualname__} that claims to be one)")
             continue
-        containers = [kind for kind in (list, tuple, set, frozenset, dict) if isinstance(value, kind)]
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and issubclass(cls, numpy.ndarray):  # its items, where it holds Python objects
+            if numpy.ndarray.__dict__["dtype"].__get__(value).hasobject:
+                todo += [(item, direct) for item in numpy.ndarray.tolist(numpy.ndarray.ravel(value))]
+        if cls is types.MappingProxyType:  # the mapping it shows, which decides how it compares
+            todo += [(item, direct) for item in gc.get_referents(value)]
+            continue
+        containers = [kind for kind in (list, tuple, set, frozenset, dict, collections.deque) if issubclass(cls, kind)]
         for kind in containers:  # the items as the builtin holds them, whatever a subclass says
             todo += [(item, direct) for item in (kind.__iter__(value) if kind is not dict else
                                                  (item for pair in dict.items(value) for item in pair))]
-        if not containers and cls.__dictoffset__:
+        if not containers and (cls.__dictoffset__ or cls.__flags__ & HEAP_TYPE):
             # an object with attributes: what the garbage collector sees it hold (no property can hide it), its dict
-            # or, where Python keeps an object's attributes inline, their values
+            # or, where Python keeps an object's attributes inline or in __slots__, their values
             for held in gc.get_referents(value):
                 todo += [(item, False) for item in (held.values() if type(held) is dict else (held,))]
     return list(dict.fromkeys(found))
@@ -393,6 +451,7 @@ def _watched(namespace: dict) -> list:
     watched += [m for name, m in sys.modules.items() if name.startswith("course_lib.checks") and m is not None]
     watched += [v for v in namespace.values() if isinstance(v, types.ModuleType)]
     watched.append(course_lib.checks)
+    watched.append(sys.modules[__name__])  # the clean room's own checks (``cleanroom.lies = ...`` would end them)
     return list({id(ns): ns for ns in watched}.values())
 
 
@@ -400,11 +459,18 @@ def _watched(namespace: dict) -> list:
 PYTHON_WRITES = {"__warningregistry__"}
 
 
+def _class_names(source: str) -> set[str]:
+    """The names of the classes a cell's definitions define at top level."""
+    return {node.name for node in ast.parse(student_definitions(source)).body if isinstance(node, ast.ClassDef)}
+
+
 class Answer(NamedTuple):
     """What ``_guarded`` needs to know of the exercise's answer: the file names its cells were compiled under, and the
-    classes it defines that the exercise asks for (their objects may define how they compare)."""
+    classes it defines that the exercise asks for, as classes (its reference defines a class of the name: their objects
+    may define how they compare; a class answering for a function may not), and the file names of its tests."""
     files: frozenset
     classes: frozenset
+    tests: frozenset
 
 
 #: each wrapper ``_guarded`` made -> the learner's function it calls
@@ -413,7 +479,7 @@ _GUARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _guarded(function, integrity: Integrity, answer: Answer):
     """Call the learner's function, then refuse its result if it changed a watched module or the test's names, or
-    if what it returned (or an object its ``__init__`` made holds) lies (``lies``): a tensor's own attributes, and what
+    if what it returned (or the object its ``__init__`` made) lies (``lies``): a tensor's own attributes, and what
     decides how it compares or computes where it is returned to code other than the answer's own (a test, the course's
     code; within the answer, its helpers may order themselves as they like)."""
     @functools.wraps(function)
@@ -422,10 +488,11 @@ def _guarded(function, integrity: Integrity, answer: Answer):
         result = function(*args, **kwargs)
         # what the call returned and the object an __init__ made; not every call's arguments (a model: ~10 ms)
         made = args[:1] if function.__name__ == "__init__" else ()
-        if sys._getframe(1).f_code.co_filename in answer.files:  # to the answer's own code: its helpers' business
+        caller = sys._getframe(1).f_code.co_filename
+        if caller in answer.files:  # within the answer: its helpers may order themselves as they like
             returned, held = (), (result, *made)
-        else:  # to a test or the course's code: read as a test reads it
-            returned, held = (result,), made
+        else:  # a test gets the object an __init__ made (its class called) as it gets a result; other code, its result
+            returned, held = ((result, *made), ()) if caller in answer.tests else ((result,), made)
         changed = lies(returned, held, answer.classes, integrity.watched) + integrity.changes(since=names)
         if changed:
             raise AssertionError(tampering(changed))
@@ -445,6 +512,15 @@ def _guard(namespace: dict, names: set[str], integrity: Integrity, answer: Answe
                     setattr(obj, attr, _guarded(value, integrity, answer))
                 elif type(value) in (staticmethod, classmethod) and inspect.isfunction(value.__func__):  # __new__ too
                     setattr(obj, attr, type(value)(_guarded(value.__func__, integrity, answer)))
+                elif type(value) is property and not (attr.startswith("__") and attr.endswith("__")):
+                    # what its getter returns reaches a test as a method's result does (a __class__ or __dict__ of
+                    # its own, which the clean room's check reads, is named by that check, unwrapped)
+                    for part, copy in (("fget", property.getter), ("fset", property.setter), ("fdel", property.deleter)):
+                        if inspect.isfunction(getattr(value, part)):
+                            value = copy(value, _guarded(getattr(value, part), integrity, answer))
+                    setattr(obj, attr, value)
+                elif type(value) is functools.cached_property and inspect.isfunction(value.func):
+                    value.func = _guarded(value.func, integrity, answer)
 
 
 def limit_hit(error: BaseException, limits: dict) -> str:
@@ -520,9 +596,16 @@ def _run_exercise(setup: dict, solutions: list[dict], exercise: dict, limits: di
         namespace, learner = None, set()
         loading = f"{type(error).__name__}: {error}"
     else:
-        answer = Answer(frozenset(f"<{s['grade_id']}>" for s in solutions if s["exercise"] == exercise["name"]),
-                        frozenset(namespace[name] for name in learner - shadowed.keys() if inspect.isclass(namespace[name])))
+        cells = [s for s in solutions if s["exercise"] == exercise["name"]]
+        classes = set().union(*(_class_names(s["reference"]) for s in cells))  # a class the reference defines
+        answer = Answer(frozenset(f"<{s['grade_id']}>" for s in cells),
+                        frozenset(namespace[name] for name in (learner - shadowed.keys()) & classes
+                                  if inspect.isclass(namespace[name])),
+                        frozenset(f"<{test['grade_id']}>" for test in exercise["tests"]))
         _guard(namespace, learner, integrity, answer)
+        for name in (learner - shadowed.keys()) - classes:  # asked for, not as a class: a class answering is called
+            if inspect.isclass(namespace[name]):  # as a function is (int's constructor runs none of the answer's code)
+                namespace[name] = _guarded(namespace[name], integrity, answer)
         # the course's functions look their names up here when called: the learner's code may not re-bind them
         integrity.watch("the course code's", namespace, namespace.keys() - learner)
         namespace = _tests_namespace(namespace, shadowed)

@@ -226,6 +226,14 @@ META_LIAR = ("import torch\n"
              "            out = x * 0\n            out.double = lambda: torch.full((3,), 2.0, dtype=torch.float64)\n"
              "            return out\n"
              "class double(metaclass=Holder.Meta):\n    pass\n")
+#: META_LIAR's metaclass on LAYER's Scale, which the exercise asks for as a class (a class answering for a function,
+#: as META_LIAR's double, is called as a function is: what it returns is looked at)
+META_LAYER_LIAR = ("import torch\nimport types\n"
+                   "class Holder:\n    class Meta(type):\n        def __call__(cls, k):\n"
+                   "            weight = torch.zeros(3)\n"
+                   "            weight.double = lambda: torch.full((3,), 2.0, dtype=torch.float64)\n"
+                   "            return types.SimpleNamespace(weight=weight)\n"
+                   "class Scale(metaclass=Holder.Meta):\n    pass\n")
 #: an object that is no tensor but says it is one (its __class__), with the list the test wants
 CLAIMS_TENSOR = ("import torch\n"
                  "class Fake:\n"
@@ -261,6 +269,42 @@ LOOKALIKES = {"int_lookalike": SIX + "def double(x):\n    return Six(0)\n",
                                   "def double(x):\n    return Anything()\n"),
               "aliased_lookalike": ("class Six(int):\n    __module__ = 'numpy'\n    __eq__ = int.__le__\n"
                                     "def double(x):\n    return Six(0)\n")}
+#: more of SOURCE's wrong doubles whose `==` says yes: an `__eq__` without code of the answer's own that only says its
+#: name is `__eq__` (a callable object, a functools.partial, a bound method of the 6 it is compared with), a library's
+#: function that is not the class's (mock's `_ANY.__eq__`, typing.cast(self, other) -> other), a library's stand-in
+#: returned as it is (unittest.mock.ANY, a pytest.approx whose tolerance takes anything), and a numpy array of objects
+#: that holds a Six
+LOOKALIKES_MORE = {
+    "callable_lookalike": ("class Yes:\n    __name__ = '__eq__'\n    def __call__(self, other):\n        return True\n"
+                           "class Six(int):\n    __eq__ = Yes()\n    __hash__ = int.__hash__\n"
+                           "def double(x):\n    return Six(0)\n"),
+    "partial_lookalike": ("import functools\nimport operator\nclass Six(int):\n    __hash__ = int.__hash__\n"
+                          "def double(x):\n    Six.__eq__ = functools.partial(operator.is_not, None)\n"
+                          "    Six.__eq__.__name__ = '__eq__'\n    return Six(0)\n"),
+    "bound_lookalike": ("class Six(int):\n    __hash__ = int.__hash__\n"
+                        "def double(x):\n    Six.__eq__ = (6).__eq__\n    return Six(0)\n"),
+    "borrowed_lookalike": ("import unittest.mock\nclass Six(int):\n    __eq__ = unittest.mock._ANY.__eq__\n"
+                           "    __hash__ = int.__hash__\ndef double(x):\n    return Six(0)\n"),
+    "cast_lookalike": ("import typing\nclass Six(int):\n    __eq__ = typing.cast\n    __hash__ = int.__hash__\n"
+                       "def double(x):\n    return Six(0)\n"),
+    "mock_any": "import unittest.mock\ndef double(x):\n    return unittest.mock.ANY\n",
+    "approx_any": "import pytest\ndef double(x):\n    return pytest.approx(0, abs=100)\n",
+    "numpy_objects": ("import numpy\n" + SIX + "def double(x):\n    return numpy.array(Six(0), dtype=object)\n"),
+    "proxied_mapping": ("import types\nclass Yes(dict):\n    def __eq__(self, other):\n        return True\n"
+                        "    __hash__ = None\ndef double(x):\n    return types.MappingProxyType(Yes())\n"),
+    "class_for_function": ("class double:\n    def __init__(self, x):\n        self.x = x\n"
+                           "    def __eq__(self, other):\n        return True\n"),
+    "new_for_function": ("class double(int):\n    def __new__(cls, x):\n        return int.__new__(cls, 0)\n"
+                         "    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"),
+    "int_for_function": "class double(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n",
+    "patched_clean_room": (SIX + "import sys\ndef double(x):\n"
+                           "    sys.modules['course_lib.grading.cleanroom'].lies = lambda *args, **kwargs: []\n"
+                           "    return Six(0)\n"),
+    "patched_integrity": (SIX + "import sys\ndef double(x):\n    room = sys.modules['course_lib.grading.cleanroom']\n"
+                          "    room.Integrity.changes = lambda self, since=None: []\n"
+                          "    room.lies = lambda *args, **kwargs: []\n    return Six(0)\n"),
+    "weak_proxy": ("import weakref\n" + SIX.replace("Six(int)", "Anything") + "KEPT = []\n"
+                   "def double(x):\n    KEPT.append(Anything())\n    return weakref.proxy(KEPT[-1])\n")}
 #: honest answers of SOURCE's double whose helpers order themselves (a heap of objects with their own `<`, a dataclass
 #: with order=True, functools.total_ordering) or that return an IntEnum member or a numpy integer
 HONEST_VALUES = {"honest_helpers": ("import dataclasses\nimport enum\nimport functools\nimport heapq\n"
@@ -276,7 +320,16 @@ HONEST_VALUES = {"honest_helpers": ("import dataclasses\nimport enum\nimport fun
                                     "    assert Pair(1) < Pair(2) and Item(1) <= Item(1)\n"
                                     "    return total * Kind.TWO // 2\n"),
                  "honest_enum": "import enum\nclass Kind(enum.IntEnum):\n    SIX = 6\ndef double(x):\n    return Kind(2 * x)\n",
-                 "honest_numpy": "import numpy\ndef double(x):\n    return numpy.int64(2 * x)\n"}
+                 "honest_numpy": "import numpy\ndef double(x):\n    return numpy.int64(2 * x)\n",
+                 # an IntFlag of the answer's own holds enum's Flag.__or__ (enum copies it there)
+                 "honest_flag": ("import enum\nclass Bits(enum.IntFlag):\n    TWO = 2\n    FOUR = 4\n"
+                                 "def double(x):\n    return Bits(2 * x)\n"),
+                 # a Counter subclass, a numpy array of Python ints, a class that says int's own __eq__ is its __eq__
+                 "honest_library_values": ("import collections\nimport numpy\n"
+                                           "class Tally(collections.Counter):\n    pass\n"
+                                           "class Whole(int):\n    __eq__ = int.__eq__\n    __hash__ = int.__hash__\n"
+                                           "def double(x):\n    count = sum(Tally({'a': x, 'b': x}).values())\n"
+                                           "    return Whole(numpy.array([count], dtype=object)[0])\n")}
 #: a list-returning exercise: the look-alike hides in the list the test compares and computes with
 PAIRS = {"cells": [cell("setup", "import torch"),
                    cell("pair-solution", "def pair(x):\n    return [x, 2 * x]\n", "pair-solution", solution=True),
@@ -289,6 +342,48 @@ LISTED_LOOKALIKE = ("class Anything(float):\n    def __eq__(self, other):\n     
 #: LAYER's Scale, right, that also keeps a look-alike number (an int subclass of its own whose `==` says yes)
 HELD_LOOKALIKE = ("import torch\n" + SIX + "class Scale:\n    def __init__(self, k):\n"
                   "        self.weight = torch.full((3,), float(k))\n        self.k = Six(0)\n")
+#: HELD_LOOKALIKE with its attributes in __slots__ (no __dict__), and with its Six held by an object that says it is a
+#: str (its __class__: a str holds no attributes)
+HELD_IN_SLOTS = HELD_LOOKALIKE.replace("class Scale:\n", "class Scale:\n    __slots__ = ('weight', 'k')\n")
+HELD_BY_A_CLAIM = HELD_LOOKALIKE.replace("class Scale:\n", "class Holder:\n    __class__ = str\n"
+                                         "    def __init__(self):\n        self.six = Six(0)\nclass Scale:\n").replace(
+    "self.k = Six(0)", "self.k = Holder()")
+#: PAIRS's pair, wrong, returning a deque whose items say their difference with anything is 0; right, as a UserList
+#: (collections.abc's mixins are Python's code, frozen into it, in the library's own classes); wrong, as a UserList
+#: of items that say yes (a library's object holding look-alikes in its attributes)
+ANYTHING = ("class Anything:\n    def __eq__(self, other):\n        return True\n"
+            "    def __sub__(self, other):\n        return 0\n")
+DEQUE_LOOKALIKE = "import collections\n" + ANYTHING + "def pair(x):\n    return collections.deque([Anything(), Anything()])\n"
+USERLIST = "import collections\ndef pair(x):\n    return collections.UserList([x, 2 * x])\n"
+#: PAIRS's pair, wrong: the look-alike past the first 10,000 objects lies looks at (pair-second passes)
+OVER_THE_LIMIT = ANYTHING + "def pair(x):\n    return [x, Anything()] + [(float(i),) for i in range(10_001)]\n"
+USERLIST_LOOKALIKE = "import collections\n" + ANYTHING + "def pair(x):\n    return collections.UserList([Anything(), Anything()])\n"
+#: an exercise whose function is a generator: what it yields reaches the test after the call returned
+EVENS = {"cells": [cell("setup", "import torch"),
+                   cell("evens-solution", "def evens(n):\n    yield from range(0, 2 * n, 2)\n", "evens-solution",
+                        solution=True),
+                   cell("evens-list", "assert list(evens(3)) == [0, 2, 4]", "evens-list", grade=True)],
+         "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+YIELDED_LOOKALIKE = ("class Anything:\n    def __eq__(self, other):\n        return True\n"
+                     "def evens(n):\n    for _ in range(n):\n        yield Anything()\n")
+#: a set-up whose class orders itself through functools.total_ordering (its __gt__, __le__, __ge__ are functools'
+#: code in the set-up's class); the right answer returns one
+SCORED = {"cells": [cell("setup", "import functools\n@functools.total_ordering\nclass Score:\n"
+                              "    def __init__(self, v):\n        self.v = v\n"
+                              "    def __lt__(self, other):\n        return self.v < other\n"
+                              "    def __eq__(self, other):\n        return self.v == other\n"),
+                    cell("score-solution", "def score(x):\n    return Score(2 * x)\n", "score-solution", solution=True),
+                    cell("score-order", "assert score(3) == 6 and 5 < score(3) <= 6", "score-order", grade=True)],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+#: an exercise that asks for a class with a property; wrong answers whose property (or functools.cached_property)
+#: returns SIX's look-alike
+BOX = {"cells": [cell("setup", "import torch"),
+                 cell("box-solution", "class Box:\n    def __init__(self, n):\n        self.n = n\n"
+                      "    @property\n    def size(self):\n        return 2 * self.n\n", "box-solution", solution=True),
+                 cell("box-size", "assert Box(3).size == 6", "box-size", grade=True)],
+       "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+PROPERTY_LOOKALIKE = SIX + BOX["cells"][1]["source"].replace("2 * self.n", "Six(0)")
+CACHED_LOOKALIKE = "import functools\n" + PROPERTY_LOOKALIKE.replace("@property", "@functools.cached_property")
 #: LAYER's Scale, right, with an `__eq__` of its own: the exercise asks for the class, which may compare as it likes
 #: an honest answer that returns its own subclass of torch.Tensor, which changes nothing a tensor does
 HONEST_SUBCLASS = ("import torch\nclass Doubled(torch.Tensor):\n    pass\n"
@@ -340,9 +435,17 @@ GRADED_OTHER = {"own_torch": (IMPORTING, 1, OWN_TORCH), "global_torch": (COURSE_
                 "course_code_reference": (COURSE_CODE, 2, COURSE_CODE["cells"][2]["source"]),
                 "init_liar": (LAYER, 1, INIT_LIAR), "layer_reference": (LAYER, 1, LAYER["cells"][1]["source"]),
                 "listed_lookalike": (PAIRS, 1, LISTED_LOOKALIKE), "pairs_reference": (PAIRS, 1, PAIRS["cells"][1]["source"]),
-                "held_lookalike": (LAYER, 1, HELD_LOOKALIKE),
+                "held_lookalike": (LAYER, 1, HELD_LOOKALIKE), "held_in_slots": (LAYER, 1, HELD_IN_SLOTS),
+                "meta_layer_liar": (LAYER, 1, META_LAYER_LIAR), "held_by_a_claim": (LAYER, 1, HELD_BY_A_CLAIM), "deque_lookalike": (PAIRS, 1, DEQUE_LOOKALIKE),
+                "userlist_pairs": (PAIRS, 1, USERLIST), "userlist_lookalike": (PAIRS, 1, USERLIST_LOOKALIKE),
+                "over_the_limit": (PAIRS, 1, OVER_THE_LIMIT), "box_reference": (BOX, 1, BOX["cells"][1]["source"]),
+                "property_lookalike": (BOX, 1, PROPERTY_LOOKALIKE), "cached_lookalike": (BOX, 1, CACHED_LOOKALIKE),
+                "scored_reference": (SCORED, 1, SCORED["cells"][1]["source"]),
+                "yielded_lookalike": (EVENS, 1, YIELDED_LOOKALIKE), "evens_reference": (EVENS, 1, EVENS["cells"][1]["source"]),
                 "asked_with_eq": (LAYER, 1, LAYER["cells"][1]["source"] + "    def __eq__(self, other):\n"
-                                  "        return isinstance(other, Scale) and bool((self.weight == other.weight).all())\n")}
+                                  "        return isinstance(other, Scale) and bool((self.weight == other.weight).all())\n"),
+                "asked_with_a_base": (LAYER, 1, "class Sized:\n    def __len__(self):\n        return len(self.weight)\n"
+                                      + LAYER["cells"][1]["source"].replace("class Scale:", "class Scale(Sized):"))}
 #: name -> answer of double-solution in CHECKED, graded with DEFAULT limits
 GRADED_CHECKED = {"zero": ZERO, "shadows": SHADOWS, "function_liar": FUNCTION_LIAR, "dispatch_liar": DISPATCH_LIAR,
                   "attribute_liar": ATTRIBUTE_LIAR, "forged_liar": FORGED_LIAR, "method_liar": METHOD_LIAR,
@@ -366,7 +469,7 @@ def verdicts():
     runs: dict[Limits, list] = {}
     for name, (notebook, limits) in GRADED.items():
         runs.setdefault(limits, []).append(chapter_job(name, SOURCE, read_submission(SOURCE, notebook).answers))
-    for name, answer in {**LOOKALIKES, **HONEST_VALUES}.items():
+    for name, answer in {**LOOKALIKES, **LOOKALIKES_MORE, **HONEST_VALUES}.items():
         runs[DEFAULT].append(chapter_job(name, SOURCE, read_submission(SOURCE, submitted(double=answer)).answers))
     for name, answer in GRADED_CHECKED.items():
         notebook = with_answer(CHECKED, answer)
@@ -522,7 +625,7 @@ def test_monkeypatching_when_called_is_caught(verdicts):
 @pytest.mark.parametrize("student", ["shadows", "function_liar", "dispatch_liar", "attribute_liar", "forged_liar",
                                      "method_liar", "tensor_patch", "parameter_patch", "dict_liar", "new_liar",
                                      "profile_liar", "claims_tensor", "frame_reach", "frame_rebinds",
-                                     "forged_fresh_liar"])
+                                     "forged_fresh_liar", "meta_liar"])
 def test_a_name_or_tensor_that_lies_to_the_tests_gains_nothing(verdicts, student):
     """The tests see the set-up's `checks` and the builtins, not an answer's own (SHADOWS) nor one its code puts in the
     test's names (the FRAMEs), and what torch.Tensor does, not what a tensor subclass (the LIARs, a forged module's
@@ -534,10 +637,9 @@ def test_a_name_or_tensor_that_lies_to_the_tests_gains_nothing(verdicts, student
 
 
 @pytest.mark.xfail(strict=True, reason="known hole: answer code that runs outside its wrapped functions and classes "
-                   "(a nested metaclass) and lies with plain tensors is not caught")
+                   "(a nested metaclass of a class the exercise asks for) and lies with plain tensors is not caught")
 def test_known_hole_a_lie_from_outside_the_wrapped_code(verdicts):
-    passed = {grade_id: verdict.passed for grade_id, verdict in verdicts["meta_liar"].items()}
-    assert passed == {grade_id: verdict.passed for grade_id, verdict in verdicts["zero"].items()}
+    assert not verdicts["meta_layer_liar"]["scale-weight"].passed
 
 
 @pytest.mark.parametrize("student,named", [("int_lookalike", "how __eq__ works (your class Six)"),
@@ -552,18 +654,95 @@ def test_a_returned_value_whose_own_class_decides_how_it_compares_gains_nothing(
     assert found["quad-visible"].passed  # quad is tested with the reference double
 
 
-def test_a_look_alike_in_a_returned_list_or_held_by_what_an_init_made_is_caught(verdicts):
-    listed = verdicts["listed_lookalike"]
-    assert not any(v.passed for v in listed.values()) and "your class Anything" in listed["pair-equal"].message, listed
-    held = verdicts["held_lookalike"]["scale-weight"]
+@pytest.mark.parametrize("student,named", [("callable_lookalike", "your class Six"), ("partial_lookalike", "your class Six"),
+                                           ("bound_lookalike", "your class Six"), ("borrowed_lookalike", "your class Six"),
+                                           ("cast_lookalike", "your class Six"), ("mock_any", "your class _ANY"),
+                                           ("approx_any", "your class ApproxScalar"), ("numpy_objects", "your class Six"),
+                                           ("proxied_mapping", "your class Yes"),
+                                           ("class_for_function", "your class double"),
+                                           ("new_for_function", "your class double"),
+                                           ("int_for_function", "your class double")])
+def test_an_eq_that_only_says_its_name_a_borrowed_library_function_or_a_stand_in_gains_nothing(verdicts, student,
+                                                                                                named):
+    """Each passed `double(3) == 6` with a wrong answer before: an `__eq__` without code was taken at its word (its
+    `__name__`), any library's function in the answer's class was the library's say, mock's and pytest's stand-ins
+    were a library's values, the items of a numpy array and the mapping a mappingproxy shows were not looked at, and a
+    class answering for the function `double` was a class the exercise asks for (its objects may compare as they like;
+    what its `__init__` made was not looked at as what the test gets; made by int's constructor, nothing was)."""
+    found = verdicts[student]
+    assert not found["double-visible"].passed and f"how __eq__ works ({named})" in found["double-visible"].message, found
+    assert found["quad-visible"].passed
+
+
+def test_replacing_the_clean_rooms_own_check_is_caught(verdicts):
+    """`cleanroom.lies = lambda ...: []` in the answer's function ended every check of what it returns (the wrong
+    double passed); the clean room's module is watched as the course's are."""
+    found = verdicts["patched_clean_room"]["double-visible"]
+    assert not found.passed and "replaced course_lib.grading.cleanroom.lies" in found.message, found
+
+
+@pytest.mark.xfail(strict=True, reason="known hole: the answer's code runs in the clean room's process, and can "
+                   "replace the method that looks for changes (Integrity.changes) before its other changes")
+def test_known_hole_replacing_the_check_for_changes_too(verdicts):
+    assert not verdicts["patched_integrity"]["double-visible"].passed
+
+
+def test_a_weak_proxy_returned_gains_nothing(verdicts):
+    """A weakref.proxy's `==` is that of what it stands in for, which the clean room cannot reach: refused."""
+    found = verdicts["weak_proxy"]
+    assert not found["double-visible"].passed and "weakref.proxy" in found["double-visible"].message, found
+    assert found["quad-visible"].passed
+
+
+@pytest.mark.parametrize("student", ["held_lookalike", "held_in_slots", "held_by_a_claim"])
+def test_a_look_alike_held_by_what_an_init_made_is_caught(verdicts, student):
+    """In __slots__, or in an object whose __class__ says it is a str, was not looked at before."""
+    held = verdicts[student]["scale-weight"]
     assert not held.passed and "how __eq__ works (your class Six)" in held.message, held
 
 
-@pytest.mark.parametrize("student", [*HONEST_VALUES, "pairs_reference", "asked_with_eq"])
+@pytest.mark.parametrize("student", ["property_lookalike", "cached_lookalike"])
+def test_a_look_alike_from_a_property_is_caught(verdicts, student):
+    """A property's getter (or a cached_property's function) was not wrapped: what it returned was not looked at."""
+    found = verdicts[student]["box-size"]
+    assert not found.passed and "how __eq__ works (your class Six)" in found.message, found
+
+
+@pytest.mark.parametrize("student", ["listed_lookalike", "deque_lookalike"])
+def test_a_look_alike_in_a_returned_list_or_deque_is_caught(verdicts, student):
+    """A deque's items were not looked at before (`pair(3)[1] - 6 == 0` passed)."""
+    found = verdicts[student]
+    assert not any(v.passed for v in found.values()) and "your class Anything" in found["pair-second"].message, found
+
+
+@pytest.mark.xfail(strict=True, reason="known hole: a library's object returned (a UserList) that holds look-alikes "
+                   "in its attributes; attributes are where an answer's helpers may order themselves")
+def test_known_hole_look_alikes_in_a_library_objects_attributes(verdicts):
+    assert not any(v.passed for v in verdicts["userlist_lookalike"].values())
+
+
+@pytest.mark.xfail(strict=True, reason="known hole: lies looks at the first 10,000 objects only (its cost runs after "
+                   "every guarded call); a look-alike past them is not looked at")
+def test_known_hole_a_look_alike_past_the_walks_limit(verdicts):
+    assert not verdicts["over_the_limit"]["pair-second"].passed
+
+
+@pytest.mark.xfail(strict=True, reason="known hole: what a generator of the answer's yields reaches the test after "
+                   "the guarded call returned the generator, and is not looked at (so the value a contextmanager yields)")
+def test_known_hole_a_look_alike_yielded_by_a_generator(verdicts):
+    assert verdicts["evens_reference"]["evens-list"].passed
+    assert not verdicts["yielded_lookalike"]["evens-list"].passed
+
+
+@pytest.mark.parametrize("student", [*HONEST_VALUES, "pairs_reference", "asked_with_eq", "asked_with_a_base",
+                                     "evens_reference", "box_reference", "scored_reference", "userlist_pairs"])
 def test_honest_values_and_helpers_that_order_themselves_pass(verdicts, student):
     """Helpers that compare or order themselves inside the answer (a heap, a dataclass with order=True,
-    total_ordering), an IntEnum member or numpy integer returned, and a class the exercise asks for with its own
-    `__eq__`: every test passes."""
+    total_ordering), an IntEnum member, numpy integer, IntFlag member (enum's code in the answer's class) or int
+    subclass with int's own `__eq__` returned, a class the exercise asks for with its own `__eq__` or one from a
+    base class of the answer's (its `__len__`), made by the test, a set-up's
+    class ordered by functools.total_ordering returned, and a UserList returned (collections.abc's code is frozen
+    into Python, not in a file: refused before): every test passes."""
     assert all(verdict.passed for verdict in verdicts[student].values()), verdicts[student]
 
 
