@@ -154,10 +154,17 @@ def overriding_tensor(cls: type, known: set[type], modules: set[str]) -> bool:
                     value is not torch._C._disabled_torch_function_impl
                     for k in cls.__mro__ if k not in plain for name, value in vars(k).items())
     module = sys.modules.get(cls.__module__) if cls.__module__ not in modules else None
-    found = module if os.path.realpath(getattr(module, "__file__", None) or "/").startswith(torch_folder()) else None
-    for part in cls.__qualname__.split("."):
+    in_torch = os.path.realpath(getattr(module, "__file__", None) or "/").startswith(torch_folder())
+    return overrides and not (in_torch and _named(module, cls.__qualname__) is cls)
+
+
+def _named(start, qualname: str):
+    """What ``start`` (a module, or a module's globals) holds under the dotted ``qualname``; None where nothing does."""
+    first, *rest = qualname.split(".")
+    found = start.get(first) if isinstance(start, dict) else getattr(start, first, None)
+    for part in rest:
         found = getattr(found, part, None)
-    return overrides and found is not cls
+    return found
 
 
 @functools.cache
@@ -229,11 +236,7 @@ def _defined_by(function: types.FunctionType, cls: type) -> bool:
         return False
     if "<locals>" in cls.__qualname__:
         return function.__code__.co_qualname.startswith(cls.__qualname__ + ".")
-    first, *rest = cls.__qualname__.split(".")
-    found = function.__globals__.get(first)
-    for part in rest:
-        found = getattr(found, part, None)
-    return found is cls
+    return _named(function.__globals__, cls.__qualname__) is cls
 
 
 def _library_class(cls: type) -> bool:
@@ -244,10 +247,7 @@ def _library_class(cls: type) -> bool:
     if (module is None or not (module is builtins or os.path.isabs(getattr(module, "__file__", None) or ""))
             or cls.__module__.startswith(STAND_INS)):
         return False
-    found = module
-    for part in cls.__qualname__.split("."):
-        found = getattr(found, part, None)
-    return found is cls or "<locals>" in cls.__qualname__
+    return _named(module, cls.__qualname__) is cls or "<locals>" in cls.__qualname__
 
 
 def _answer_decides(value, name: str, cls: type) -> bool:
