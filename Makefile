@@ -12,8 +12,9 @@ setup: $(VENV)/.installed
 
 # Byte-compiled after the install, on every core (pip's own compiling, its default, took about half a minute of one core;
 # this, about 20 s on 2): the clean rooms and the hub import from a read-only venv, where Python could not keep what it
-# compiles, and would compile the same modules again in each. Left out: the packages' own test suites, which nothing
-# here imports (and some of whose files are not Python 3.11).
+# compiles, and would compile the same modules again in each. Left out, as nothing here imports them (or one process
+# does, which compiles what it imports as this would): the packages' own test suites (some of whose files are not
+# Python 3.11), pip, networkx, and Hugging Face's models other than GPT-2, Llama and Mistral (about 3,200 files).
 # Installed without their dependencies: xgrammar (chapter 15's comparison) declares triton, a GPU compiler it does not
 # import on CPU; what it does import is pinned in pyproject.toml (torch, transformers, numpy), comes with a pin (pydantic, with openai) or is here.
 NO_DEPS = xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
@@ -21,12 +22,21 @@ NO_DEPS = xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 # project's dependencies, pip 26.3 about 12 s (measured from a fresh HOME: the whole install 79 s -> 67 s).
 PIP = pip==26.3
 PIP_INSTALL = $(BIN)/python -m pip install --quiet --disable-pip-version-check
-COMPILE_VENV = $(BIN)/python -m compileall -q -j 0 -x 'site-packages/.*/(tests?|testing/_internal)/' $(VENV)/lib > /dev/null
+NOT_COMPILED = site-packages/(.*/(tests?|testing/_internal)/|pip/|networkx/|transformers/models/(?!auto/|gpt2/|llama/|mistral/)[^/]+/)
+COMPILE_VENV = $(BIN)/python -m compileall -q -j 0 -x '$(NOT_COMPILED)' $(VENV)/lib > /dev/null
+# Taken out after the install: jsonschema's checker of the "iri" formats (rfc3987-syntax, which jupyter-events asks for,
+# and lark, its parser). It builds its Earley parsers when jsonschema is imported: about 1 s of CPU in every process
+# that imports nbformat, nbgrader, jupyter-events or jsonschema (JupyterLab's and the hub's servers, nbgrader, the
+# test workers, chapter 15's kernels), some 45 s in a run of the suite. No schema here or in Jupyter's asks for an
+# "iri" format, and jsonschema checks formats only when asked; without it, jsonschema leaves that one format unchecked.
+NOT_USED = rfc3987-syntax lark
+
 $(VENV)/.installed: pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) $(PIP)
 	$(PIP_INSTALL) --no-compile -e .
 	$(PIP_INSTALL) --no-compile --no-deps $(NO_DEPS)
+	$(BIN)/python -m pip uninstall --quiet --yes $(NOT_USED)
 	$(COMPILE_VENV)
 	@touch $@
 
