@@ -417,7 +417,7 @@ def test_a_kept_kernel_reads_the_weight_as_it_is_now_and_follows_gradients_threa
     with torch.no_grad():
         layer(x)
         layer.weight.mul_(2)
-        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-6)  # two kernels' float32 rounding
     assert ran == ["oneDNN"] * 2 and len(measured) == 1
     layer(x).sum().backward()  # gradients on: training runs F.linear
     assert ran[-1] == "F.linear" and torch.allclose(layer.weight.grad, x.expand(8, 16))
